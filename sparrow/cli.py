@@ -1,0 +1,165 @@
+"""`sparrow` command line: generate text, write random checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from sparrow.config import ConfigError
+
+DEFAULT_PRESET = "qwen3.6-tiny"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow"))
+
+
+def default_checkpoint() -> Path:
+    """The built-in default model: a small random checkpoint, created on first use."""
+    from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
+
+    path = cache_dir() / f"default-{DEFAULT_PRESET}"
+    if (path / "config.json").is_file():
+        return path
+    print(
+        f"[sparrow] no --model given: creating the built-in default checkpoint "
+        f"({DEFAULT_PRESET}, random weights) in {path}",
+        file=sys.stderr,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    try:
+        write_random_checkpoint(tmp, PRESETS[DEFAULT_PRESET], seed=0, progress=False)
+        tmp.rename(path)
+    except OSError:
+        if not (path / "config.json").is_file():  # not a concurrent creator that won
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return device, _DTYPES[dtype]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sparrow.generate import GenerationStats, SamplingParams, generate
+    from sparrow.loader.weights import load_checkpoint
+    from sparrow.tokenizer import load_tokenizer
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )  # fmt: skip
+    model_dir = Path(args.model) if args.model else default_checkpoint()
+    device, dtype = _device_and_dtype(args)
+    model = load_checkpoint(model_dir, device, dtype)
+    tokenizer = load_tokenizer(model_dir)
+    text = args.prompt
+    if not args.raw:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    stops = {tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")} - {None}
+    stops = tuple(sorted(stops | set(model.config.eos_token_ids)))
+    params = dataclasses.replace(params, stop_token_ids=stops)
+    stats = GenerationStats()
+    shown = ""
+    for _ in generate(model, tokenizer.encode(text), params, stats):
+        out = tokenizer.decode(stats.token_ids)
+        if not out.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
+            sys.stdout.write(out[len(shown) :])
+            sys.stdout.flush()
+            shown = out
+    print(f"\n{stats.summary()}")
+    return 0
+
+
+def cmd_checkpoint_random(args: argparse.Namespace) -> int:
+    from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
+
+    cfg = PRESETS[args.preset]
+    changes = {
+        "num_layers": args.layers, "hidden_size": args.hidden, "num_experts": args.experts,
+        "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_intermediate,
+        "shared_expert_intermediate_size": args.moe_intermediate, "vocab_size": args.vocab,
+    }  # fmt: skip
+    cfg = cfg.replace(**{k: v for k, v in changes.items() if v is not None})
+    out = write_random_checkpoint(
+        args.out, cfg, seed=args.seed, dtype=_DTYPES[args.dtype],
+        shard_bytes=int(args.shard_gb * (1 << 30)), per_expert=args.per_expert,
+    )  # fmt: skip
+    print(f"wrote {out} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_experts} experts)")  # fmt: skip
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sparrow.loader.random_checkpoint import PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="sparrow", description="Sparrow: an inference engine for sparse MoE LLMs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout")
+    gen.add_argument("--model", help="checkpoint directory (default: built-in small random model)")
+    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    gen.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                     help="default: bfloat16 on GPU, float32 on CPU")  # fmt: skip
+    gen.set_defaults(func=cmd_generate)
+
+    ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    rnd = ckpt_sub.add_parser(
+        "random", help="write a random-weight checkpoint in exact HF layout (with tokenizer)"
+    )
+    rnd.add_argument("out", help="output directory")
+    rnd.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.6-35b-a3b")
+    rnd.add_argument("--layers", type=int, help="number of layers (every 4th is attention)")
+    rnd.add_argument("--hidden", type=int, help="hidden size")
+    rnd.add_argument("--experts", type=int, help="number of routed experts")
+    rnd.add_argument("--top-k", type=int, help="experts per token")
+    rnd.add_argument("--moe-intermediate", type=int, help="expert (and shared expert) width")
+    rnd.add_argument("--vocab", type=int, help="vocabulary size")
+    rnd.add_argument("--seed", type=int, default=0)
+    rnd.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    rnd.add_argument("--shard-gb", type=float, default=4.0, help="maximum shard size in GiB")
+    rnd.add_argument(
+        "--per-expert",
+        action="store_true",
+        help="write experts.E.{gate,up,down}_proj instead of fused tensors",
+    )
+    rnd.set_defaults(func=cmd_checkpoint_random)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from sparrow.loader.weights import CheckpointError
+
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError, ValueError) as e:
+        print(f"sparrow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

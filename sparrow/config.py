@@ -1,0 +1,285 @@
+"""Configuration as data: frozen dataclasses parsed from a Hugging Face `config.json`.
+
+Hot code receives values from these objects, never the objects themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+
+# model_type values this engine can run, mapped to the architecture that runs them.
+SUPPORTED_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+class ConfigError(ValueError):
+    """A config.json that is unknown, malformed or inconsistent."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The text model of Qwen3.5/3.6 MoE (`qwen3_5_moe`). Defaults are Qwen3.6-35B-A3B."""
+
+    architecture: str = "qwen3_5_moe"
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_layers: int = 40
+    layer_types: tuple[str, ...] = ()
+    # Gated full attention.
+    num_attention_heads: int = 16
+    num_kv_heads: int = 2
+    head_dim: int = 256
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+    # Gated DeltaNet.
+    linear_conv_kernel: int = 4
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    # Mixture of experts.
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    # Everything else.
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    eos_token_ids: tuple[int, ...] = (248046,)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            # Default layout: every fourth layer is full attention (3, 7, 11, ...).
+            types = tuple(
+                FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION
+                for i in range(self.num_layers)
+            )
+            object.__setattr__(self, "layer_types", types)
+        _validate(self)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the depthwise conv: [q | k | v]."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        values = asdict(self) | changes
+        if "num_layers" in changes and "layer_types" not in changes:
+            values["layer_types"] = ()
+        return ModelConfig(**values)
+
+    def to_hf_text_config(self) -> dict[str, Any]:
+        """The `text_config` dict of an HF `config.json` (model_type `qwen3_5_moe_text`)."""
+        return {
+            "model_type": "qwen3_5_moe_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "layer_types": list(self.layer_types),
+            "full_attention_interval": 4,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attn_output_gate": True,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "mrope_section": list(self.mrope_section),
+                "mrope_interleaved": True,
+            },
+            "linear_conv_kernel_dim": self.linear_conv_kernel,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "eos_token_id": self.eos_token_ids[0]
+            if len(self.eos_token_ids) == 1
+            else list(self.eos_token_ids),
+            "mamba_ssm_dtype": "float32",
+        }
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A full HF `config.json` of model_type `qwen3_5_moe` (text config nested)."""
+        return {
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "model_type": "qwen3_5_moe",
+            "text_config": self.to_hf_text_config(),
+            "vision_config": {
+                "model_type": "qwen3_5_moe_vision",
+                "out_hidden_size": self.hidden_size,
+            },
+            "image_token_id": 248056,
+            "video_token_id": 248057,
+            "vision_start_token_id": 248053,
+            "vision_end_token_id": 248054,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+def _validate(cfg: ModelConfig) -> None:
+    positive = [
+        "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
+        "head_dim", "linear_conv_kernel", "linear_num_key_heads", "linear_num_value_heads",
+        "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
+    ]  # fmt: skip
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if len(cfg.layer_types) != cfg.num_layers:
+        raise ConfigError(
+            f"layer_types has {len(cfg.layer_types)} entries but num_hidden_layers is "
+            f"{cfg.num_layers}"
+        )
+    unknown = sorted(set(cfg.layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"unknown layer types {unknown}; expected one of {list(LAYER_TYPES)}")
+    if cfg.num_attention_heads % cfg.num_kv_heads:
+        raise ConfigError(
+            f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({cfg.num_kv_heads})"
+        )
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ConfigError(
+            f"linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({cfg.linear_num_key_heads})"
+        )
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds num_experts "
+            f"({cfg.num_experts})"
+        )
+    rotary = cfg.rotary_dim
+    if not (0 < rotary <= cfg.head_dim) or rotary % 2:
+        raise ConfigError(
+            f"partial_rotary_factor {cfg.partial_rotary_factor} gives rotary dim {rotary}; it "
+            f"must be even and in (0, head_dim={cfg.head_dim}]"
+        )
+    if sum(cfg.mrope_section) != rotary // 2:
+        raise ConfigError(
+            f"mrope_section {list(cfg.mrope_section)} must sum to rotary_dim/2 = {rotary // 2}"
+        )
+
+
+def _require(text: dict[str, Any], key: str, expected: Any) -> None:
+    if key in text and text[key] != expected:
+        raise ConfigError(f"{key}={text[key]!r} is not supported (expected {expected!r})")
+
+
+def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
+    """Parse the dict of an HF `config.json` (`qwen3_5_moe` with `text_config`, or a bare
+    `qwen3_5_moe_text`) into a ModelConfig. Raises ConfigError on unknown or bad configs."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"unknown model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    text = raw.get("text_config", raw) if model_type == "qwen3_5_moe" else raw
+    if not isinstance(text, dict):
+        raise ConfigError("text_config must be a JSON object")
+    _require(text, "hidden_act", "silu")
+    _require(text, "attention_bias", False)
+    _require(text, "attn_output_gate", True)
+    rope = text.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"rope_type {rope['rope_type']!r} is not supported (expected 'default')")
+    eos = text.get("eos_token_id", raw.get("eos_token_id", 248046))
+    defaults = ModelConfig()
+    try:
+        return ModelConfig(
+            vocab_size=int(text.get("vocab_size", defaults.vocab_size)),
+            hidden_size=int(text.get("hidden_size", defaults.hidden_size)),
+            num_layers=int(text.get("num_hidden_layers", defaults.num_layers)),
+            layer_types=tuple(text.get("layer_types") or ()),
+            num_attention_heads=int(text.get("num_attention_heads", defaults.num_attention_heads)),
+            num_kv_heads=int(text.get("num_key_value_heads", defaults.num_kv_heads)),
+            head_dim=int(text.get("head_dim", defaults.head_dim)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", defaults.rope_theta))),
+            partial_rotary_factor=float(
+                rope.get("partial_rotary_factor", defaults.partial_rotary_factor)
+            ),
+            mrope_section=tuple(rope.get("mrope_section", defaults.mrope_section)),
+            linear_conv_kernel=int(text.get("linear_conv_kernel_dim", defaults.linear_conv_kernel)),
+            linear_num_key_heads=int(
+                text.get("linear_num_key_heads", defaults.linear_num_key_heads)
+            ),
+            linear_num_value_heads=int(
+                text.get("linear_num_value_heads", defaults.linear_num_value_heads)
+            ),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", defaults.linear_key_head_dim)),
+            linear_value_head_dim=int(
+                text.get("linear_value_head_dim", defaults.linear_value_head_dim)
+            ),
+            num_experts=int(text.get("num_experts", defaults.num_experts)),
+            num_experts_per_tok=int(text.get("num_experts_per_tok", defaults.num_experts_per_tok)),
+            moe_intermediate_size=int(
+                text.get("moe_intermediate_size", defaults.moe_intermediate_size)
+            ),
+            shared_expert_intermediate_size=int(
+                text.get(
+                    "shared_expert_intermediate_size", defaults.shared_expert_intermediate_size
+                )
+            ),
+            rms_norm_eps=float(text.get("rms_norm_eps", defaults.rms_norm_eps)),
+            max_position_embeddings=int(
+                text.get("max_position_embeddings", defaults.max_position_embeddings)
+            ),
+            tie_word_embeddings=bool(
+                text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+            ),
+            initializer_range=float(text.get("initializer_range", defaults.initializer_range)),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+        )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"malformed config: {e}") from e
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read and parse `<model_dir>/config.json`."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no config.json in the model directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    try:
+        return parse_hf_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e

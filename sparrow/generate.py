@@ -1,0 +1,117 @@
+"""Offline generation on the reference model: prefill, then token-by-token cached decode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = all tokens
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None
+) -> torch.Tensor:
+    """logits: [B, V] fp32 -> token ids [B]."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+
+    def summary(self) -> str:
+        pre = self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        dec = (
+            (self.decode_tokens - 1) / self.decode_s
+            if self.decode_s and self.decode_tokens > 1
+            else 0.0
+        )
+        return (
+            f"prompt: {self.prompt_tokens} tokens, {pre:.1f} tok/s | "
+            f"decode: {self.decode_tokens} tokens, {dec:.1f} tok/s"
+        )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stats: GenerationStats | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids one by one (the stop token, if hit, is yielded last).
+    Decode tok/s counts the steps after the first token (the first comes from prefill)."""
+    cfg, device = model.config, model.device
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) + params.max_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"model's context of {cfg.max_position_embeddings} tokens"
+        )
+    if max(prompt_ids) >= cfg.vocab_size or min(prompt_ids) < 0:
+        raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt_ids)
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator(device=device).manual_seed(params.seed)
+    stop = set(params.stop_token_ids)
+    state = model.new_state()
+    t0 = time.perf_counter()
+    hidden = model(torch.tensor(prompt_ids, device=device), [len(prompt_ids)], [state])
+    token = sample(model.logits(hidden[-1:]), params, gen)
+    _sync(device)
+    stats.prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(params.max_tokens):
+        tok = int(token)
+        stats.decode_tokens, stats.decode_s = i + 1, time.perf_counter() - t0
+        stats.token_ids.append(tok)
+        yield tok
+        if tok in stop or i + 1 == params.max_tokens:
+            return
+        hidden = model(token, [1], [state])
+        token = sample(model.logits(hidden), params, gen)

@@ -1,0 +1,98 @@
+"""The gated delta rule in plain PyTorch: the spec the Triton kernels are tested against.
+
+For one sequence, with per-v-head decay g_t = log(alpha_t) <= 0 and write strength beta_t:
+
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
+
+State S is [Hv, Dk, Dv] in fp32. q/k have Hk heads; v-head h reads q/k head h // (Hv / Hk).
+q and k are L2-normalised here (eps 1e-6 inside the rsqrt) and q is scaled by Dk^-0.5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta):
+    """fp32 copies in [H, T, D] layout, q/k normalised, scaled and repeated to Hv heads."""
+    hv, hk = v.shape[1], q.shape[1]
+    q, k = (l2norm(x.float()).repeat_interleave(hv // hk, dim=1) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v.float()))
+    return q, k, v, g.float().transpose(0, 1), beta.float().transpose(0, 1)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token form. q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv];
+    state: [Hv, Dk, Dv] fp32. Returns (o [T, Hv, Dv] fp32, new state)."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    s = state.float()
+    out = torch.empty_like(v)
+    for t in range(v.shape[1]):
+        s = s * g[:, t].exp()[:, None, None]
+        k_t = k[:, t]
+        delta = (v[:, t] - torch.einsum("hkv,hk->hv", s, k_t)) * beta[:, t, None]
+        s = s + k_t[:, :, None] * delta[:, None, :]
+        out[:, t] = torch.einsum("hkv,hk->hv", s, q[:, t])
+    return out.transpose(0, 1), s
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked form, same arguments and result as `recurrent_gated_delta_rule`.
+
+    Within a chunk, with G_t the cumulative log-decay from the chunk start and S_0 the
+    incoming state, the delta-rule "new values" u solve a unit lower-triangular system
+        (I + A) u = beta * (v - exp(G) k S_0),   A[t, s] = beta_t exp(G_t - G_s) k_t.k_s  (s < t)
+    and then o_t = exp(G_t) S_0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t.k_s) u_s,
+             S_C = exp(G_C) S_0 + sum_s exp(G_C - G_s) k_s u_s^T.
+    """
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    h, t_len, _ = q.shape
+    pad = (-t_len) % chunk_size
+    if pad:
+        # Padded steps have k = v = 0 and g = 0: they leave the state unchanged.
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    n = (t_len + pad) // chunk_size
+    q, k, v = (x.reshape(h, n, chunk_size, x.shape[-1]) for x in (q, k, v))
+    g, beta = (x.reshape(h, n, chunk_size) for x in (g, beta))
+
+    cum = g.cumsum(-1)  # [H, N, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    a = ((k @ k.transpose(-1, -2)) * decay * beta[..., :, None]).tril(-1)
+    eye = torch.eye(chunk_size, dtype=a.dtype, device=a.device)
+    system = eye + a
+    u_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False)
+    u_state = torch.linalg.solve_triangular(system, k * (beta * cum.exp())[..., None], upper=False)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+
+    s = state.float()
+    out = torch.empty_like(v)
+    for i in range(n):
+        u = u_values[:, i] - u_state[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + qk[:, i] @ u
+        s = s * cum[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
+    out = out.reshape(h, n * chunk_size, -1)[:, :t_len]
+    return out.transpose(0, 1), s

@@ -1,0 +1,170 @@
+"""Random weights in the exact HF layout, for tests and benchmarks.
+
+The init follows HF's `_init_weights` for Qwen3.5 MoE, so activations stay finite through
+40 layers: linear/embedding/conv/expert/router weights N(0, initializer_range), zero-centred
+RMSNorm weights 0, the GDN output norm 1, dt_bias 1, A_log = log U(0.01, 16).
+
+Weights can be written as a checkpoint directory (`write_random_checkpoint`, what
+`sparrow checkpoint random` runs) or materialised directly on a device with no file
+(`random_model`), which is how full-size benchmarks run on a GPU whose disk is smaller
+than the bf16 checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from sparrow.config import ModelConfig
+from sparrow.loader.weights import INDEX_FILE, build_empty_model, load_tensors
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3.6-35b-a3b": ModelConfig(),
+    # Small enough for CPU tests and the built-in default (full vocabulary, 4 layers).
+    "qwen3.6-tiny": ModelConfig(
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.25,
+        mrope_section=(2, 1, 1),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),  # fmt: skip
+}
+
+HF_PREFIX = "model.language_model."
+
+
+def _init(
+    name: str, shape: tuple[int, ...], std: float, gen: torch.Generator, **kw
+) -> torch.Tensor:
+    if name.endswith("A_log"):
+        return torch.empty(shape, **kw).uniform_(0.01, 16, generator=gen).log_()
+    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+        return torch.ones(shape, **kw)
+    if name.endswith("norm.weight"):  # zero-centred RMSNorms: effective scale 1 + w
+        return torch.zeros(shape, **kw)
+    return torch.empty(shape, **kw).normal_(0.0, std, generator=gen)
+
+
+def _hf_name(param: str) -> str:
+    return param if param == "lm_head.weight" else HF_PREFIX + param
+
+
+def random_tensors(
+    cfg: ModelConfig,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    per_expert: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF checkpoint name, tensor) one at a time, seeded and in a fixed order.
+    With `per_expert`, fused expert tensors are split into `experts.E.{gate,up,down}_proj`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    model = build_empty_model(cfg)
+    for param, p in model.named_parameters():
+        if param == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        # Generate in fp32 and round, so bf16 and fp32 checkpoints of one seed agree.
+        t = _init(param, tuple(p.shape), cfg.initializer_range, gen, device=device)
+        t = t.to(dtype)
+        if per_expert and param.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield from _split_experts(_hf_name(param), t, cfg.moe_intermediate_size)
+        else:
+            yield _hf_name(param), t
+
+
+def _split_experts(
+    name: str, fused: torch.Tensor, inter: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    base = name.rsplit(".", 1)[0]
+    for e, w in enumerate(fused):
+        if name.endswith("gate_up_proj"):
+            yield f"{base}.{e}.gate_proj.weight", w[:inter].clone()
+            yield f"{base}.{e}.up_proj.weight", w[inter:].clone()
+        else:
+            yield f"{base}.{e}.down_proj.weight", w.clone()
+
+
+def random_model(
+    cfg: ModelConfig,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.nn.Module:
+    """A model with random weights materialised directly on `device` (no checkpoint file)."""
+    return load_tensors(
+        cfg, random_tensors(cfg, seed, device, dtype), device, dtype, where="random weights"
+    )
+
+
+def write_random_checkpoint(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    shard_bytes: int = 4 << 30,
+    per_expert: bool = False,
+    tokenizer: bool = True,
+    progress: bool = True,
+) -> Path:
+    """Write config.json, safetensors shard(s) (+ index when more than one) and tokenizer
+    files to `out_dir`. Tensors are generated and written shard by shard."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    names = random_tensors(cfg, seed, "cpu", dtype, per_expert)
+    for name, t in tqdm(names, desc="writing weights", unit="tensor", disable=not progress):
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            _save_shard(out, shards, len(shards))
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    _finish_shards(out, shards)
+    if tokenizer:
+        from sparrow.tokenizer import write_tokenizer_files
+
+        write_tokenizer_files(out)
+    return out
+
+
+def _shard_name(i: int) -> str:
+    return f"model-{i:05d}.safetensors"
+
+
+def _save_shard(out: Path, shards: list[dict[str, torch.Tensor]], i: int) -> None:
+    """Save shard i (1-based) under a temporary name and keep only its tensor names."""
+    save_file(shards[i - 1], str(out / _shard_name(i)), metadata={"format": "pt"})
+    shards[i - 1] = dict.fromkeys(shards[i - 1])
+
+
+def _finish_shards(out: Path, shards: list[dict]) -> None:
+    _save_shard(out, shards, len(shards))
+    n = len(shards)
+    if n == 1:
+        (out / _shard_name(1)).rename(out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, names in enumerate(shards, start=1):
+        final = f"model-{i:05d}-of-{n:05d}.safetensors"
+        (out / _shard_name(i)).rename(out / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

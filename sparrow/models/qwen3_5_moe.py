@@ -1,0 +1,154 @@
+"""Qwen3.5 / Qwen3.6 MoE text model (`qwen3_5_moe`): the plain-PyTorch reference path.
+
+Layers: `layer_types[i]` picks Gated DeltaNet ("linear_attention") or gated full attention
+("full_attention") as the token mixer; every layer then runs the sparse MoE. Parameters are
+named exactly like the HF text model without its prefix (`layers.3.self_attn.q_proj.weight`),
+so a checkpoint maps onto them by `checkpoint_name`.
+
+A step takes the tokens of several sequences back to back ([T] ids with `seq_lens`) and each
+sequence's `SequenceState` (KV cache per attention layer, conv + recurrent state per GDN layer):
+a prompt, a prompt chunk, or one decode token per sequence all go through the same `forward`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sparrow.config import FULL_ATTENTION, ModelConfig
+from sparrow.layers.attention import GatedAttention, KVCache
+from sparrow.layers.gated_deltanet import GatedDeltaNet, GDNState
+from sparrow.layers.moe import SparseMoE
+from sparrow.layers.norms import ZeroCenteredRMSNorm
+from sparrow.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class SequenceState:
+    """Everything one request keeps between steps (the model's cache spec)."""
+
+    layers: list[KVCache | GDNState]
+    num_tokens: int = 0  # tokens already processed (the next token's position)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str):
+        super().__init__()
+        self.is_attention = layer_type == FULL_ATTENTION
+        if self.is_attention:
+            self.self_attn = GatedAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        self.mlp = SparseMoE(cfg)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def new_state(self, device: torch.device, dtype: torch.dtype) -> KVCache | GDNState:
+        mixer = self.self_attn if self.is_attention else self.linear_attn
+        return mixer.new_state(device, dtype)
+
+    def forward(self, x, cos, sin, seq_lens, states) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_attention:
+            h = self.self_attn(h, cos, sin, seq_lens, states)
+        else:
+            h = self.linear_attn(h, seq_lens, states)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5MoeModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_state(self) -> SequenceState:
+        return SequenceState([layer.new_state(self.device, self.dtype) for layer in self.layers])
+
+    def forward(
+        self, input_ids: torch.Tensor, seq_lens: list[int], states: list[SequenceState]
+    ) -> torch.Tensor:
+        """input_ids: [T], the new tokens of each sequence back to back (`seq_lens` sum to T).
+        Advances every state by its tokens. Returns final-norm hidden states [T, hidden]."""
+        if sum(seq_lens) != input_ids.shape[0] or len(seq_lens) != len(states):
+            raise ValueError(
+                f"{input_ids.shape[0]} tokens, seq_lens {seq_lens}, {len(states)} states"
+            )
+        positions = torch.cat([
+            torch.arange(s.num_tokens, s.num_tokens + n, device=input_ids.device)
+            for s, n in zip(states, seq_lens, strict=True)
+        ])  # fmt: skip
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, seq_lens, [s.layers[i] for s in states])
+        for s, n in zip(states, seq_lens, strict=True):
+            s.num_tokens += n
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+# Checkpoint names -> parameter names. Vision tower and multi-token-prediction weights are
+# not used by the text model.
+_IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|vision_tower\.|model\.mtp\.)")
+_PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|model\.)")
+_PER_EXPERT = re.compile(
+    r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def checkpoint_name(name: str) -> str | None:
+    """Map an HF checkpoint tensor name to our parameter name; None for ignored weights.
+
+    `model.language_model.layers.0.mlp.gate.weight` -> `layers.0.mlp.gate.weight`;
+    `lm_head.weight` and `language_model.lm_head.weight` -> `lm_head.weight`.
+    Per-expert names (`...experts.7.up_proj.weight`) are returned unchanged after the prefix:
+    see `per_expert_target`.
+    """
+    if _IGNORED.match(name):
+        return None
+    if name.endswith("lm_head.weight"):
+        return "lm_head.weight"
+    return _PREFIX.sub("", name, count=1)
+
+
+def per_expert_target(name: str) -> tuple[str, int, str] | None:
+    """For a per-expert parameter name (after `checkpoint_name`), return
+    (fused parameter, expert index, which projection); None for any other name."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    fused = "gate_up_proj" if m.group(3) in ("gate_proj", "up_proj") else "down_proj"
+    return f"{m.group(1)}.{fused}", int(m.group(2)), m.group(3)
+
+
+def expert_slice(proj: str, intermediate: int) -> slice:
+    """Rows of the fused [2I, hidden] gate_up tensor that one per-expert projection fills."""
+    if proj == "gate_proj":
+        return slice(0, intermediate)
+    if proj == "up_proj":
+        return slice(intermediate, 2 * intermediate)
+    return slice(None)
+
+
+Model = Qwen3_5MoeModel

