@@ -36,24 +36,28 @@ def checkpoint(tmp_path_factory):
                                    progress=False)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def models(checkpoint):
-    ours = load_checkpoint(checkpoint, "cpu", torch.float32, progress=False)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def models(request, checkpoint):
+    """(ours, HF, device): both in fp32 from the same checkpoint."""
+    device = request.param
+    if device == "cuda":  # cuDNN convs default to TF32; the tolerance is for fp32
+        torch.backends.cudnn.allow_tf32 = False
+    ours = load_checkpoint(checkpoint, device, torch.float32, progress=False)
     hf_cfg = Qwen3_5MoeTextConfig(**ours.config.to_hf_text_config())
     hf = Qwen3_5MoeForCausalLM(hf_cfg).eval()
     weights = load_file(str(checkpoint / "model.safetensors"))
     weights = {k.replace("model.language_model.", "model."): v for k, v in weights.items()}
     hf.load_state_dict(weights, strict=True)
-    return ours, hf
+    return ours, hf.to(device), device
 
 
-def _hf_run(hf, prompt, decode_tokens):
+def _hf_run(hf, prompt, decode_tokens, device):
     """Prefill logits [L, V] and the logits of each teacher-forced decode step [N, V]."""
     with torch.no_grad():
-        out = hf(torch.tensor([prompt]), use_cache=True)
+        out = hf(torch.tensor([prompt], device=device), use_cache=True)
         steps, cache = [], out.past_key_values
         for tok in decode_tokens:
-            step = hf(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            step = hf(torch.tensor([[tok]], device=device), past_key_values=cache, use_cache=True)
             steps.append(step.logits[0, -1])
             cache = step.past_key_values
     return out.logits[0], torch.stack(steps)
@@ -61,33 +65,36 @@ def _hf_run(hf, prompt, decode_tokens):
 
 @pytest.mark.parametrize("lengths", [(37, 64), (130, 1)])
 def test_batched_prefill_and_decode_match_hf(models, lengths):
-    ours, hf = models
+    ours, hf, device = models
     gen = torch.Generator().manual_seed(sum(lengths))
     prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=gen).tolist() for n in lengths]
     decode = torch.randint(0, SMALL.vocab_size, (DECODE_STEPS, len(lengths)), generator=gen)
+    decode = decode.to(device)
 
     states = [ours.new_state() for _ in prompts]
     with torch.no_grad():
-        hidden = ours(torch.tensor(sum(prompts, [])), list(lengths), states)
+        hidden = ours(torch.tensor(sum(prompts, []), device=device), list(lengths), states)
         prefill = ours.logits(hidden).split(list(lengths))
         steps = [ours.logits(ours(decode[i], [1] * len(lengths), states))
                  for i in range(DECODE_STEPS)]  # fmt: skip
 
     for b, prompt in enumerate(prompts):
-        hf_prefill, hf_steps = _hf_run(hf, prompt, decode[:, b].tolist())
-        assert rel_err(prefill[b], hf_prefill) < TOL
-        ours_steps = torch.stack([s[b] for s in steps])
-        assert rel_err(ours_steps, hf_steps) < TOL
+        hf_prefill, hf_steps = _hf_run(hf, prompt, decode[:, b].tolist(), device)
+        err = rel_err(prefill[b], hf_prefill)
+        assert err < TOL, f"prefill of sequence {b}: rel err {err:.2e}"
+        err = rel_err(torch.stack([s[b] for s in steps]), hf_steps)
+        assert err < TOL, f"decode of sequence {b}: rel err {err:.2e}"
 
 
 def test_chunked_prefill_matches_hf_single_pass(models):
     """A prompt fed in three chunks (state carried across) gives HF's full-sequence logits."""
-    ours, hf = models
+    ours, hf, device = models
     gen = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, SMALL.vocab_size, (150,), generator=gen)
+    prompt = torch.randint(0, SMALL.vocab_size, (150,), generator=gen).to(device)
     state = ours.new_state()
     with torch.no_grad():
         chunks = [ours.logits(ours(c, [len(c)], [state])) for c in prompt.split([63, 1, 86])]
         expected = hf(prompt[None]).logits[0]
     assert state.num_tokens == 150
-    assert rel_err(torch.cat(chunks), expected) < TOL
+    err = rel_err(torch.cat(chunks), expected)
+    assert err < TOL, f"rel err {err:.2e}"
