@@ -151,8 +151,9 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _iter_file(path: Path, assembler: WeightAssembler, bar: tqdm) -> None:
+    """Read one file tensor by tensor, each straight onto the assembler's device."""
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="pt", device=str(assembler.device)) as f:
             for name in f.keys():
                 piece = f.get_slice(name)
                 dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
