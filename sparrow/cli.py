@@ -64,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     model_dir = Path(args.model) if args.model else default_checkpoint()
     device, dtype = _device_and_dtype(args)
-    model = load_checkpoint(model_dir, device, dtype)
+    model = load_checkpoint(model_dir, device, dtype, quantize=_quant_config(args.quantize))
     tokenizer = load_tokenizer(model_dir)
     text = args.prompt
     if not args.raw:
@@ -81,6 +81,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             shown = out
     print(f"\n{stats.summary()}")
+    return 0
+
+
+def _quant_config(name: str | None):
+    from sparrow.config import QuantConfig
+
+    return None if name is None else QuantConfig.mlx_default(bits=int(name.removesuffix("bit")))
+
+
+def cmd_checkpoint_quantize(args: argparse.Namespace) -> int:
+    from sparrow.loader.weights import load_checkpoint
+    from sparrow.quant.mlx_layout import save_mlx_checkpoint
+
+    device, dtype = _device_and_dtype(args)
+    model = load_checkpoint(args.src, device, dtype, quantize=_quant_config(args.quantize))
+    out = save_mlx_checkpoint(model, args.out, tokenizer_dir=args.src)
+    print(f"wrote {out} ({args.quantize}, MLX layout)")
     return 0
 
 
@@ -120,9 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    gen.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                     help="default: bfloat16 on GPU, float32 on CPU")  # fmt: skip
+    _add_device_args(gen)
+    gen.add_argument(
+        "--quantize",
+        choices=_QUANT,
+        default=None,
+        help="quantise a float checkpoint's weights on load (group-affine, MLX layout)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
@@ -147,7 +168,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="write experts.E.{gate,up,down}_proj instead of fused tensors",
     )
     rnd.set_defaults(func=cmd_checkpoint_random)
+
+    qnt = ckpt_sub.add_parser(
+        "quantize", help="quantise a float checkpoint and save it in MLX layout (4-bit default)"
+    )
+    qnt.add_argument("src", help="float checkpoint directory")
+    qnt.add_argument("out", help="output directory")
+    qnt.add_argument("--quantize", choices=_QUANT, default="4bit")
+    _add_device_args(qnt)
+    qnt.set_defaults(func=cmd_checkpoint_quantize)
     return parser
+
+
+_QUANT = ["4bit", "8bit"]
+
+
+def _add_device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                        help="default: bfloat16 on GPU, float32 on CPU")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

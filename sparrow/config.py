@@ -6,9 +6,12 @@ Hot code receives values from these objects, never the objects themselves.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from sparrow.quant.affine import QuantSpec
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -20,6 +23,70 @@ SUPPORTED_MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen
 
 class ConfigError(ValueError):
     """A config.json that is unknown, malformed or inconsistent."""
+
+
+_MLX_PREFIX = re.compile(
+    r"^(language_model\.model\.|language_model\.|model\.language_model\.|model\.)"
+)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Which modules are quantised and how: a default spec plus per-module overrides.
+
+    An override key matches a module path exactly or as a suffix (`mlp.gate` matches
+    `layers.3.mlp.gate`); its value is the spec, or None to keep that module in float.
+    """
+
+    bits: int = 4
+    group_size: int = 64
+    overrides: tuple[tuple[str, QuantSpec | None], ...] = ()
+
+    @classmethod
+    def mlx_default(cls, bits: int = 4, group_size: int = 64) -> QuantConfig:
+        """MLX's policy for this model: router and shared-expert gate at 8 bits."""
+        eight = QuantSpec(8, group_size)
+        return cls(bits, group_size, (("mlp.gate", eight), ("mlp.shared_expert_gate", eight)))
+
+    def spec_for(self, path: str) -> QuantSpec | None:
+        for key, spec in self.overrides:
+            if path == key or path.endswith("." + key):
+                return spec
+        return QuantSpec(self.bits, self.group_size)
+
+    @classmethod
+    def from_mlx(cls, raw: dict[str, Any]) -> QuantConfig:
+        """Parse an MLX `quantization` block (per-module entries keyed by module path)."""
+        if raw.get("mode", "affine") != "affine":
+            raise ConfigError(f"quantization mode {raw['mode']!r} is not supported (affine only)")
+        try:
+            bits, group = int(raw.get("bits", 4)), int(raw.get("group_size", 64))
+            overrides = []
+            for key, value in raw.items():
+                if isinstance(value, dict):
+                    spec = QuantSpec(
+                        int(value.get("bits", bits)), int(value.get("group_size", group))
+                    )
+                    overrides.append((_MLX_PREFIX.sub("", key), spec))
+                elif value is False:
+                    overrides.append((_MLX_PREFIX.sub("", key), None))
+            QuantSpec(bits, group)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"bad quantization block: {e}") from e
+        return cls(bits, group, tuple(overrides))
+
+    def to_mlx(self, module_paths: list[str]) -> dict[str, Any]:
+        """The MLX `quantization` block, with an entry for each module that differs."""
+        block: dict[str, Any] = {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+        default = QuantSpec(self.bits, self.group_size)
+        for path in module_paths:
+            spec = self.spec_for(path)
+            if spec != default:
+                key = "language_model." + (path if path == "lm_head" else "model." + path)
+                block[key] = (
+                    False if spec is None else {"group_size": spec.group_size, "bits": spec.bits}
+                )
+        return block
 
 
 @dataclass(frozen=True)
@@ -55,6 +122,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     eos_token_ids: tuple[int, ...] = (248046,)
+    quantization: QuantConfig | None = None  # set for checkpoints stored quantised
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -84,7 +152,7 @@ class ModelConfig:
         return 2 * self.linear_key_dim + self.linear_value_dim
 
     def replace(self, **changes: Any) -> ModelConfig:
-        values = asdict(self) | changes
+        values = {f: getattr(self, f) for f in self.__dataclass_fields__} | changes
         if "num_layers" in changes and "layer_types" not in changes:
             values["layer_types"] = ()
         return ModelConfig(**values)
@@ -216,6 +284,14 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"rope_type {rope['rope_type']!r} is not supported (expected 'default')")
     eos = text.get("eos_token_id", raw.get("eos_token_id", 248046))
+    quant = raw.get("quantization") or raw.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ConfigError("quantization must be a JSON object")
+    if quant is not None and "quant_method" in quant:
+        raise ConfigError(
+            f"quantization method {quant['quant_method']!r} is not supported "
+            "(supported: MLX group-affine 4/8-bit)"
+        )
     defaults = ModelConfig()
     try:
         return ModelConfig(
@@ -261,6 +337,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
             ),
             initializer_range=float(text.get("initializer_range", defaults.initializer_range)),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+            quantization=QuantConfig.from_mlx(quant) if quant is not None else None,
         )
     except (TypeError, ValueError) as e:
         if isinstance(e, ConfigError):

@@ -46,3 +46,18 @@ def test_clear_errors(tmp_path):
     assert "no config.json" in missing.stderr and "Traceback" not in missing.stderr
     bad = _run(["generate", "--prompt", "x", "--max-tokens", "0"], tmp_path)
     assert bad.returncode == 2 and "max_tokens must be >= 1" in bad.stderr
+
+
+def test_quantize_command_and_4bit_generation(tmp_path):
+    src, out = tmp_path / "float", tmp_path / "q4"
+    assert (
+        _run(["checkpoint", "random", str(src), "--preset", "qwen3.6-tiny"], tmp_path).returncode
+        == 0
+    )
+    made = _run(["checkpoint", "quantize", str(src), str(out)], tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert '"bits": 4' in (out / "config.json").read_text() and (out / "tokenizer.json").is_file()
+    for args in (["--model", str(out)], ["--model", str(src), "--quantize", "4bit"]):
+        gen = _run(["generate", *args, "--prompt", "hi", "--max-tokens", "3"], tmp_path)
+        assert gen.returncode == 0, gen.stderr
+        assert "decode: 3 tokens" in gen.stdout

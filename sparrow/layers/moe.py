@@ -41,13 +41,18 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float (gate_up [2I, hidden], down [hidden, I]) of expert e."""
+        return self.gate_up_proj[e], self.down_proj[e]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, ids: [T, k]. Loops over the experts that received rows."""
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            gate_up, down = self.expert_weights(e)
+            gate, up = F.linear(x[token], gate_up.to(x.dtype)).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down.to(x.dtype)) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 

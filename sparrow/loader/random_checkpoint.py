@@ -17,33 +17,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from sparrow.config import ModelConfig
-from sparrow.loader.weights import INDEX_FILE, build_empty_model, load_tensors
+from sparrow.loader.weights import build_empty_model, load_tensors
+from sparrow.loader.writer import ShardWriter
 
+# fmt: off
 PRESETS: dict[str, ModelConfig] = {
     "qwen3.6-35b-a3b": ModelConfig(),
     # Small enough for CPU tests and the built-in default (full vocabulary, 4 layers).
     "qwen3.6-tiny": ModelConfig(
-        hidden_size=64,
-        num_layers=4,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        partial_rotary_factor=0.25,
-        mrope_section=(2, 1, 1),
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-    ),  # fmt: skip
+        hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
+        mrope_section=(2, 1, 1), linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    ),
 }
+# fmt: on
 
 HF_PREFIX = "model.language_model."
 
@@ -126,45 +117,12 @@ def write_random_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
     names = random_tensors(cfg, seed, "cpu", dtype, per_expert)
-    for name, t in tqdm(names, desc="writing weights", unit="tensor", disable=not progress):
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            _save_shard(out, shards, len(shards))
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    _finish_shards(out, shards)
+    with ShardWriter(out, shard_bytes) as writer:
+        for name, t in tqdm(names, desc="writing weights", unit="tensor", disable=not progress):
+            writer.add(name, t)
     if tokenizer:
         from sparrow.tokenizer import write_tokenizer_files
 
         write_tokenizer_files(out)
     return out
-
-
-def _shard_name(i: int) -> str:
-    return f"model-{i:05d}.safetensors"
-
-
-def _save_shard(out: Path, shards: list[dict[str, torch.Tensor]], i: int) -> None:
-    """Save shard i (1-based) under a temporary name and keep only its tensor names."""
-    save_file(shards[i - 1], str(out / _shard_name(i)), metadata={"format": "pt"})
-    shards[i - 1] = dict.fromkeys(shards[i - 1])
-
-
-def _finish_shards(out: Path, shards: list[dict]) -> None:
-    _save_shard(out, shards, len(shards))
-    n = len(shards)
-    if n == 1:
-        (out / _shard_name(1)).rename(out / "model.safetensors")
-        return
-    weight_map = {}
-    for i, names in enumerate(shards, start=1):
-        final = f"model-{i:05d}-of-{n:05d}.safetensors"
-        (out / _shard_name(i)).rename(out / final)
-        weight_map.update(dict.fromkeys(names, final))
-    index = {"metadata": {}, "weight_map": weight_map}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,134 +1,175 @@
-"""Load HF-format weights into a model, tensor by tensor, straight onto the target device.
+"""Load HF- or MLX-format weights into a model, tensor by tensor, straight onto the device.
 
 Sources are safetensors checkpoints (one file, or shards listed by
 `model.safetensors.index.json`) or an in-memory state dict. Both go through `WeightAssembler`,
 which maps names, checks every shape and dtype against the model, fills fused expert tensors
-from per-expert weights, and reports what is missing. Errors name the file, the tensor and
-the expected shape.
+from per-expert or per-projection pieces, quantises float weights on load when the model is
+quantised, and reports what is missing. Errors name the file, the tensor and the expected
+shape.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from sparrow.config import ModelConfig, load_model_config
+from sparrow.config import ModelConfig, QuantConfig, load_model_config
+from sparrow.loader.writer import INDEX_FILE
 from sparrow.models import get_architecture
+from sparrow.quant.affine import QuantSpec, quantize
+from sparrow.quant.modules import companion, quantize_modules
 
-INDEX_FILE = "model.safetensors.index.json"
+_FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+_PACKED_DTYPES = {torch.int32, torch.uint32}
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I32": torch.int32, "U32": torch.uint32,
+}  # fmt: skip
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated, or does not match the model's config."""
 
 
-_FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def build_empty_model(cfg: ModelConfig) -> torch.nn.Module:
-    """The model with parameters on the meta device (no memory) for the loader to fill."""
+def build_empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model with parameters on the meta device (no memory) for the loader to fill;
+    quantised modules where `cfg.quantization` says so."""
     with torch.device("meta"):
-        return get_architecture(cfg.architecture).Model(cfg)
+        model = get_architecture(cfg.architecture).Model(cfg)
+        if cfg.quantization is not None:
+            quantize_modules(model, cfg.quantization, dtype)
+    return model
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes."""
+
+    param: str
+    index: tuple  # into the parameter: () whole, (e, rows) one expert, (slice(None), rows) all
+    shape: tuple[int, ...]  # expected shape of the checkpoint tensor
+    quantize: QuantSpec | None  # a float tensor to quantise into a packed parameter
 
 
 class WeightAssembler:
     """Collects checkpoint tensors into a model's parameters on `device` in `dtype`."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype,
+                 mlx_layout: bool = False):  # fmt: skip
         self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.mlx_layout = mlx_layout
         self.arch = get_architecture(model.config.architecture)
-        self.expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.params = dict(model.named_parameters())
+        self.specs = {  # packed parameter -> its quantisation
+            f"{path}.{name}" if path else name: module.spec
+            for path, module in model.named_modules()
+            if hasattr(module, "logical_shapes")
+            for name in module.logical_shapes
+        }
         self.tensors: dict[str, torch.Tensor] = {}
-        self.expert_parts: dict[str, set[tuple[int, str]]] = {}
+        self.filled: dict[str, torch.Tensor] = {}  # bool coverage over the indexed dims
         self.sources: dict[str, str] = {}
 
-    def target_shape(self, name: str) -> tuple[str, tuple[int, ...]] | None:
-        """(parameter, expected shape of this checkpoint tensor); None if it is ignored."""
+    def target(
+        self, name: str, src_shape: tuple[int, ...], src_dtype, source: str
+    ) -> Target | None:
+        """Validate one checkpoint tensor before reading its data. None if it is ignored."""
         param = self.arch.checkpoint_name(name)
         if param is None:
             return None
-        expert = self.arch.per_expert_target(param)
+        index: tuple = ()
+        expert = self.arch.expert_target(param)
         if expert is not None:
-            fused, _, proj = expert
-            if fused not in self.expected:
-                return fused, ()
+            fused, e, proj, kind = expert
+            param = fused if kind == "weight" else companion(fused, kind)
             rows = self.arch.expert_slice(proj, self.model.config.moe_intermediate_size)
-            shape = self.expected[fused][1:]
-            return fused, (len(range(shape[0])[rows]), shape[1])
-        return param, self.expected.get(param, ())
-
-    def check(self, name: str, shape: tuple[int, ...], dtype, source: str) -> bool:
-        """Validate one checkpoint tensor before reading its data. False if it is ignored."""
-        target = self.target_shape(name)
-        if target is None:
-            return False
-        param, expected = target
-        if param not in self.expected:
+            index = (slice(None) if e is None else e, rows)
+        if param not in self.params:
             raise CheckpointError(
                 f"{source}: tensor {name!r} does not belong to this model "
-                f"({self.model.config.num_layers} layers, {self.model.config.num_experts} experts)"
+                f"({self.model.config.num_layers} layers, {self.model.config.num_experts} "
+                f"experts, quantised: {self.model.config.quantization is not None})"
             )
-        if tuple(shape) != expected:
+        shape = tuple(torch.empty(self.params[param].shape, device="meta")[index].shape)
+        spec = self.specs.get(param)
+        float_src = src_dtype in _FLOAT_DTYPES
+        if spec is not None and float_src:  # quantise on load
+            shape = (*shape[:-1], shape[-1] * spec.per_word)
+        if self.mlx_layout and self.arch.is_mlx_conv(param, tuple(src_shape)):
+            shape = (shape[0], shape[2], shape[1])
+        if tuple(src_shape) != shape:
             raise CheckpointError(
-                f"{source}: tensor {name!r} has shape {list(shape)}, expected {list(expected)}"
+                f"{source}: tensor {name!r} has shape {list(src_shape)}, expected {list(shape)}"
             )
-        if dtype not in _FLOAT_DTYPES:
+        wants_packed = spec is not None and src_dtype in _PACKED_DTYPES
+        if not (float_src or wants_packed):
+            kind = "uint32/int32 packed words" if spec is not None else "a float dtype"
             raise CheckpointError(
-                f"{source}: tensor {name!r} has dtype {dtype}, expected a float dtype "
-                f"(bfloat16, float16 or float32) with shape {list(expected)}"
+                f"{source}: tensor {name!r} has dtype {src_dtype}, expected {kind} "
+                f"with shape {list(shape)}"
             )
-        return True
+        return Target(param, index, shape, spec if float_src and spec is not None else None)
 
-    def add(self, name: str, tensor: torch.Tensor, source: str) -> None:
-        """Place one (already checked) checkpoint tensor."""
-        param = self.arch.checkpoint_name(name)
-        value = tensor.to(device=self.device, dtype=self.dtype)
-        expert = self.arch.per_expert_target(param)
-        if expert is None:
+    def add(self, target: Target, tensor: torch.Tensor, source: str) -> None:
+        """Place one checked checkpoint tensor."""
+        tensor = tensor.to(self.device)
+        if self.mlx_layout:
+            tensor = self.arch.from_mlx(target.param, tensor)
+        if target.quantize is not None:
+            packed, scales, biases = quantize(tensor, target.quantize, self.dtype)
+            self._put(target.param, target.index, packed, source)
+            self._put(companion(target.param, "scales"), target.index, scales, source)
+            self._put(companion(target.param, "biases"), target.index, biases, source)
+        else:
+            self._put(target.param, target.index, tensor, source)
+
+    def _put(self, param: str, index: tuple, value: torch.Tensor, source: str) -> None:
+        dest = self.params[param]
+        dtype = torch.int32 if dest.dtype == torch.int32 else self.dtype
+        value = value.view(torch.int32) if value.dtype == torch.uint32 else value.to(dtype)
+        if not index:
             if param in self.sources:
-                raise CheckpointError(
-                    f"{source}: tensor {name!r} also appears in {self.sources[param]}"
-                )
+                raise CheckpointError(f"{source}: {param} was already loaded from "
+                                      f"{self.sources[param]}")  # fmt: skip
             self.tensors[param], self.sources[param] = value, source
+            self.filled[param] = torch.ones((), dtype=torch.bool)
             return
-        fused, index, proj = expert
-        if fused not in self.tensors:
-            self.tensors[fused] = torch.empty(
-                self.expected[fused], device=self.device, dtype=self.dtype
-            )
-            self.sources[fused] = source
-        rows = self.arch.expert_slice(proj, self.model.config.moe_intermediate_size)
-        self.tensors[fused][index][rows] = value
-        self.expert_parts.setdefault(fused, set()).add((index, proj))
+        if param not in self.tensors:
+            self.tensors[param] = torch.empty(dest.shape, device=self.device, dtype=dtype)
+            self.filled[param] = torch.zeros(dest.shape[:2], dtype=torch.bool)
+            self.sources[param] = source
+        self.tensors[param][index] = value
+        self.filled[param][index] = True
 
     def finish(self, where: str) -> torch.nn.Module:
-        """Check nothing is missing and install the tensors into the model."""
+        """Check that every parameter is complete and install them into the model."""
         if self.model.config.tie_word_embeddings and "lm_head.weight" not in self.tensors:
-            if "embed_tokens.weight" in self.tensors:
-                self.tensors["lm_head.weight"] = self.tensors["embed_tokens.weight"]
-        missing = [n for n in self.expected if n not in self.tensors]
-        for fused, parts in self.expert_parts.items():
-            projs = ("gate_proj", "up_proj") if fused.endswith("gate_up_proj") else ("down_proj",)
-            want = {(e, p) for e in range(self.expected[fused][0]) for p in projs}
-            if want - parts:
-                e, p = min(want - parts)
-                missing.append(f"{fused.rsplit('.', 1)[0]}.{e}.{p}.weight")
+            for kind in ("weight", "scales", "biases"):
+                if f"embed_tokens.{kind}" in self.tensors and f"lm_head.{kind}" in self.params:
+                    self.tensors[f"lm_head.{kind}"] = self.tensors[f"embed_tokens.{kind}"]
+                    self.filled[f"lm_head.{kind}"] = self.filled[f"embed_tokens.{kind}"]
+        missing = [self._describe_missing(n) for n in self.params
+                   if n not in self.filled or not bool(self.filled[n].all())]  # fmt: skip
         if missing:
-            shown = ", ".join(f"{n} (expected shape {list(self.shape_of(n))})" for n in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise CheckpointError(f"{where}: missing tensors: {shown}{more}")
+            raise CheckpointError(f"{where}: missing tensors: {', '.join(missing[:5])}{more}")
         self.model.load_state_dict(self.tensors, strict=True, assign=True)
         return self.model
 
-    def shape_of(self, name: str) -> tuple[int, ...]:
-        target = self.target_shape(name)
-        return target[1] if target else ()
+    def _describe_missing(self, param: str) -> str:
+        shape = list(self.params[param].shape)
+        if param in self.filled and self.filled[param].dim() == 2:
+            e, row = (int(i) for i in (~self.filled[param]).nonzero()[0])
+            inter = self.model.config.moe_intermediate_size
+            proj = "down_proj" if "down_proj" in param else ("gate_proj", "up_proj")[row >= inter]
+            return f"{param} (expert {e}, {proj}; full shape {shape})"
+        return f"{param} (expected shape {shape})"
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -150,41 +191,53 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return files
 
 
-def _iter_file(path: Path, assembler: WeightAssembler, bar: tqdm) -> None:
-    """Read one file tensor by tensor, each straight onto the assembler's device."""
-    try:
-        with safe_open(str(path), framework="pt", device=str(assembler.device)) as f:
-            for name in f.keys():
-                piece = f.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
-                if assembler.check(name, tuple(piece.get_shape()), dtype, str(path)):
-                    assembler.add(name, f.get_tensor(name), str(path))
-                bar.update(1)
-    except SafetensorError as e:
-        raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from e
+def _headers(files: Iterable[Path]) -> dict[Path, dict[str, tuple[tuple[int, ...], object]]]:
+    """name -> (shape, dtype) for every tensor of every file, from the headers alone."""
+    out = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                out[path] = {}
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
+                    out[path][name] = (tuple(piece.get_shape()), dtype)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from e
+    return out
 
 
 def load_checkpoint(
     model_dir: str | Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantize: QuantConfig | None = None,
     progress: bool = True,
 ) -> torch.nn.Module:
-    """Load `model_dir` (config.json + safetensors) into a model on `device`."""
+    """Load `model_dir` (config.json + safetensors, HF or MLX layout) into a model on
+    `device`. A float checkpoint is quantised on load when `quantize` is given; a quantised
+    checkpoint loads as stored."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
-    assembler = WeightAssembler(build_empty_model(cfg), device, dtype)
-    files = checkpoint_files(model_dir)
-    total = 0
-    for path in files.values():
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                total += len(f.keys())
-        except SafetensorError as e:
-            raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from e
+    if quantize is not None and cfg.quantization is None:
+        cfg = cfg.replace(quantization=quantize)
+    headers = _headers(checkpoint_files(model_dir).values())
+    arch = get_architecture(cfg.architecture)
+    mlx = any(
+        arch.is_mlx_conv(arch.checkpoint_name(n) or "", shape)
+        for tensors in headers.values() for n, (shape, _) in tensors.items()
+    )  # fmt: skip
+    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype, mlx_layout=mlx)
+    total = sum(len(t) for t in headers.values())
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
-        for path in files.values():
-            _iter_file(path, assembler, bar)
+        for path, tensors in headers.items():
+            # Each tensor is read straight onto the target device, one at a time.
+            with safe_open(str(path), framework="pt", device=str(assembler.device)) as f:
+                for name, (shape, src_dtype) in tensors.items():
+                    target = assembler.target(name, shape, src_dtype, str(path))
+                    if target is not None:
+                        assembler.add(target, f.get_tensor(name), str(path))
+                    bar.update(1)
     return assembler.finish(str(model_dir)).eval()
 
 
@@ -199,8 +252,9 @@ def load_tensors(
     name mapping and checks as files. Tensors already on `device` in `dtype` are used as they
     are (no copy), so an HF model and ours can share one set of weights."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    assembler = WeightAssembler(build_empty_model(cfg), device, dtype)
+    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype)
     for name, t in items:
-        if assembler.check(name, tuple(t.shape), t.dtype, where):
-            assembler.add(name, t, where)
+        target = assembler.target(name, tuple(t.shape), t.dtype, where)
+        if target is not None:
+            assembler.add(target, t, where)
     return assembler.finish(where).eval()

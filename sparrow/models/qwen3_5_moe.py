@@ -73,11 +73,12 @@ class Qwen3_5MoeModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activation dtype (weights may be packed integers)."""
+        return self.norm.weight.dtype
 
     def new_state(self) -> SequenceState:
         return SequenceState([layer.new_state(self.device, self.dtype) for layer in self.layers])
@@ -112,43 +113,79 @@ class Qwen3_5MoeModel(nn.Module):
 # not used by the text model.
 _IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|vision_tower\.|model\.mtp\.)")
 _PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|model\.)")
+_LM_HEAD = re.compile(r"^(language_model\.)?lm_head\.(weight|scales|biases)$")
+# HF per-expert names, and MLX's stacked `switch_mlp` projections (all experts at once).
 _PER_EXPERT = re.compile(
-    r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"
+    r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight)$"
 )
+_SWITCH_MLP = re.compile(
+    r"^(layers\.\d+\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+)
+# Norms whose MLX weights carry the +1 of the zero-centred RMSNorm.
+_SHIFTED_NORMS = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$")
 
 
 def checkpoint_name(name: str) -> str | None:
-    """Map an HF checkpoint tensor name to our parameter name; None for ignored weights.
+    """Map an HF or MLX checkpoint tensor name to our parameter name; None if ignored.
 
     `model.language_model.layers.0.mlp.gate.weight` -> `layers.0.mlp.gate.weight`;
-    `lm_head.weight` and `language_model.lm_head.weight` -> `lm_head.weight`.
-    Per-expert names (`...experts.7.up_proj.weight`) are returned unchanged after the prefix:
-    see `per_expert_target`.
+    `lm_head.weight` / `language_model.lm_head.scales` -> `lm_head.weight` / `lm_head.scales`.
+    Expert names keep their per-expert / switch_mlp form: see `expert_target`.
     """
     if _IGNORED.match(name):
         return None
-    if name.endswith("lm_head.weight"):
-        return "lm_head.weight"
+    m = _LM_HEAD.match(name)
+    if m:
+        return f"lm_head.{m.group(2)}"
     return _PREFIX.sub("", name, count=1)
 
 
-def per_expert_target(name: str) -> tuple[str, int, str] | None:
-    """For a per-expert parameter name (after `checkpoint_name`), return
-    (fused parameter, expert index, which projection); None for any other name."""
+def expert_target(name: str) -> tuple[str, int | None, str, str] | None:
+    """For an expert tensor name (after `checkpoint_name`): (fused parameter, expert index or
+    None for all experts, projection, kind in weight/scales/biases). None for other names."""
     m = _PER_EXPERT.match(name)
-    if m is None:
-        return None
-    fused = "gate_up_proj" if m.group(3) in ("gate_proj", "up_proj") else "down_proj"
-    return f"{m.group(1)}.{fused}", int(m.group(2)), m.group(3)
+    if m:
+        mlp, expert, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+    else:
+        m = _SWITCH_MLP.match(name)
+        if m is None:
+            return None
+        mlp, expert, proj, kind = m.group(1), None, m.group(2), m.group(3)
+    fused = "gate_up_proj" if proj in ("gate_proj", "up_proj") else "down_proj"
+    return f"{mlp}.experts.{fused}", expert, proj, kind
 
 
 def expert_slice(proj: str, intermediate: int) -> slice:
-    """Rows of the fused [2I, hidden] gate_up tensor that one per-expert projection fills."""
+    """Rows of the fused [2I, hidden] gate_up tensor that one projection fills."""
     if proj == "gate_proj":
         return slice(0, intermediate)
     if proj == "up_proj":
         return slice(intermediate, 2 * intermediate)
     return slice(None)
+
+
+def is_mlx_conv(param: str, shape: tuple[int, ...]) -> bool:
+    """MLX stores the depthwise conv as [C, K, 1] (HF: [C, 1, K])."""
+    return param.endswith("conv1d.weight") and shape[-1] == 1 and shape[1] != 1
+
+
+def from_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Undo MLX's layout changes for one tensor: conv [C, K, 1] -> [C, 1, K], and the +1
+    baked into zero-centred RMSNorm weights (model.norm included)."""
+    if param.endswith("conv1d.weight"):
+        return tensor.transpose(1, 2)
+    if _SHIFTED_NORMS.search(param) or param == "norm.weight":
+        return tensor.float() - 1.0
+    return tensor
+
+
+def to_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of `from_mlx`, for writing MLX-layout checkpoints."""
+    if param.endswith("conv1d.weight"):
+        return tensor.transpose(1, 2)
+    if _SHIFTED_NORMS.search(param) or param == "norm.weight":
+        return (tensor.float() + 1.0).to(tensor.dtype)
+    return tensor
 
 
 Model = Qwen3_5MoeModel

@@ -1,0 +1,116 @@
+"""Quantised versions of the model's weight-holding modules, and the policy for which
+modules are quantised.
+
+What is quantised (the MLX policy, so checkpoints are interchangeable): every linear layer,
+the routed experts and the token embedding, when their input dim is a multiple of the group
+size. The MoE router (`mlp.gate`) and the shared-expert gate (`mlp.shared_expert_gate`) use
+8 bits; everything else 4. What stays in floating point: all norms, the GDN depthwise conv,
+`A_log` and `dt_bias`.
+
+Quantised parameters sit beside each other: `<module>.weight` (packed int32 words),
+`<module>.scales`, `<module>.biases`; for the fused experts `gate_up_proj` with
+`gate_up_proj_scales` / `gate_up_proj_biases` (and the same for `down_proj`).
+
+The forward passes here are the reference path: dequantise, then a float matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparrow.config import QuantConfig
+from sparrow.layers.moe import Experts
+from sparrow.quant.affine import QuantSpec, dequantize
+
+
+def companion(param: str, kind: str) -> str:
+    """Name of the scales/biases parameter that goes with a packed weight parameter."""
+    if param == "weight" or param.endswith(".weight"):
+        return param[: -len("weight")] + kind
+    return f"{param}_{kind}"
+
+
+def _packed_params(module: nn.Module, name: str, shape: tuple[int, ...], spec: QuantSpec,
+                   dtype: torch.dtype) -> None:  # fmt: skip
+    """Register `name` (packed words) and its scales/biases for a float weight of `shape`."""
+    module.register_parameter(
+        name, nn.Parameter(torch.empty(spec.packed_shape(shape), dtype=torch.int32), False)
+    )
+    for kind in ("scales", "biases"):
+        value = torch.empty(spec.group_shape(shape), dtype=dtype)
+        module.register_parameter(companion(name, kind), nn.Parameter(value, False))
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.logical_shapes = {"weight": (out_features, in_features)}
+        _packed_params(self, "weight", (out_features, in_features), spec, dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight, self.scales, self.biases, self.spec, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype))
+
+
+class QuantizedEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, spec: QuantSpec, dtype: torch.dtype):
+        super().__init__()
+        self.spec, self.dtype = spec, dtype
+        self.logical_shapes = {"weight": (num_embeddings, dim)}
+        _packed_params(self, "weight", (num_embeddings, dim), spec, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(
+            self.weight[ids], self.scales[ids], self.biases[ids], self.spec, self.scales.dtype
+        )
+
+
+class QuantizedExperts(Experts):
+    """Experts with 4-bit gate_up [E, 2I, hidden] and down [E, hidden, I] weights."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, spec: QuantSpec,
+                 dtype: torch.dtype):  # fmt: skip
+        nn.Module.__init__(self)
+        self.spec = spec
+        self.logical_shapes = {
+            "gate_up_proj": (num_experts, 2 * intermediate, hidden),
+            "down_proj": (num_experts, hidden, intermediate),
+        }
+        for name, shape in self.logical_shapes.items():
+            _packed_params(self, name, shape, spec, dtype)
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.gate_up_proj_scales.dtype
+        return tuple(
+            dequantize(getattr(self, n)[e], getattr(self, f"{n}_scales")[e],
+                       getattr(self, f"{n}_biases")[e], self.spec, dtype)
+            for n in ("gate_up_proj", "down_proj")
+        )  # fmt: skip
+
+
+def quantize_modules(model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Module:
+    """Swap the model's weight-holding modules for quantised ones following `qcfg` (call it
+    under `torch.device("meta")`: the loader fills the new parameters). Returns the model."""
+    for path, module in list(model.named_modules()):
+        spec = qcfg.spec_for(path)
+        if spec is None:
+            continue
+        if isinstance(module, nn.Linear) and module.in_features % spec.group_size == 0:
+            new = QuantizedLinear(module.in_features, module.out_features, spec, dtype)
+        elif isinstance(module, nn.Embedding) and module.embedding_dim % spec.group_size == 0:
+            new = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, spec, dtype)
+        elif type(module) is Experts and all(
+            w.shape[-1] % spec.group_size == 0 for w in (module.gate_up_proj, module.down_proj)
+        ):
+            e, two_i, hidden = module.gate_up_proj.shape
+            new = QuantizedExperts(e, hidden, two_i // 2, spec, dtype)
+        else:
+            continue
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
