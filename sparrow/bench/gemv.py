@@ -1,0 +1,96 @@
+"""Dense 4-bit GEMV at batch 1 (decode): our fused-dequant kernel vs bf16 cuBLAS and
+dequantise-then-matmul, each timed inside a CUDA graph over weights that do not fit in L2.
+
+    python -m sparrow.bench.gemv --out bench-out/gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us
+from sparrow.kernels.quant_gemv.gemv import quant_gemv
+from sparrow.kernels.quant_gemv.naive import quant_matmul
+from sparrow.quant.affine import QuantSpec, quantize
+
+SHAPES = {  # name: (N, K)
+    "gdn in_proj_qkv 2048->8192": (8192, 2048),
+    "gdn out_proj 4096->2048": (2048, 4096),
+    "lm_head 2048->248320": (248320, 2048),
+}
+L2_BYTES = 60 << 20
+
+
+def _copies(n: int, k: int, spec: QuantSpec):
+    """Enough independent quantised weights that one pass over them exceeds 2x L2."""
+    w = torch.randn(n, k, device="cuda")
+    q = quantize(w, spec, torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in q)
+    count = max(1, -(-2 * L2_BYTES // nbytes))
+    return [tuple(t.clone() for t in q) for _ in range(count)], nbytes, w.bfloat16()
+
+
+def bench_shape(n: int, k: int, configs) -> dict:
+    spec = QuantSpec(4, 64)
+    copies, nbytes, w_bf16 = _copies(n, k, spec)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    ref = quant_matmul(x, *copies[0], spec)
+    w_copies = [w_bf16] + [w_bf16.clone() for _ in range(max(0, len(copies) // 4 - 1))]
+    result = {
+        "bytes": nbytes,
+        "floor_us": nbytes / HBM_BYTES_PER_S * 1e6,
+        "bf16_cublas_us": graph_time_us([lambda w=w: F.linear(x, w) for w in w_copies]),
+        "dequant_matmul_us": graph_time_us(
+            [lambda q=q: quant_matmul(x, *q, spec) for q in copies[:2]], replays=5
+        ),
+        "configs": {},
+    }
+    for bn, bk, nw in configs:
+        try:
+            y = quant_gemv(x, *copies[0], spec, block_n=bn, block_k=bk, num_warps=nw)
+            err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            kw = {"block_n": bn, "block_k": bk, "num_warps": nw}
+            t = graph_time_us([functools.partial(quant_gemv, x, *q, spec, **kw) for q in copies])
+            result["configs"][f"bn{bn}_bk{bk}_w{nw}"] = {"us": t, "rel_err": err}
+        except Exception as e:  # a config the compiler rejects (registers, shared memory)
+            result["configs"][f"bn{bn}_bk{bk}_w{nw}"] = {"error": str(e)[:200]}
+    ok = {c: r for c, r in result["configs"].items() if "us" in r}
+    best = min(ok, key=lambda c: ok[c]["us"])
+    result["best"] = best
+    result["best_us"] = ok[best]["us"]
+    result["best_fraction_of_bandwidth"] = result["floor_us"] / ok[best]["us"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="bench-out/gemv.json")
+    p.add_argument("--quick", action="store_true", help="a few configs only")
+    args = p.parse_args(argv)
+    configs = list(itertools.product([4, 8, 16, 32, 64], [128, 256, 512], [2, 4, 8]))
+    if args.quick:
+        configs = [(16, 256, 4), (32, 256, 4)]
+    report = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
+    print(f"{'shape':<28}{'floor us':>10}{'ours us':>10}{'frac bw':>9}{'bf16 us':>10}"
+          f"{'deq+mm us':>11}  best config")  # fmt: skip
+    for name, (n, k) in SHAPES.items():
+        r = bench_shape(n, k, configs)
+        report["shapes"][name] = r
+        print(f"{name:<28}{r['floor_us']:>10.2f}{r['best_us']:>10.2f}"
+              f"{r['best_fraction_of_bandwidth']:>9.0%}{r['bf16_cublas_us']:>10.2f}"
+              f"{r['dequant_matmul_us']:>11.1f}  {r['best']}")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""GPU timing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+HBM_BYTES_PER_S = 4.3e12  # measured copy bandwidth of our H200
+BF16_FLOP_PER_S = 790e12  # measured dense bf16 matmul rate of our H200
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 20, rounds: int = 5) -> float:
+    """Median time per call, in microseconds, of `calls` captured back to back in one CUDA
+    graph (how decode runs). Pass calls over distinct buffers larger than L2 together so
+    every call reads from HBM, as in a real decode step."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # warm up: compile kernels, allocate outputs
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    return statistics.median(times)
