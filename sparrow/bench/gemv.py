@@ -52,15 +52,15 @@ def bench_shape(n: int, k: int, configs) -> dict:
         ),
         "configs": {},
     }
-    for bn, bk, nw in configs:
+    for bn, bk, nw, ns in configs:
         try:
-            y = quant_gemv(x, *copies[0], spec, block_n=bn, block_k=bk, num_warps=nw)
+            y = quant_gemv(x, *copies[0], spec, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            kw = {"block_n": bn, "block_k": bk, "num_warps": nw}
+            kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns}
             t = graph_time_us([functools.partial(quant_gemv, x, *q, spec, **kw) for q in copies])
-            result["configs"][f"bn{bn}_bk{bk}_w{nw}"] = {"us": t, "rel_err": err}
+            result["configs"][f"bn{bn}_bk{bk}_w{nw}_s{ns}"] = {"us": t, "rel_err": err}
         except Exception as e:  # a config the compiler rejects (registers, shared memory)
-            result["configs"][f"bn{bn}_bk{bk}_w{nw}"] = {"error": str(e)[:200]}
+            result["configs"][f"bn{bn}_bk{bk}_w{nw}_s{ns}"] = {"error": str(e)[:200]}
     ok = {c: r for c, r in result["configs"].items() if "us" in r}
     best = min(ok, key=lambda c: ok[c]["us"])
     result["best"] = best
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="bench-out/gemv.json")
     p.add_argument("--quick", action="store_true", help="a few configs only")
     args = p.parse_args(argv)
-    configs = list(itertools.product([4, 8, 16, 32, 64], [128, 256, 512], [2, 4, 8]))
+    configs = list(itertools.product([2, 4, 8, 16, 32], [256, 512, 1024], [2, 4, 8], [2, 4]))
     if args.quick:
-        configs = [(16, 256, 4), (32, 256, 4)]
+        configs = [(8, 512, 4, 2), (16, 512, 4, 4)]
     report = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
     print(f"{'shape':<28}{'floor us':>10}{'ours us':>10}{'frac bw':>9}{'bf16 us':>10}"
           f"{'deq+mm us':>11}  best config")  # fmt: skip

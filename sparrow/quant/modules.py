@@ -11,7 +11,8 @@ Quantised parameters sit beside each other: `<module>.weight` (packed int32 word
 `<module>.scales`, `<module>.biases`; for the fused experts `gate_up_proj` with
 `gate_up_proj_scales` / `gate_up_proj_biases` (and the same for `down_proj`).
 
-The forward passes here are the reference path: dequantise, then a float matmul.
+Forward passes: the reference path dequantises, then runs a float matmul; with the Triton
+backend, linear layers on up to 8 rows (decode) run the fused-dequant GEMV instead.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.config import QuantConfig
+from sparrow.kernels import use_triton
+from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
 from sparrow.layers.moe import Experts
 from sparrow.quant.affine import QuantSpec, dequantize
 
@@ -54,6 +57,10 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.weight, self.scales, self.biases, self.spec, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if use_triton(x) and rows.shape[0] <= MAX_ROWS:
+            y = quant_gemv(rows, self.weight, self.scales, self.biases, self.spec)
+            return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantized_weight(x.dtype))
 
 

@@ -116,3 +116,26 @@ def test_4bit_error_is_measured(float_ckpt, quantized):
     ids = torch.randint(0, CFG.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
     reference = _logits(load_checkpoint(float_ckpt, progress=False), ids)
     assert rel_err(_logits(quantized, ids), reference) < 0.35
+
+
+def test_decode_with_triton_gemv_matches_reference(quantized):
+    """The same greedy decode through the fused GEMV kernels (interpreter on CPU)."""
+    from sparrow.kernels import get_backend, set_backend
+
+    prompt = torch.arange(20)
+
+    def run(backend):
+        set_backend(backend)
+        state = quantized.new_state()
+        with torch.no_grad():
+            logits = [quantized.logits(quantized(prompt, [20], [state]))[-1]]
+            for _ in range(3):
+                tok = logits[-1].argmax()[None]
+                logits.append(quantized.logits(quantized(tok, [1], [state]))[0])
+        return torch.stack(logits)
+
+    previous = get_backend()
+    try:
+        assert rel_err(run("triton"), run("reference")) < 1e-4
+    finally:
+        set_backend(previous)

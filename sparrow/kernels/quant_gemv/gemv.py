@@ -1,9 +1,10 @@
 """Fused-dequant GEMV for a few activation rows (decode): y[M, N] = x[M, K] @ W[N, K]^T,
 W group-affine 4- or 8-bit (MLX layout), never materialised in memory.
 
-Row-parallel: each program owns BLOCK_N output rows and walks K. Per group of G inputs,
+Row-parallel: each program owns BLOCK_N output rows of one activation row and walks K. Per
+word of codes (all in one group),
     sum_k (s q_k + b) x_k = s * sum_k q_k x_k + b * sum_k x_k,
-so the codes meet x in one multiply-add each and scale/bias are applied once per group.
+so the codes meet x in one multiply-add each and scale/bias are applied once per word.
 """
 
 from __future__ import annotations
@@ -20,43 +21,54 @@ def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
-    M: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """One program: BLOCK_N outputs of row i_m. Works on whole 32-bit words: for code slot j
+    of every word, the codes are (w >> BITS*j) & mask and meet x[word * PER_WORD + j]; the
+    scale and bias of a word's group are loaded per word (cached), so no reshapes."""
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER_WORD
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    i_n = tl.program_id(0)
+    WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
+    i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_w = tl.arange(0, WORDS)
-    o_g = tl.arange(0, GROUPS)
-    o_k = tl.arange(0, BLOCK_K)
-    shifts = tl.arange(0, PER_WORD) * BITS
-    for i_m in tl.static_range(M):
-        b_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            m_k = (k0 + o_k) < K
-            b_x = tl.load(x_ptr + i_m * stride_xm + k0 + o_k, mask=m_k, other=0.0).to(tl.float32)
-            p_w = w_ptr + o_n[:, None] * stride_wn + (k0 // PER_WORD + o_w)[None, :]
-            m_w = m_n[:, None] & ((k0 // PER_WORD + o_w) < K // PER_WORD)[None, :]
-            b_w = tl.load(p_w, mask=m_w, other=0)  # [BLOCK_N, WORDS] int32
-            b_q = (b_w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-            b_q = tl.reshape(b_q, [BLOCK_N, BLOCK_K]).to(tl.float32)
-            b_qx = tl.sum(tl.reshape(b_q * b_x[None, :], [BLOCK_N, GROUPS, GROUP]), axis=2)
-            b_xs = tl.sum(tl.reshape(b_x, [GROUPS, GROUP]), axis=1)  # [GROUPS]
-            m_g = m_n[:, None] & ((k0 // GROUP + o_g) < K // GROUP)[None, :]
-            o_s = o_n[:, None] * stride_sn + (k0 // GROUP + o_g)[None, :]
-            b_s = tl.load(s_ptr + o_s, mask=m_g, other=0.0).to(tl.float32)
-            b_b = tl.load(b_ptr + o_s, mask=m_g, other=0.0).to(tl.float32)
-            b_acc += tl.sum(b_s * b_qx + b_b * b_xs[None, :], axis=1)
-        tl.store(y_ptr + i_m * stride_ym + o_n, b_acc.to(y_ptr.dtype.element_ty), mask=m_n)
+    n_words = K // PER_WORD
+    b_acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    for w0 in range(0, n_words, WORDS):
+        m_w = (w0 + o_w) < n_words
+        m_nw = m_n[:, None] & m_w[None, :]
+        b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + (w0 + o_w)[None, :], mask=m_nw, other=0)
+        o_s = o_n[:, None] * stride_sn + ((w0 + o_w) // WORDS_PER_GROUP)[None, :]
+        b_s = tl.load(s_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
+        b_b = tl.load(b_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
+        b_qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        b_xs = tl.zeros([WORDS], dtype=tl.float32)
+        p_x = x_ptr + i_m * stride_xm + (w0 + o_w) * PER_WORD
+        for j in tl.static_range(PER_WORD):
+            b_x = tl.load(p_x + j, mask=m_w, other=0.0).to(tl.float32)
+            # code -> float without an int->float convert: 2^23 + q has q in its mantissa.
+            b_q = ((b_w >> (BITS * j)) & ((1 << BITS) - 1)) | 0x4B000000
+            b_q = b_q.to(tl.float32, bitcast=True) - 8388608.0
+            b_qx += b_q * b_x[None, :]
+            b_xs += b_x
+        b_acc += b_s * b_qx + b_b * b_xs[None, :]
+    b_y = tl.sum(b_acc, axis=1)
+    tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
 MAX_ROWS = 8  # beyond this, prefill paths (dequantising GEMM) take over
 
 
-def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_warps):
+def default_blocks(n: int, k: int) -> tuple[int, int]:
+    """(block_n, block_k) from the sweep in `python -m sparrow.bench.gemv` (H200, 2 warps
+    best everywhere): 8 x 512 for 2048 -> 8192 and the lm_head, 4 x 1024 for 4096 -> 2048
+    (fewer output rows need smaller row blocks to fill 132 SMs)."""
+    return (4, 1024) if n <= 4096 and k >= 4096 else (8, 512)
+
+
+def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_warps, num_stages):
     m, k = x.shape
     n = packed.shape[0]
     if m > MAX_ROWS:
@@ -71,11 +83,11 @@ def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_wa
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     block_k = max(block_k, spec.group_size)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(n, block_n), m)](
         x, packed.view(torch.int32), scales, biases, y,
         n, k, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
-        M=m, BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
 
@@ -86,10 +98,13 @@ def quant_gemv(
     scales: torch.Tensor,
     biases: torch.Tensor,
     spec: QuantSpec,
-    block_n: int = 16,
-    block_k: int = 256,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 2,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """x: [M <= 8, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales, biases:
     [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation)."""
-    return _launch(x, packed, scales, biases, spec, block_n, block_k, num_warps)
+    bn, bk = default_blocks(packed.shape[0], x.shape[-1])
+    return _launch(x, packed, scales, biases, spec, block_n or bn, block_k or bk, num_warps,
+                   num_stages)  # fmt: skip
