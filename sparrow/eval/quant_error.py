@@ -35,12 +35,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--out", default="bench-out/quant_error.json")
     args = p.parse_args(argv)
 
     cfg = ModelConfig().replace(num_layers=args.layers)
     qcfg = cfg.replace(quantization=QuantConfig.mlx_default())
-    dtype = torch.bfloat16
+    dtype = getattr(torch, args.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32
     bf16 = load_tensors(cfg, random_tensors(cfg, 0, "cuda", dtype), "cuda", dtype)
     q4 = load_tensors(qcfg, bf16.state_dict().items(), "cuda", dtype, where="bf16 model")
     prompt = torch.randint(0, 248000, (args.prompt_len,), device="cuda")
@@ -50,9 +52,9 @@ def main(argv: list[str] | None = None) -> dict:
     set_backend("triton")
     kern4 = logits_run(q4, prompt, decode)
     report = {
-        "config": f"{args.layers} layers at full width, prompt {args.prompt_len}, "
+        "config": f"{args.layers} layers at full width, {args.dtype}, prompt {args.prompt_len}, "
         f"{args.decode} teacher-forced decode steps, random weights (HF init)",
-        "4bit_vs_bf16": agreement(ref4, ref16),
+        "4bit_vs_unquantised": agreement(ref4, ref16),
         "4bit_gemv_kernels_vs_4bit_reference": agreement(kern4, ref4),
     }
     print(json.dumps(report, indent=2))
