@@ -89,6 +89,32 @@ class QuantConfig:
         return block
 
 
+# ModelConfig field -> key of the HF text_config holding it (scalars only).
+_HF_TEXT_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "linear_conv_kernel": "linear_conv_kernel_dim",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads",
+    "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim",
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "initializer_range": "initializer_range",
+}
+# Keys of the RoPE parameters block, same names on both sides.
+_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The text model of Qwen3.5/3.6 MoE (`qwen3_5_moe`). Defaults are Qwen3.6-35B-A3B."""
@@ -159,39 +185,20 @@ class ModelConfig:
 
     def to_hf_text_config(self) -> dict[str, Any]:
         """The `text_config` dict of an HF `config.json` (model_type `qwen3_5_moe_text`)."""
-        return {
+        text = {key: getattr(self, f) for f, key in _HF_TEXT_KEYS.items()}
+        return text | {
             "model_type": "qwen3_5_moe_text",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
             "layer_types": list(self.layer_types),
             "full_attention_interval": 4,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
             "hidden_act": "silu",
             "attention_bias": False,
             "attn_output_gate": True,
             "rope_parameters": {
                 "rope_type": "default",
-                "rope_theta": self.rope_theta,
-                "partial_rotary_factor": self.partial_rotary_factor,
+                **{key: getattr(self, key) for key in _ROPE_KEYS},
                 "mrope_section": list(self.mrope_section),
                 "mrope_interleaved": True,
             },
-            "linear_conv_kernel_dim": self.linear_conv_kernel,
-            "linear_num_key_heads": self.linear_num_key_heads,
-            "linear_num_value_heads": self.linear_num_value_heads,
-            "linear_key_head_dim": self.linear_key_head_dim,
-            "linear_value_head_dim": self.linear_value_head_dim,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
             "eos_token_id": self.eos_token_ids[0]
             if len(self.eos_token_ids) == 1
             else list(self.eos_token_ids),
@@ -293,49 +300,20 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
             "(supported: MLX group-affine 4/8-bit)"
         )
     defaults = ModelConfig()
+    values: dict[str, Any] = {}
     try:
+        for field, key in _HF_TEXT_KEYS.items():
+            if key in text or (key == "tie_word_embeddings" and key in raw):
+                kind = type(getattr(defaults, field))  # int, float or bool
+                values[field] = kind(text.get(key, raw.get(key)))
+        for key in _ROPE_KEYS:
+            if key in rope or key in text:
+                values[key] = float(rope.get(key, text.get(key)))
+        if "mrope_section" in rope:
+            values["mrope_section"] = tuple(int(x) for x in rope["mrope_section"])
         return ModelConfig(
-            vocab_size=int(text.get("vocab_size", defaults.vocab_size)),
-            hidden_size=int(text.get("hidden_size", defaults.hidden_size)),
-            num_layers=int(text.get("num_hidden_layers", defaults.num_layers)),
+            **values,
             layer_types=tuple(text.get("layer_types") or ()),
-            num_attention_heads=int(text.get("num_attention_heads", defaults.num_attention_heads)),
-            num_kv_heads=int(text.get("num_key_value_heads", defaults.num_kv_heads)),
-            head_dim=int(text.get("head_dim", defaults.head_dim)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", defaults.rope_theta))),
-            partial_rotary_factor=float(
-                rope.get("partial_rotary_factor", defaults.partial_rotary_factor)
-            ),
-            mrope_section=tuple(rope.get("mrope_section", defaults.mrope_section)),
-            linear_conv_kernel=int(text.get("linear_conv_kernel_dim", defaults.linear_conv_kernel)),
-            linear_num_key_heads=int(
-                text.get("linear_num_key_heads", defaults.linear_num_key_heads)
-            ),
-            linear_num_value_heads=int(
-                text.get("linear_num_value_heads", defaults.linear_num_value_heads)
-            ),
-            linear_key_head_dim=int(text.get("linear_key_head_dim", defaults.linear_key_head_dim)),
-            linear_value_head_dim=int(
-                text.get("linear_value_head_dim", defaults.linear_value_head_dim)
-            ),
-            num_experts=int(text.get("num_experts", defaults.num_experts)),
-            num_experts_per_tok=int(text.get("num_experts_per_tok", defaults.num_experts_per_tok)),
-            moe_intermediate_size=int(
-                text.get("moe_intermediate_size", defaults.moe_intermediate_size)
-            ),
-            shared_expert_intermediate_size=int(
-                text.get(
-                    "shared_expert_intermediate_size", defaults.shared_expert_intermediate_size
-                )
-            ),
-            rms_norm_eps=float(text.get("rms_norm_eps", defaults.rms_norm_eps)),
-            max_position_embeddings=int(
-                text.get("max_position_embeddings", defaults.max_position_embeddings)
-            ),
-            tie_word_embeddings=bool(
-                text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
-            ),
-            initializer_range=float(text.get("initializer_range", defaults.initializer_range)),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
             quantization=QuantConfig.from_mlx(quant) if quant is not None else None,
         )

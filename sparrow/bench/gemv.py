@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us
 from sparrow.kernels.quant_gemv.gemv import quant_gemv
 from sparrow.kernels.quant_gemv.naive import quant_matmul
@@ -86,9 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<28}{r['floor_us']:>10.2f}{r['best_us']:>10.2f}"
               f"{r['best_fraction_of_bandwidth']:>9.0%}{r['bf16_cublas_us']:>10.2f}"
               f"{r['dequant_matmul_us']:>11.1f}  {r['best']}")  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     return report
 
 

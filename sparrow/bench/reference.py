@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 import torch
 
+from sparrow.bench.report import write_report
 from sparrow.config import ModelConfig
 from sparrow.eval.hf_compare import agreement, build_hf, ours_from_hf, run_hf, run_ours
 
@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         report[engine] = {"prefill_tok_s": pre, "decode_tok_s": dec, "rounds_s": rows}
         print(f"{engine:<10}{pre:>16.1f}{dec:>16.2f}")
     print(json.dumps(report["bf16_logits_vs_hf"]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     return report
 
 

@@ -15,10 +15,10 @@ import argparse
 import copy
 import json
 import time
-from pathlib import Path
 
 import torch
 
+from sparrow.bench.report import write_report
 from sparrow.config import ModelConfig
 from sparrow.loader.weights import load_tensors
 
@@ -124,9 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ours_bf16_vs_hf_bf16": agreement(logits["ours_bf16"], logits["hf_bf16"]),
     }
     print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     return report
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
+from sparrow.bench.report import write_report
 from sparrow.config import ModelConfig, QuantConfig
 from sparrow.eval.hf_compare import agreement
 from sparrow.kernels import set_backend
@@ -58,9 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
         "4bit_gemv_kernels_vs_4bit_reference": agreement(kern4, ref4),
     }
     print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     return report
 
 
