@@ -45,6 +45,11 @@ class Experts(nn.Module):
         """Float (gate_up [2I, hidden], down [hidden, I]) of expert e."""
         return self.gate_up_proj[e], self.down_proj[e]
 
+    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int):
+        """Route (softmax top-k) and run the experts: [T, hidden] -> [T, hidden]."""
+        weights, ids = route(router_logits, top_k)
+        return self(x, weights, ids)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, ids: [T, k]. Loops over the experts that received rows."""
         out = torch.zeros_like(x)
@@ -68,7 +73,6 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        weights, ids = route(self.gate(x), self.top_k)
-        routed = self.experts(x, weights, ids)
+        routed = self.experts.route_and_run(x, self.gate(x), self.top_k)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

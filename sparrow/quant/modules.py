@@ -12,10 +12,13 @@ Quantised parameters sit beside each other: `<module>.weight` (packed int32 word
 `gate_up_proj_scales` / `gate_up_proj_biases` (and the same for `down_proj`).
 
 Forward passes: the reference path dequantises, then runs a float matmul; with the Triton
-backend, linear layers on up to 8 rows (decode) run the fused-dequant GEMV instead.
+backend, linear layers on up to 8 rows (decode) run the fused-dequant GEMV instead, and the
+routed experts run GPU routing + grouped fused-dequant GEMMs.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +26,10 @@ from torch import nn
 
 from sparrow.config import QuantConfig
 from sparrow.kernels import use_triton
+from sparrow.kernels.moe_gemm.grouped_gemm import moe_experts
 from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
 from sparrow.layers.moe import Experts
-from sparrow.quant.affine import QuantSpec, dequantize
+from sparrow.quant.affine import QuantSpec, dequantize, quantize
 
 
 def companion(param: str, kind: str) -> str:
@@ -91,6 +95,16 @@ class QuantizedExperts(Experts):
         for name, shape in self.logical_shapes.items():
             _packed_params(self, name, shape, spec, dtype)
 
+    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int):
+        """With the Triton backend: GPU routing + grouped fused-dequant GEMMs, no host sync."""
+        if not use_triton(x):
+            return super().route_and_run(x, router_logits, top_k)
+        return moe_experts(
+            x.reshape(-1, x.shape[-1]), router_logits, top_k,
+            (self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
+            (self.down_proj, self.down_proj_scales, self.down_proj_biases), self.spec,
+        )  # fmt: skip
+
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.gate_up_proj_scales.dtype
         return tuple(
@@ -100,11 +114,14 @@ class QuantizedExperts(Experts):
         )  # fmt: skip
 
 
-def quantize_modules(model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) -> nn.Module:
+def quantize_modules(
+    model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, prefix: str = ""
+) -> nn.Module:
     """Swap the model's weight-holding modules for quantised ones following `qcfg` (call it
-    under `torch.device("meta")`: the loader fills the new parameters). Returns the model."""
+    under `torch.device("meta")`: the loader fills the new parameters). `prefix` is the
+    model's own path in the full model, for the per-module overrides. Returns the model."""
     for path, module in list(model.named_modules()):
-        spec = qcfg.spec_for(path)
+        spec = qcfg.spec_for(prefix + path)
         if spec is None:
             continue
         if isinstance(module, nn.Linear) and module.in_features % spec.group_size == 0:
@@ -121,3 +138,25 @@ def quantize_modules(model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype) ->
         parent, _, child = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     return model
+
+
+def quantized_copy(
+    module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, prefix: str = ""
+) -> nn.Module:
+    """A quantised twin of a float module: weights quantised from it, float parameters (norms,
+    conv) shared. For benchmarking one layer without building a whole model."""
+    float_params = dict(module.named_parameters())
+    with torch.device("meta"):
+        twin = copy.deepcopy(module).to("meta")
+        quantize_modules(twin, qcfg, dtype, prefix)
+    state = {}
+    for path, m in twin.named_modules():
+        for name in getattr(m, "logical_shapes", {}):
+            full = f"{path}.{name}" if path else name
+            packed, scales, biases = quantize(float_params[full], m.spec, dtype)
+            state[full] = packed
+            state[companion(full, "scales")], state[companion(full, "biases")] = scales, biases
+    for name, _ in twin.named_parameters():
+        state.setdefault(name, float_params.get(name))
+    twin.load_state_dict(state, strict=True, assign=True)
+    return twin

@@ -1,0 +1,136 @@
+"""Grouped GEMM over routed experts with the group-affine dequantisation fused into the K loop.
+
+Rows come from `moe_routing.align`: blocks of BLOCK_M assignments that all belong to one
+expert. A program takes one such block and BLOCK_N output columns; its weight tile is read as
+packed codes, expanded to the activation dtype in registers, and fed to `tl.dot` (tensor
+cores, fp32 accumulation). The bf16 weight is never written to memory. Two uses:
+
+    gate_up:  h[a]   = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T)      (GATED, rows by token)
+    down:     out[a] = w[a] * (h[a] @ Wd[e]^T)                       (APPLY_WEIGHT)
+
+with a = t * top_k + slot the flat assignment index; out [T * k, D] is then summed over slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparrow.kernels.moe_routing.routing import align, topk_route
+from sparrow.quant.affine import QuantSpec
+
+
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, K, stride_wn, stride_sn,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Weight rows o_n, columns k0..k0+BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    m = m_n[:, None] & (o_k < K)[None, :]
+    b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + (o_k // PER_WORD)[None, :], mask=m, other=0)
+    b_q = (b_w >> ((o_k % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)
+    o_s = o_n[:, None] * stride_sn + (o_k // GROUP)[None, :]
+    b_s = tl.load(s_ptr + o_s, mask=m, other=0.0).to(tl.float32)
+    b_b = tl.load(b_ptr + o_s, mask=m, other=0.0).to(tl.float32)
+    return b_q.to(tl.float32) * b_s + b_b
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr,
+    sorted_ptr, block_expert_ptr, num_rows_ptr,
+    N, K, num_valid,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    if i_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return  # past the padded rows in use: the grid is sized without reading the routing
+    i_e = tl.load(block_expert_ptr + i_m).to(tl.int64)
+    rows = tl.load(sorted_ptr + i_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_rows = rows < num_valid
+    if GATED:
+        a_rows = rows // TOP_K  # gate_up reads x by token
+    else:
+        a_rows = rows
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
+    o_k = tl.arange(0, BLOCK_K)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        m_a = m_rows[:, None] & ((k0 + o_k) < K)[None, :]
+        b_a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + o_k)[None, :], mask=m_a, other=0.0
+        )
+        b_w = _dequant_tile(w_e, s_e, b_e, o_n, m_n, k0, K, stride_wn, stride_sn,
+                            BITS, GROUP, BLOCK_K)  # fmt: skip
+        b_acc += tl.dot(b_a, tl.trans(b_w.to(b_a.dtype)), input_precision=PRECISION)
+        if GATED:  # the up rows sit N rows below the gate rows
+            b_u = _dequant_tile(w_e, s_e, b_e, o_n + N, m_n, k0, K, stride_wn, stride_sn,
+                                BITS, GROUP, BLOCK_K)  # fmt: skip
+            b_acc_up += tl.dot(b_a, tl.trans(b_u.to(b_a.dtype)), input_precision=PRECISION)
+    if GATED:
+        b_acc = b_acc / (1.0 + tl.exp(-b_acc)) * b_acc_up
+    if APPLY_WEIGHT:
+        b_acc *= tl.load(rw_ptr + rows, mask=m_rows, other=0.0)[:, None]
+    p_c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + o_n[None, :]
+    tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
+
+
+def _launch(a, w, c, rw, routing, n, top_k, gated, spec, block_m, block_n, block_k):
+    packed, scales, biases = w
+    sorted_ids, block_expert, num_rows = routing
+    k = a.shape[1]
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        a, packed.view(torch.int32), scales, biases, c, rw,
+        sorted_ids, block_expert, num_rows,
+        n, k, c.shape[0],
+        a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
+        c.stride(0),
+        TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None,
+        BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+
+
+def block_m_for(num_assignments: int, num_experts: int) -> int:
+    """Rows per block from the expected rows per expert (placeholder until the sweep in
+    bench/moe.py has run on the H200: 16 rows for few tokens, 64 for many)."""
+    per_expert = num_assignments / num_experts
+    return 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    spec: QuantSpec,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
+    """Routed experts of one MoE layer, all on the GPU with no host sync.
+    x: [T, D]; router_logits: [T, E]; gate_up: (packed [E, 2I, D*bits/32], scales, biases
+    [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]."""
+    t, d = x.shape
+    e, two_i = gate_up[0].shape[:2]
+    inter = two_i // 2
+    x = x.contiguous()
+    weights, ids = topk_route(router_logits, top_k)
+    block_m = block_m or block_m_for(t * top_k, e)
+    routing = align(ids, e, block_m)
+    h = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
+    _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, block_m, block_n, block_k)
+    partial = torch.empty(t * top_k, d, device=x.device, dtype=torch.float32)
+    _launch(h, down, partial, weights.reshape(-1), routing, d, top_k, False, spec,
+            block_m, block_n, block_k)  # fmt: skip
+    return partial.view(t, top_k, d).sum(1).to(x.dtype)

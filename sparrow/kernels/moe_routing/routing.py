@@ -1,0 +1,113 @@
+"""MoE routing on the GPU, with no host synchronisation (capturable in a CUDA graph).
+
+    topk_route:  router logits [T, E] -> weights [T, k] fp32, expert ids [T, k] int32
+    align:       ids -> (sorted_ids, block_expert, num_rows), see naive.align
+
+`align` is three small kernels: a histogram of assignments per expert (atomics), one program
+that scans the padded counts into group offsets and writes the block -> expert map, and a
+scatter of each assignment to its slot (an atomic cursor per expert). Output sizes depend
+only on T, k, E and block_m, never on the routing itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t,
+                 K: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """One token per program: softmax over E, then K rounds of argmax-and-mask."""
+    i_t = tl.program_id(0)
+    o_e = tl.arange(0, BLOCK_E)
+    b_l = tl.load(logits_ptr + i_t * stride_t + o_e, mask=o_e < E, other=-float("inf"))
+    b_l = b_l.to(tl.float32)
+    b_p = tl.exp(b_l - tl.max(b_l, axis=0))
+    b_p = b_p / tl.sum(b_p, axis=0)
+    total = 0.0
+    for i in tl.static_range(K):
+        best = tl.max(b_p, axis=0)
+        # lowest index among ties, like torch.topk on distinct values
+        idx = tl.min(tl.where(b_p == best, o_e, BLOCK_E), axis=0)
+        tl.store(w_ptr + i_t * K + i, best)
+        tl.store(ids_ptr + i_t * K + i, idx)
+        total += best
+        b_p = tl.where(o_e == idx, -1.0, b_p)
+    o_k = tl.arange(0, K)
+    b_w = tl.load(w_ptr + i_t * K + o_k)
+    tl.store(w_ptr + i_t * K + o_k, b_w / total)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    b_e = tl.load(ids_ptr + o, mask=m, other=0)
+    tl.atomic_add(counts_ptr + b_e, 1, mask=m)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, offsets_ptr, block_expert_ptr, num_rows_ptr, E, max_blocks,
+                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+    """Single program: padded group sizes -> exclusive offsets; block -> expert map."""
+    o_e = tl.arange(0, BLOCK_E)
+    b_c = tl.load(counts_ptr + o_e, mask=o_e < E, other=0)
+    b_pad = (b_c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    b_end = tl.cumsum(b_pad, axis=0)
+    tl.store(offsets_ptr + o_e, b_end - b_pad, mask=o_e < E)
+    total = tl.sum(b_pad, axis=0)
+    tl.store(num_rows_ptr, total)
+    for b0 in range(0, max_blocks, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        start = o_b * BLOCK_M
+        # expert of a block = number of groups that end at or before its first row
+        b_x = tl.sum((b_end[None, :] <= start[:, None]).to(tl.int32), axis=1)
+        b_x = tl.where(start < total, b_x, -1)
+        tl.store(block_expert_ptr + o_b, b_x, mask=o_b < max_blocks)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, offsets_ptr, cursor_ptr, sorted_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    b_e = tl.load(ids_ptr + o, mask=m, other=0)
+    rank = tl.atomic_add(cursor_ptr + b_e, 1, mask=m)
+    base = tl.load(offsets_ptr + b_e, mask=m, other=0)
+    tl.store(sorted_ptr + base + rank, o, mask=m)
+
+
+def topk_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] -> (weights [T, k] fp32 summing to 1, ids [T, k] int32)."""
+    t, e = logits.shape
+    if not 0 < k <= e:
+        raise ValueError(f"top-k {k} out of range for {e} experts")
+    logits = logits.contiguous()
+    weights = torch.empty(t, k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(t, k, device=logits.device, dtype=torch.int32)
+    if t:
+        _topk_kernel[(t,)](logits, weights, ids, e, logits.stride(0), K=k,
+                           BLOCK_E=triton.next_power_of_2(e))  # fmt: skip
+    return weights, ids
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int):
+    """ids: [T, k] int -> (sorted_ids, block_expert, num_rows) as in `naive.align`."""
+    flat = ids.reshape(-1).to(torch.int32).contiguous()
+    n, dev = flat.numel(), ids.device
+    max_blocks = triton.cdiv(n, block_m) + num_experts
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    cursor = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    block = 1024
+    grid = (max(1, triton.cdiv(n, block)),)
+    _count_kernel[grid](flat, counts, n, BLOCK=block)
+    _scan_kernel[(1,)](counts, offsets, block_expert, num_rows, num_experts, max_blocks,
+                       BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                       BLOCK_B=64)  # fmt: skip
+    _scatter_kernel[grid](flat, offsets, cursor, sorted_ids, n, BLOCK=block)
+    return sorted_ids, block_expert, num_rows

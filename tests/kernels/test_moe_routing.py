@@ -1,0 +1,51 @@
+"""Routing kernels vs their reference, on awkward routings."""
+
+import pytest
+import torch
+
+from sparrow.kernels.moe_routing import naive
+from sparrow.kernels.moe_routing.routing import align, topk_route
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t, e, k", [(1, 256, 8), (3, 16, 4), (17, 60, 8), (64, 8, 1)])
+def test_topk_route(device, t, e, k):
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(t)).to(device)
+    weights, ids = topk_route(logits, k)
+    ref_w, ref_ids = naive.route(logits, k)
+    assert torch.equal(ids.long().cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_w.float().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def _check_align(ids, num_experts, block_m):
+    got = align(ids, num_experts, block_m)
+    want = naive.align(ids.cpu(), num_experts, block_m)
+    sorted_ids, block_expert, num_rows = (x.cpu() for x in got)
+    assert num_rows.item() == want[2].item()
+    assert torch.equal(block_expert, want[1])
+    rows = num_rows.item()
+    # Within an expert's group the order of assignments is free (atomics): compare as sets.
+    for e in range(num_experts):
+        blocks = (want[1] == e).nonzero().flatten().tolist()
+        rows_e = [r for b in blocks for r in range(b * block_m, (b + 1) * block_m)]
+        assert sorted(sorted_ids[rows_e].tolist()) == sorted(want[0][rows_e].tolist())
+    assert (sorted_ids[rows:] == ids.numel()).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t, k, block_m", [(1, 8, 16), (3, 2, 16), (17, 4, 32), (100, 8, 64)])
+def test_align_random(device, t, k, block_m):
+    e = 24
+    gen = torch.Generator().manual_seed(t * k)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(device)
+    _check_align(ids, e, block_m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_align_skewed(device):
+    """Most experts get no rows; one expert gets every token."""
+    t, e = 37, 16  # top-2
+    ids = torch.stack([torch.zeros(t, dtype=torch.long), torch.arange(t) % 3 + 5], 1)
+    _check_align(ids.to(device), e, 16)

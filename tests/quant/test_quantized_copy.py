@@ -1,0 +1,23 @@
+import torch
+
+from sparrow.config import ModelConfig, QuantConfig
+from sparrow.layers.moe import SparseMoE
+from sparrow.quant.modules import QuantizedExperts, QuantizedLinear, quantized_copy
+
+CFG = ModelConfig(hidden_size=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                  shared_expert_intermediate_size=64)  # fmt: skip
+
+
+def test_quantized_copy_of_a_moe_layer():
+    torch.manual_seed(0)
+    layer = SparseMoE(CFG)
+    for p in layer.parameters():
+        p.requires_grad_(False).normal_(0, 0.05)
+    q = quantized_copy(layer, QuantConfig.mlx_default(), torch.float32, prefix="layers.0.mlp.")
+    assert isinstance(q.experts, QuantizedExperts) and isinstance(q.shared_expert.up_proj,
+                                                                  QuantizedLinear)  # fmt: skip
+    assert q.gate.spec.bits == 8 and q.experts.spec.bits == 4
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        err = (q(x) - layer(x)).norm() / layer(x).norm()
+    assert err < 0.2  # 4-bit noise on Gaussian weights, ~9% per matrix
