@@ -22,18 +22,21 @@ from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, K, stride_wn, stride_sn,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Weight rows o_n, columns k0..k0+BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]."""
+def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, stride_wn, stride_sn,
+                  BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """Weight rows o_n, columns k0..k0+GROUP (one quantisation group), as fp32 [GROUP, N]:
+    already K-major for `tl.dot`. Loads GROUP*BITS/32 words per row and one scale and bias."""
     PER_WORD: tl.constexpr = 32 // BITS
-    o_k = k0 + tl.arange(0, BLOCK_K)
-    m = m_n[:, None] & (o_k < K)[None, :]
-    b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + (o_k // PER_WORD)[None, :], mask=m, other=0)
-    b_q = (b_w >> ((o_k % PER_WORD) * BITS)[None, :]) & ((1 << BITS) - 1)
-    o_s = o_n[:, None] * stride_sn + (o_k // GROUP)[None, :]
-    b_s = tl.load(s_ptr + o_s, mask=m, other=0.0).to(tl.float32)
-    b_b = tl.load(b_ptr + o_s, mask=m, other=0.0).to(tl.float32)
-    return b_q.to(tl.float32) * b_s + b_b
+    WORDS: tl.constexpr = GROUP // PER_WORD
+    o_w = k0 // PER_WORD + tl.arange(0, WORDS)
+    b_w = tl.load(w_ptr + o_w[:, None] + o_n[None, :] * stride_wn, mask=m_n[None, :], other=0)
+    shifts = tl.arange(0, PER_WORD) * BITS
+    b_q = (b_w[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [WORDS, PER_WORD, N]
+    b_q = tl.reshape(b_q, [GROUP, o_n.shape[0]])
+    o_s = o_n * stride_sn + k0 // GROUP
+    b_s = tl.load(s_ptr + o_s, mask=m_n, other=0.0).to(tl.float32)
+    b_b = tl.load(b_ptr + o_s, mask=m_n, other=0.0).to(tl.float32)
+    return b_q.to(tl.float32) * b_s[None, :] + b_b[None, :]
 
 
 @triton.jit
@@ -44,8 +47,9 @@ def _moe_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the padded rows in use: the grid is sized without reading the routing
@@ -59,21 +63,18 @@ def _moe_gemm_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
-    o_k = tl.arange(0, BLOCK_K)
+    o_k = tl.arange(0, GROUP)
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m_a = m_rows[:, None] & ((k0 + o_k) < K)[None, :]
-        b_a = tl.load(
-            a_ptr + a_rows[:, None] * stride_am + (k0 + o_k)[None, :], mask=m_a, other=0.0
-        )
-        b_w = _dequant_tile(w_e, s_e, b_e, o_n, m_n, k0, K, stride_wn, stride_sn,
-                            BITS, GROUP, BLOCK_K)  # fmt: skip
-        b_acc += tl.dot(b_a, tl.trans(b_w.to(b_a.dtype)), input_precision=PRECISION)
+    for k0 in range(0, K, GROUP):
+        p_a = a_ptr + a_rows[:, None] * stride_am + (k0 + o_k)[None, :]
+        b_a = tl.load(p_a, mask=m_rows[:, None], other=0.0)
+        b_w = _dequant_tile(w_e, s_e, b_e, o_n, m_n, k0, stride_wn, stride_sn, BITS, GROUP)
+        b_acc += tl.dot(b_a, b_w.to(b_a.dtype), input_precision=PRECISION)
         if GATED:  # the up rows sit N rows below the gate rows
-            b_u = _dequant_tile(w_e, s_e, b_e, o_n + N, m_n, k0, K, stride_wn, stride_sn,
-                                BITS, GROUP, BLOCK_K)  # fmt: skip
-            b_acc_up += tl.dot(b_a, tl.trans(b_u.to(b_a.dtype)), input_precision=PRECISION)
+            b_u = _dequant_tile(w_e, s_e, b_e, o_n + N, m_n, k0, stride_wn, stride_sn,
+                                BITS, GROUP)  # fmt: skip
+            b_acc_up += tl.dot(b_a, b_u.to(b_a.dtype), input_precision=PRECISION)
     if GATED:
         b_acc = b_acc / (1.0 + tl.exp(-b_acc)) * b_acc_up
     if APPLY_WEIGHT:
@@ -82,11 +83,13 @@ def _moe_gemm_kernel(
     tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
 
 
-def _launch(a, w, c, rw, routing, n, top_k, gated, spec, block_m, block_n, block_k):
+def _launch(a, w, c, rw, routing, n, top_k, gated, spec, block_m, block_n):
     packed, scales, biases = w
     sorted_ids, block_expert, num_rows = routing
     k = a.shape[1]
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    if k % spec.group_size:
+        raise ValueError(f"input dim {k} is not a multiple of group_size {spec.group_size}")
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 means fp32
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a, packed.view(torch.int32), scales, biases, c, rw,
@@ -96,7 +99,7 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, block_m, block_n, block
         c.stride(0),
         TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
 
 
@@ -116,7 +119,6 @@ def moe_experts(
     spec: QuantSpec,
     block_m: int | None = None,
     block_n: int = 64,
-    block_k: int = 64,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer, all on the GPU with no host sync.
     x: [T, D]; router_logits: [T, E]; gate_up: (packed [E, 2I, D*bits/32], scales, biases
@@ -129,8 +131,8 @@ def moe_experts(
     block_m = block_m or block_m_for(t * top_k, e)
     routing = align(ids, e, block_m)
     h = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
-    _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, block_m, block_n, block_k)
+    _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, block_m, block_n)
     partial = torch.empty(t * top_k, d, device=x.device, dtype=torch.float32)
     _launch(h, down, partial, weights.reshape(-1), routing, d, top_k, False, spec,
-            block_m, block_n, block_k)  # fmt: skip
+            block_m, block_n)  # fmt: skip
     return partial.view(t, top_k, d).sum(1).to(x.dtype)
