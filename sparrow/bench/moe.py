@@ -9,6 +9,7 @@ CUDA graph, larger ones eagerly; medians of several rounds.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 
 import torch
@@ -17,6 +18,7 @@ from sparrow.bench.report import write_report
 from sparrow.bench.timing import BF16_FLOP_PER_S, HBM_BYTES_PER_S, graph_time_us
 from sparrow.config import ModelConfig, QuantConfig
 from sparrow.kernels import set_backend
+from sparrow.kernels.moe_gemm.grouped_gemm import GemmTiles, moe_experts, tiles_for
 from sparrow.layers.moe import SparseMoE
 from sparrow.quant.modules import quantized_copy
 
@@ -89,14 +91,49 @@ def bench_tokens(hf, ours, cfg: ModelConfig, t: int) -> dict:
     }  # fmt: skip
 
 
+def sweep_tiles(ours, cfg: ModelConfig, tokens: list[int]) -> dict:
+    """Time the routed-expert GEMMs alone for each tile config: the table behind tiles_for."""
+    e = ours.experts
+    gate_up = (e.gate_up_proj, e.gate_up_proj_scales, e.gate_up_proj_biases)
+    down = (e.down_proj, e.down_proj_scales, e.down_proj_biases)
+    configs = [GemmTiles(bm, bn, bk, nw, ns) for bm, bn, bk, nw, ns in itertools.product(
+        (32, 64, 128), (64, 128), (64, 128), (4, 8), (2, 4))]  # fmt: skip
+    table = {}
+    for t in tokens:
+        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(t, cfg.num_experts, device="cuda")
+        times = {}
+        for tiles in configs:
+
+            def run(tiles=tiles, x=x, logits=logits):
+                return moe_experts(x, logits, cfg.num_experts_per_tok, gate_up, down, e.spec,
+                                   tiles=tiles)  # fmt: skip
+
+            try:
+                with torch.inference_mode():
+                    times[str(tiles)] = _eager_us(run, rounds=5)
+            except Exception as err:  # a tile set the compiler rejects (shared memory)
+                times[str(tiles)] = f"error: {str(err)[:120]}"
+        ok = {c: v for c, v in times.items() if isinstance(v, float)}
+        best = min(ok, key=ok.get)
+        default = str(tiles_for(t * cfg.num_experts_per_tok, cfg.num_experts))
+        table[t] = {"best": best, "best_us": ok[best], "default": default,
+                    "default_us": times.get(default), "all": times}  # fmt: skip
+        print(f"{t:>6} tokens: best {ok[best]:9.1f} us {best}; default {times.get(default)}")
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     p.add_argument("--out", default="bench-out/moe.json")
+    p.add_argument("--sweep", type=int, nargs="*", default=None,
+                   help="also sweep GEMM tiles at these token counts")  # fmt: skip
     args = p.parse_args(argv)
 
     cfg = ModelConfig()
     hf, ours = build_layers(cfg)
+    sweep = sweep_tiles(ours, cfg, args.sweep) if args.sweep else None
     rows = []
     print(f"{'tokens':>7}{'hf bf16 us':>12}{'deq+mm us':>11}{'ours us':>10}{'vs hf':>8}"
           f"{'TF/s':>8}{'GB/s':>8}{'roofline':>10}{'rel err':>10}")  # fmt: skip
@@ -108,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['gbps']:>8.0f}{r['fraction_of_roofline']:>10.1%}"
               f"{r['rel_err_vs_reference']:>10.1e}")  # fmt: skip
     report = {"gpu": torch.cuda.get_device_name(), "layer": "qwen3.6-35b-a3b MoE, 4-bit",
-              "rows": rows}  # fmt: skip
+              "rows": rows, "tile_sweep": sweep}  # fmt: skip
     write_report(args.out, report)
     return report
 

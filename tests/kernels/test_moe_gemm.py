@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparrow.kernels.moe_gemm import naive
-from sparrow.kernels.moe_gemm.grouped_gemm import moe_experts
+from sparrow.kernels.moe_gemm.grouped_gemm import GemmTiles, moe_experts
 from sparrow.layers.moe import route
 from sparrow.quant.affine import QuantSpec, quantize
 from tests.conftest import rel_err
@@ -17,7 +17,7 @@ def _weights(e, d, inter, spec, dtype, device, seed=0):
     return tuple(t.to(device) for t in gate_up), tuple(t.to(device) for t in down)
 
 
-def _run(t, e, k, d, inter, dtype, device, logits=None, tol=1e-3, **blocks):
+def _run(t, e, k, d, inter, dtype, device, logits=None, tol=1e-3, tiles=None):
     spec = QuantSpec(4, 64)
     gate_up, down = _weights(e, d, inter, spec, dtype, device, seed=t)
     gen = torch.Generator().manual_seed(t + 1)
@@ -25,7 +25,7 @@ def _run(t, e, k, d, inter, dtype, device, logits=None, tol=1e-3, **blocks):
     if logits is None:
         logits = torch.randn(t, e, generator=gen)
     logits = logits.to(device)
-    out = moe_experts(x, logits, k, gate_up, down, spec, **blocks)
+    out = moe_experts(x, logits, k, gate_up, down, spec, tiles=tiles)
     weights, ids = route(logits.float(), k)
     expected = naive.moe_experts(x, weights, ids, gate_up, down, spec)
     assert out.shape == expected.shape and out.dtype == x.dtype
@@ -33,11 +33,16 @@ def _run(t, e, k, d, inter, dtype, device, logits=None, tol=1e-3, **blocks):
 
 
 # CPU: the interpreter, fp16 and fp32 operands (bf16 tl.dot is wrong under the interpreter).
-@pytest.mark.parametrize("t", [1, 3, 17, 64])
+@pytest.mark.parametrize("t", [1, 3, 8, 17, 64])  # <= 8 tokens: the GEMV path
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_random_routing(t, dtype):
     _run(t, e=12, k=4, d=128, inter=64, dtype=dtype, device="cpu",
          tol=1e-5 if dtype == torch.float32 else 2e-3)  # fmt: skip
+
+
+def test_grouped_gemm_path_for_one_token():
+    _run(1, e=12, k=4, d=128, inter=64, dtype=torch.float32, device="cpu", tol=1e-5,
+         tiles=GemmTiles(block_m=16))  # fmt: skip
 
 
 def test_one_expert_takes_all_and_most_get_none():
@@ -46,13 +51,13 @@ def test_one_expert_takes_all_and_most_get_none():
     logits[:, 3] = 5.0  # every token's first choice is expert 3
     logits[:, 7] = 4.0 + torch.linspace(0, 1, t)  # second choice 7
     _run(t, e, k=2, d=64, inter=64, dtype=torch.float32, device="cpu", logits=logits,
-         block_m=16, tol=1e-5)  # fmt: skip
+         tiles=GemmTiles(block_m=16), tol=1e-5)  # fmt: skip
 
 
 def test_sizes_not_multiples_of_the_tiles():
-    # N (192 and 192) is not a multiple of BLOCK_N = 128.
+    # K and N (192 and 192) are not multiples of BLOCK_K = BLOCK_N = 128.
     _run(5, e=6, k=2, d=192, inter=192, dtype=torch.float32, device="cpu", tol=1e-5,
-         block_m=16, block_n=128)  # fmt: skip
+         tiles=GemmTiles(block_m=16, block_n=128, block_k=128))  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -13,30 +13,39 @@ with a = t * top_k + slot the flat assignment index; out [T * k, D] is then summ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from sparrow.kernels.moe_routing.routing import align, topk_route
+from sparrow.kernels.quant_gemv.gemv import gemv_rows
 from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, stride_wn, stride_sn,
-                  BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-    """Weight rows o_n, columns k0..k0+GROUP (one quantisation group), as fp32 [GROUP, N]:
-    already K-major for `tl.dot`. Loads GROUP*BITS/32 words per row and one scale and bias."""
+def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, K, stride_wn, stride_sn,
+                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Weight rows o_n, columns k0..k0+BLOCK_K (whole quantisation groups), as fp32
+    [BLOCK_K, N]: already K-major for `tl.dot`. Reads only packed words and one scale and
+    bias per (group, row)."""
     PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = GROUP // PER_WORD
+    WORDS: tl.constexpr = BLOCK_K // PER_WORD
+    K_GROUPS: tl.constexpr = BLOCK_K // GROUP
     o_w = k0 // PER_WORD + tl.arange(0, WORDS)
-    b_w = tl.load(w_ptr + o_w[:, None] + o_n[None, :] * stride_wn, mask=m_n[None, :], other=0)
+    m_w = (o_w < K // PER_WORD)[:, None] & m_n[None, :]
+    b_w = tl.load(w_ptr + o_w[:, None] + o_n[None, :] * stride_wn, mask=m_w, other=0)
     shifts = tl.arange(0, PER_WORD) * BITS
     b_q = (b_w[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [WORDS, PER_WORD, N]
-    b_q = tl.reshape(b_q, [GROUP, o_n.shape[0]])
-    o_s = o_n * stride_sn + k0 // GROUP
-    b_s = tl.load(s_ptr + o_s, mask=m_n, other=0.0).to(tl.float32)
-    b_b = tl.load(b_ptr + o_s, mask=m_n, other=0.0).to(tl.float32)
-    return b_q.to(tl.float32) * b_s[None, :] + b_b[None, :]
+    b_q = tl.reshape(b_q, [K_GROUPS, GROUP, o_n.shape[0]])
+    o_g = k0 // GROUP + tl.arange(0, K_GROUPS)
+    m_g = (o_g < K // GROUP)[:, None] & m_n[None, :]
+    o_s = o_g[:, None] + o_n[None, :] * stride_sn
+    b_s = tl.load(s_ptr + o_s, mask=m_g, other=0.0).to(tl.float32)
+    b_b = tl.load(b_ptr + o_s, mask=m_g, other=0.0).to(tl.float32)
+    b_wf = b_q.to(tl.float32) * b_s[:, None, :] + b_b[:, None, :]
+    return tl.reshape(b_wf, [BLOCK_K, o_n.shape[0]])
 
 
 @triton.jit
@@ -47,9 +56,9 @@ def _moe_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0."""
+    """K advances BLOCK_K (a multiple of the quantisation group) per step."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the padded rows in use: the grid is sized without reading the routing
@@ -63,17 +72,18 @@ def _moe_gemm_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
-    o_k = tl.arange(0, GROUP)
+    o_k = tl.arange(0, BLOCK_K)
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, GROUP):
+    for k0 in range(0, K, BLOCK_K):
         p_a = a_ptr + a_rows[:, None] * stride_am + (k0 + o_k)[None, :]
-        b_a = tl.load(p_a, mask=m_rows[:, None], other=0.0)
-        b_w = _dequant_tile(w_e, s_e, b_e, o_n, m_n, k0, stride_wn, stride_sn, BITS, GROUP)
+        b_a = tl.load(p_a, mask=m_rows[:, None] & ((k0 + o_k) < K)[None, :], other=0.0)
+        b_w = _dequant_tile(w_e, s_e, b_e, o_n, m_n, k0, K, stride_wn, stride_sn,
+                            BITS, GROUP, BLOCK_K)  # fmt: skip
         b_acc += tl.dot(b_a, b_w.to(b_a.dtype), input_precision=PRECISION)
         if GATED:  # the up rows sit N rows below the gate rows
-            b_u = _dequant_tile(w_e, s_e, b_e, o_n + N, m_n, k0, stride_wn, stride_sn,
-                                BITS, GROUP)  # fmt: skip
+            b_u = _dequant_tile(w_e, s_e, b_e, o_n + N, m_n, k0, K, stride_wn, stride_sn,
+                                BITS, GROUP, BLOCK_K)  # fmt: skip
             b_acc_up += tl.dot(b_a, b_u.to(b_a.dtype), input_precision=PRECISION)
     if GATED:
         b_acc = b_acc / (1.0 + tl.exp(-b_acc)) * b_acc_up
@@ -83,14 +93,57 @@ def _moe_gemm_kernel(
     tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
 
 
-def _launch(a, w, c, rw, routing, n, top_k, gated, spec, block_m, block_n):
+@triton.jit
+def _moe_gemv_kernel(
+    a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr,
+    N, K,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Decode: one program per (BLOCK_N outputs, assignment a = t * TOP_K + slot), the
+    expert's weight rows read once as packed codes (GEMV, no tensor cores, no padding)."""
+    i_n, i_a = tl.program_id(0), tl.program_id(1)
+    i_e = tl.load(ids_ptr + i_a).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    if GATED:
+        p_a = a_ptr + (i_a // TOP_K) * stride_am
+    else:
+        p_a = a_ptr + i_a * stride_am
+    w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
+    b_y = gemv_rows(p_a, w_e, s_e, b_e, o_n, m_n, K, stride_wn, stride_sn, BITS, GROUP,
+                    BLOCK_N, BLOCK_K)  # fmt: skip
+    if GATED:
+        b_u = gemv_rows(p_a, w_e, s_e, b_e, o_n + N, m_n, K, stride_wn, stride_sn, BITS, GROUP,
+                        BLOCK_N, BLOCK_K)  # fmt: skip
+        b_y = b_y / (1.0 + tl.exp(-b_y)) * b_u
+    if APPLY_WEIGHT:
+        b_y *= tl.load(rw_ptr + i_a)
+    tl.store(c_ptr + i_a * stride_cm + o_n, b_y.to(c_ptr.dtype.element_ty), mask=m_n)
+
+
+def _launch_gemv(a, w, c, rw, ids, n, top_k, gated, spec, block_n=8, block_k=512):
+    packed, scales, biases = w
+    _moe_gemv_kernel[(triton.cdiv(n, block_n), c.shape[0])](
+        a, packed.view(torch.int32), scales, biases, c, rw, ids,
+        n, a.shape[1],
+        a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
+        c.stride(0),
+        TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None,
+        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
+        BLOCK_K=max(block_k, spec.group_size), num_warps=2,
+    )  # fmt: skip
+
+
+def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
     packed, scales, biases = w
     sorted_ids, block_expert, num_rows = routing
     k = a.shape[1]
     if k % spec.group_size:
         raise ValueError(f"input dim {k} is not a multiple of group_size {spec.group_size}")
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 means fp32
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    grid = (block_expert.numel(), triton.cdiv(n, tiles.block_n))
     _moe_gemm_kernel[grid](
         a, packed.view(torch.int32), scales, biases, c, rw,
         sorted_ids, block_expert, num_rows,
@@ -99,15 +152,29 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, block_m, block_n):
         c.stride(0),
         TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
-def block_m_for(num_assignments: int, num_experts: int) -> int:
-    """Rows per block from the expected rows per expert (placeholder until the sweep in
-    bench/moe.py has run on the H200: 16 rows for few tokens, 64 for many)."""
+GEMV_TOKENS = 8  # up to this many tokens, each assignment runs as a GEMV (decode)
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def tiles_for(num_assignments: int, num_experts: int) -> GemmTiles:
+    """Tiles from the expected rows per expert (BLOCK_M near the group size wastes less on
+    padding). Measured on the H200 at 2048 tokens (`bench.moe --sweep`): 64 x 64 rows/cols
+    955 us, 32 x 64 1436 us, 16 x 64 2068 us for the two GEMMs."""
     per_expert = num_assignments / num_experts
-    return 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
+    return GemmTiles(block_m=32 if per_expert <= 32 else 64)
 
 
 def moe_experts(
@@ -117,10 +184,10 @@ def moe_experts(
     gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     spec: QuantSpec,
-    block_m: int | None = None,
-    block_n: int = 64,
+    tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
-    """Routed experts of one MoE layer, all on the GPU with no host sync.
+    """Routed experts of one MoE layer, all on the GPU with no host sync. Up to GEMV_TOKENS
+    tokens (unless tiles are given) take the GEMV path, else the grouped GEMM.
     x: [T, D]; router_logits: [T, E]; gate_up: (packed [E, 2I, D*bits/32], scales, biases
     [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]."""
     t, d = x.shape
@@ -128,11 +195,14 @@ def moe_experts(
     inter = two_i // 2
     x = x.contiguous()
     weights, ids = topk_route(router_logits, top_k)
-    block_m = block_m or block_m_for(t * top_k, e)
-    routing = align(ids, e, block_m)
     h = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
-    _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, block_m, block_n)
     partial = torch.empty(t * top_k, d, device=x.device, dtype=torch.float32)
-    _launch(h, down, partial, weights.reshape(-1), routing, d, top_k, False, spec,
-            block_m, block_n)  # fmt: skip
+    if t <= GEMV_TOKENS and tiles is None:
+        _launch_gemv(x, gate_up, h, None, ids, inter, top_k, True, spec)
+        _launch_gemv(h, down, partial, weights, ids, d, top_k, False, spec)
+        return partial.view(t, top_k, d).sum(1).to(x.dtype)
+    tiles = tiles or tiles_for(t * top_k, e)
+    routing = align(ids, e, tiles.block_m)
+    _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, tiles)
+    _launch(h, down, partial, weights.reshape(-1), routing, d, top_k, False, spec, tiles)
     return partial.view(t, top_k, d).sum(1).to(x.dtype)

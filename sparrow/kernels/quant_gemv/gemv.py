@@ -17,22 +17,17 @@ from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-    N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """One program: BLOCK_N outputs of row i_m. Works on whole 32-bit words: for code slot j
-    of every word, the codes are (w >> BITS*j) & mask and meet x[word * PER_WORD + j]; the
-    scale and bias of a word's group are loaded per word (cached), so no reshapes."""
+def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
+              BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
+    """sum_k W[o_n, k] x[k] for one activation row x (K contiguous values): fp32 [BLOCK_N].
+
+    Works on whole 32-bit words: for code slot j of every word, the codes are
+    (w >> BITS*j) & mask and meet x[word * PER_WORD + j]; the scale and bias of a word's
+    group are loaded per word (cached), so there are no reshapes."""
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER_WORD
     WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
-    i_n, i_m = tl.program_id(0), tl.program_id(1)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
     o_w = tl.arange(0, WORDS)
     n_words = K // PER_WORD
     b_acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
@@ -45,7 +40,7 @@ def _gemv_kernel(
         b_b = tl.load(b_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
         b_qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         b_xs = tl.zeros([WORDS], dtype=tl.float32)
-        p_x = x_ptr + i_m * stride_xm + (w0 + o_w) * PER_WORD
+        p_x = x_ptr + (w0 + o_w) * PER_WORD
         for j in tl.static_range(PER_WORD):
             b_x = tl.load(p_x + j, mask=m_w, other=0.0).to(tl.float32)
             # code -> float without an int->float convert: 2^23 + q has q in its mantissa.
@@ -54,7 +49,23 @@ def _gemv_kernel(
             b_qx += b_q * b_x[None, :]
             b_xs += b_x
         b_acc += b_s * b_qx + b_b * b_xs[None, :]
-    b_y = tl.sum(b_acc, axis=1)
+    return tl.sum(b_acc, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    N, K,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_N outputs of activation row i_m."""
+    i_n, i_m = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_y = gemv_rows(x_ptr + i_m * stride_xm, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn,
+                    stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
