@@ -25,27 +25,21 @@ from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, K, stride_wn, stride_sn,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Weight rows o_n, columns k0..k0+BLOCK_K (whole quantisation groups), as fp32
-    [BLOCK_K, N]: already K-major for `tl.dot`. Reads only packed words and one scale and
-    bias per (group, row)."""
+def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, stride_wn, stride_sn,
+                  BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """Weight rows o_n, columns k0..k0+GROUP (one quantisation group), as fp32 [GROUP, N]:
+    already K-major for `tl.dot`. Loads GROUP*BITS/32 words per row and one scale and bias."""
     PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER_WORD
-    K_GROUPS: tl.constexpr = BLOCK_K // GROUP
+    WORDS: tl.constexpr = GROUP // PER_WORD
     o_w = k0 // PER_WORD + tl.arange(0, WORDS)
-    m_w = (o_w < K // PER_WORD)[:, None] & m_n[None, :]
-    b_w = tl.load(w_ptr + o_w[:, None] + o_n[None, :] * stride_wn, mask=m_w, other=0)
+    b_w = tl.load(w_ptr + o_w[:, None] + o_n[None, :] * stride_wn, mask=m_n[None, :], other=0)
     shifts = tl.arange(0, PER_WORD) * BITS
     b_q = (b_w[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [WORDS, PER_WORD, N]
-    b_q = tl.reshape(b_q, [K_GROUPS, GROUP, o_n.shape[0]])
-    o_g = k0 // GROUP + tl.arange(0, K_GROUPS)
-    m_g = (o_g < K // GROUP)[:, None] & m_n[None, :]
-    o_s = o_g[:, None] + o_n[None, :] * stride_sn
-    b_s = tl.load(s_ptr + o_s, mask=m_g, other=0.0).to(tl.float32)
-    b_b = tl.load(b_ptr + o_s, mask=m_g, other=0.0).to(tl.float32)
-    b_wf = b_q.to(tl.float32) * b_s[:, None, :] + b_b[:, None, :]
-    return tl.reshape(b_wf, [BLOCK_K, o_n.shape[0]])
+    b_q = tl.reshape(b_q, [GROUP, o_n.shape[0]])
+    o_s = o_n * stride_sn + k0 // GROUP
+    b_s = tl.load(s_ptr + o_s, mask=m_n, other=0.0).to(tl.float32)
+    b_b = tl.load(b_ptr + o_s, mask=m_n, other=0.0).to(tl.float32)
+    return b_q.to(tl.float32) * b_s[None, :] + b_b[None, :]
 
 
 @triton.jit
@@ -56,9 +50,9 @@ def _moe_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """K advances BLOCK_K (a multiple of the quantisation group) per step."""
+    """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the padded rows in use: the grid is sized without reading the routing
@@ -72,18 +66,17 @@ def _moe_gemm_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
-    o_k = tl.arange(0, BLOCK_K)
+    o_k = tl.arange(0, GROUP)
     b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     b_acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, GROUP):
         p_a = a_ptr + a_rows[:, None] * stride_am + (k0 + o_k)[None, :]
-        b_a = tl.load(p_a, mask=m_rows[:, None] & ((k0 + o_k) < K)[None, :], other=0.0)
-        b_w = _dequant_tile(w_e, s_e, b_e, o_n, m_n, k0, K, stride_wn, stride_sn,
-                            BITS, GROUP, BLOCK_K)  # fmt: skip
+        b_a = tl.load(p_a, mask=m_rows[:, None], other=0.0)
+        b_w = _dequant_tile(w_e, s_e, b_e, o_n, m_n, k0, stride_wn, stride_sn, BITS, GROUP)
         b_acc += tl.dot(b_a, b_w.to(b_a.dtype), input_precision=PRECISION)
         if GATED:  # the up rows sit N rows below the gate rows
-            b_u = _dequant_tile(w_e, s_e, b_e, o_n + N, m_n, k0, K, stride_wn, stride_sn,
-                                BITS, GROUP, BLOCK_K)  # fmt: skip
+            b_u = _dequant_tile(w_e, s_e, b_e, o_n + N, m_n, k0, stride_wn, stride_sn,
+                                BITS, GROUP)  # fmt: skip
             b_acc_up += tl.dot(b_a, b_u.to(b_a.dtype), input_precision=PRECISION)
     if GATED:
         b_acc = b_acc / (1.0 + tl.exp(-b_acc)) * b_acc_up
@@ -152,7 +145,7 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
         c.stride(0),
         TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
@@ -162,19 +155,21 @@ GEMV_TOKENS = 8  # up to this many tokens, each assignment runs as a GEMV (decod
 
 @dataclass(frozen=True)
 class GemmTiles:
+    """K always advances one quantisation group per step: a variant taking several groups
+    per step (extra reshapes of the scales) measured 1.5x slower at 2048 tokens."""
+
     block_m: int = 64
     block_n: int = 64
-    block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
 
 
 def tiles_for(num_assignments: int, num_experts: int) -> GemmTiles:
-    """Tiles from the expected rows per expert (BLOCK_M near the group size wastes less on
-    padding). Measured on the H200 at 2048 tokens (`bench.moe --sweep`): 64 x 64 rows/cols
-    955 us, 32 x 64 1436 us, 16 x 64 2068 us for the two GEMMs."""
+    """BLOCK_M from the expected rows per expert (less padding when groups are small).
+    Measured on the H200 at 2048 tokens (about 64 rows per expert), both GEMMs: BLOCK_M 64
+    955 us, 32 1436 us, 16 2068 us (BLOCK_N 64)."""
     per_expert = num_assignments / num_experts
-    return GemmTiles(block_m=32 if per_expert <= 32 else 64)
+    return GemmTiles(block_m=16 if per_expert <= 16 else (32 if per_expert <= 48 else 64))
 
 
 def moe_experts(
