@@ -53,7 +53,6 @@ class Target:
 
     param: str
     index: tuple  # into the parameter: () whole, (e, rows) one expert, (slice(None), rows) all
-    shape: tuple[int, ...]  # expected shape of the checkpoint tensor
     quantize: QuantSpec | None  # a float tensor to quantise into a packed parameter
 
 
@@ -114,7 +113,7 @@ class WeightAssembler:
                 f"{source}: tensor {name!r} has dtype {src_dtype}, expected {kind} "
                 f"with shape {list(shape)}"
             )
-        return Target(param, index, shape, spec if float_src and spec is not None else None)
+        return Target(param, index, spec if float_src else None)
 
     def add(self, target: Target, tensor: torch.Tensor, source: str) -> None:
         """Place one checked checkpoint tensor."""
