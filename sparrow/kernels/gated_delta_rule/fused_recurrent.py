@@ -1,0 +1,83 @@
+"""One decode step of the gated delta rule for a batch of sequences whose recurrent states
+live in a pool indexed by slot (continuous batching). Fused: L2-norm and scale of q/k, the
+decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the state update and the
+output. The state is updated in place.
+
+A program owns (sequence, v-head, BV columns of the state): the columns of S evolve
+independently (delta_j needs only column j), so splitting Dv gives B * Hv * Dv / BV programs
+with no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _recurrent_step_kernel(
+    qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
+    stride_qkv, stride_ab, stride_ss, stride_sh, stride_o,
+    KEY_DIM, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k = i_h // RATIO  # the q/k head this v-head reads
+    o_dk = tl.arange(0, DK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    p_row = qkv_ptr + i_b * stride_qkv
+    b_q = tl.load(p_row + i_k * DK + o_dk).to(tl.float32)
+    b_k = tl.load(p_row + KEY_DIM + i_k * DK + o_dk).to(tl.float32)
+    b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v).to(tl.float32)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    x = tl.load(a_ptr + i_b * stride_ab + i_h).to(tl.float32) + tl.load(dtb_ptr + i_h).to(
+        tl.float32
+    )
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    decay = tl.exp(-tl.exp(tl.load(alog_ptr + i_h).to(tl.float32)) * softplus)
+    beta = tl.sigmoid(tl.load(b_ptr + i_b * stride_ab + i_h).to(tl.float32))
+    slot = tl.load(slot_ptr + i_b).to(tl.int64)
+    p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
+    b_s = tl.load(p_s) * decay  # [DK, BV] fp32
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * beta
+    b_s += b_k[:, None] * b_delta[None, :]
+    tl.store(p_s, b_s)
+    b_o = tl.sum(b_s * b_q[:, None], axis=0)
+    tl.store(o_ptr + i_b * stride_o + i_h * DV + o_v, b_o)
+
+
+def fused_recurrent_step(
+    qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """qkv: [B, 2 * Hk * Dk + Hv * Dv] (after the conv); a, b: [B, Hv] (projections);
+    a_log, dt_bias: [Hv]; states: [S, Hv, Dk, Dv] fp32 pool, updated in place at slots [B].
+    Returns o: [B, Hv, Dv] fp32 (before the gated norm)."""
+    bsz = qkv.shape[0]
+    _, hv, dk, dv = states.shape
+    key_dim = num_k_heads * dk
+    if qkv.shape[1] != 2 * key_dim + hv * dv or a.shape != (bsz, hv) or b.shape != (bsz, hv):
+        raise ValueError(
+            f"qkv {list(qkv.shape)}, a {list(a.shape)}, b {list(b.shape)} do not fit states "
+            f"{list(states.shape)} with {num_k_heads} q/k heads"
+        )
+    if states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError("the state pool must be contiguous fp32")
+    qkv, a, b = qkv.contiguous(), a.contiguous(), b.contiguous()
+    o = torch.empty(bsz, hv, dv, device=qkv.device, dtype=torch.float32)
+    block_v = min(block_v, dv)
+    grid = (dv // block_v, hv, bsz)
+    _recurrent_step_kernel[grid](
+        qkv, a, b, a_log, dt_bias, states, slots, o,
+        qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), o.stride(0),
+        key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v,
+    )  # fmt: skip
+    return o
