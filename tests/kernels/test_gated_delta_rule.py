@@ -76,3 +76,57 @@ def _drift(steps, device):
                          hk, dk, dv)  # fmt: skip
     assert rel_err(states.cpu(), ref_states) < 1e-4
     assert rel_err(o.cpu(), ref) < 1e-4
+
+
+def _chunk_case(lengths, hk, hv, dk, dv, device, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g = -torch.rand(t, hv, generator=gen) * 0.5  # log-decay <= 0
+    beta = torch.rand(t, hv, generator=gen)
+    states = torch.randn(len(lengths) + 2, hv, dk, dv, generator=gen) * 0.1
+    slots = torch.randperm(len(lengths) + 2, generator=gen)[: len(lengths)].to(torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tensors = [q.to(dtype), k.to(dtype), v.to(dtype), g, beta]
+    return [x.to(device) for x in (*tensors, cu, states, slots)]
+
+
+def _chunk_reference(q, k, v, g, beta, cu, states, slots):
+    outs = []
+    bounds = cu.tolist()
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        slot = int(slots[i])
+        o, states[slot] = recurrent_gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b],
+                                                     beta[a:b], states[slot])  # fmt: skip
+        outs.append(o)
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lengths", [[1], [63], [64], [65], [130], [1, 64, 17, 100]])
+def test_chunk_matches_reference(device, lengths):
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+
+    q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 2, 4, 16, 32, device)
+    ref_states = states.clone().cpu()
+    expected = _chunk_reference(*(x.cpu() for x in (q, k, v, g, beta, cu)), ref_states,
+                                slots.cpu())  # fmt: skip
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots, block_v=16)
+    assert rel_err(o.cpu(), expected) < 1e-4
+    assert rel_err(states.cpu(), ref_states) < 1e-4
+
+
+def test_chunk_two_pieces_equal_one():
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+
+    q, k, v, g, beta, _, states, _ = _chunk_case([150], 1, 2, 16, 16, "cpu")
+    slot = torch.tensor([0], dtype=torch.int32)
+    whole_states = states.clone()
+    whole = chunk_gated_delta_rule_varlen(q, k, v, g, beta, torch.tensor([0, 150],
+                                          dtype=torch.int32), whole_states, slot)  # fmt: skip
+    parts = [chunk_gated_delta_rule_varlen(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b],
+             torch.tensor([0, b - a], dtype=torch.int32), states, slot)
+             for a, b in ((0, 70), (70, 150))]  # fmt: skip
+    assert rel_err(torch.cat(parts), whole) < 1e-5
+    assert rel_err(states, whole_states) < 1e-5
