@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.config import ModelConfig
+from sparrow.kernels import use_triton
+from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
+from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step
 from sparrow.kernels.gated_delta_rule.naive import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -53,6 +58,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
+        # The kernels tile head dims in powers of two (>= 16, as tl.dot needs); other shapes
+        # take the reference path.
+        self.kernels_fit = all(
+            n >= 16 and n & (n - 1) == 0 for n in (self.head_k_dim, self.head_v_dim)
+        )
 
     def new_state(self, device: torch.device, dtype: torch.dtype) -> GDNState:
         return GDNState(
@@ -65,6 +75,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_lens: list[int], states: list[GDNState]) -> torch.Tensor:
         """x: [T, hidden] for the sequences of `seq_lens` back to back."""
+        if use_triton(x) and self.kernels_fit:
+            return self._forward_kernels(x, seq_lens, states)
         mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
@@ -83,4 +95,35 @@ class GatedDeltaNet(nn.Module):
             outs.append(o.to(x.dtype))
         o = torch.cat(outs)  # [T, Hv, Dv]
         o = self.norm(o, z.view_as(o))
+        return self.out_proj(o.flatten(1))
+
+    def _forward_kernels(
+        self, x: torch.Tensor, seq_lens: list[int], states: list[GDNState]
+    ) -> torch.Tensor:
+        """The same layer through the Triton kernels: conv, then the fused recurrent step when
+        every sequence brings one token (decode), else the chunked scan. The per-sequence
+        states are stacked into a pool for the kernels and handed back after."""
+        cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=x.device)
+        slots = torch.arange(len(states), dtype=torch.int32, device=x.device)
+        conv_pool = torch.stack([s.conv for s in states])
+        state_pool = torch.stack([s.recurrent for s in states])
+        weight = self.conv1d.weight[:, 0]
+        qkv = causal_conv1d_varlen(self.in_proj_qkv(x), cu, conv_pool, slots, weight)
+        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        if all(n == 1 for n in seq_lens):
+            o = fused_recurrent_step(qkv, a, b, self.A_log, self.dt_bias, state_pool, slots,
+                                     self.num_k_heads)  # fmt: skip
+        else:
+            q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            o = chunk_gated_delta_rule_varlen(
+                q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)),
+                g, b.sigmoid().float(), cu, state_pool, slots,
+            )  # fmt: skip
+        for i, s in enumerate(states):
+            s.conv, s.recurrent = conv_pool[i], state_pool[i]
+        o = o.to(x.dtype)
+        o = self.norm(o, self.in_proj_z(x).view_as(o))
         return self.out_proj(o.flatten(1))

@@ -32,6 +32,11 @@ def test_matches_reference(device, lengths, c):
     torch.testing.assert_close(states.cpu(), ref_states.cpu(), rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+def test_real_sizes_gpu():
+    test_matches_reference("cuda", [1, 63, 64, 65, 1000], 8192)
+
+
 def test_chunked_equals_whole():
     x, _, states, _, weight = _case([50], 40, "cpu")
     slots = torch.tensor([2], dtype=torch.int32)

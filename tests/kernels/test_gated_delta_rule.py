@@ -130,3 +130,26 @@ def test_chunk_two_pieces_equal_one():
              for a, b in ((0, 70), (70, 150))]  # fmt: skip
     assert rel_err(torch.cat(parts), whole) < 1e-5
     assert rel_err(states, whole_states) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 1000], [4096]])
+def test_chunk_real_sizes_gpu(lengths):
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+
+    q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 16, 32, 128, 128, "cuda",
+                                                      dtype=torch.bfloat16)  # fmt: skip
+    ref_states = states.clone()
+    expected = _chunk_reference(q, k, v, g, beta, cu, ref_states, slots)
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)
+    assert rel_err(o, expected) < 1e-3 and rel_err(states, ref_states) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bsz", [1, 8, 64])
+def test_step_real_sizes_gpu(bsz):
+    qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, 16, 32, 128, 128, "cuda", pool=80)
+    ref_states = states.clone()
+    expected = _reference(qkv, a, b, a_log, dt_bias, ref_states, slots, 16, 128, 128)
+    o = fused_recurrent_step(qkv, a, b, a_log, dt_bias, states, slots, 16)
+    assert rel_err(o, expected) < 1e-4 and rel_err(states, ref_states) < 1e-4
