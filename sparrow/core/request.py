@@ -1,0 +1,45 @@
+"""A request as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from sparrow.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued: not admitted yet, or preempted
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled (client gone, server stopping)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival: int = 0  # order of arrival; earlier requests keep priority
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""  # decoded output, kept by the caller when stop strings are used
+    num_computed_tokens: int = 0  # tokens whose KV / state the model already holds
+    finish_reason: FinishReason | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

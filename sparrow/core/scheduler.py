@@ -1,0 +1,217 @@
+"""Continuous batching by token budget.
+
+Each step the scheduler returns a plan, `{request_id: num_tokens}`: how many of each
+request's not-yet-computed tokens the model processes now. It knows no phases: a prompt is
+just many uncomputed tokens (taken in chunks that fit the budget), a decode is one. Running
+requests go first, oldest first; waiting ones are admitted while the budget, the sequence
+limit, the KV blocks and the recurrent-state slots allow. When a running request needs a
+block and none is free, the newest running request is preempted: its blocks and slot are
+freed and it returns to the front of the queue to be recomputed later. Nothing is admitted
+that does not fit, so the worker never runs out of cache memory.
+
+The runner reports back the tokens it sampled (`update_from_output`); the scheduler appends
+them, applies the stop conditions and frees what finished requests held.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sparrow.core.block_pool import KVCacheManager, StateSlotPool
+from sparrow.core.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192  # token budget per step
+    max_num_seqs: int = 64  # running requests at most
+    max_model_len: int = 262144  # prompt + output tokens per request
+    block_size: int = 128
+    num_blocks: int = 1024  # KV-cache blocks (from the memory budget)
+    num_state_slots: int = 64  # recurrent-state slots
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks",
+                     "num_state_slots"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int]  # the plan
+    new_request_ids: list[str] = field(default_factory=list)  # (re)started this step
+    preempted_ids: list[str] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    state_slots: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, detokenize: Callable[[list[int]], str] | None = None
+    ):
+        self.config = config
+        self.detokenize = detokenize  # needed for stop strings
+        self.kv = KVCacheManager(config.num_blocks, config.block_size)
+        self.slots = StateSlotPool(config.num_state_slots)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._arrivals = 0
+
+    # -- requests in and out -----------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for one that can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        limit = self.config.max_model_len
+        total = len(request.prompt_token_ids) + request.params.max_tokens
+        if total > limit:
+            raise ValueError(
+                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                f"({request.params.max_tokens}) = {total} exceeds the context limit of {limit}"
+            )
+        if self.kv.blocks_needed(request.request_id, total) > self.config.num_blocks:
+            raise ValueError(
+                f"request needs {total} tokens of KV cache; the cache holds "
+                f"{self.config.num_blocks * self.config.block_size}"
+            )
+        request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now and free what it holds. False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput({})
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+                out.num_scheduled_tokens[request.request_id] = n
+                budget -= n
+                i += 1
+                continue
+            victim = self.running[-1]  # the newest running request gives way
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                break
+        while (self.waiting and budget > 0 and not out.preempted_ids
+               and len(self.running) < self.config.max_num_seqs):  # fmt: skip
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.slots.allocate(request.request_id) is None:
+                break
+            if not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+                self.slots.free(request.request_id)
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.num_scheduled_tokens[request.request_id] = n
+            out.new_request_ids.append(request.request_id)
+            budget -= n
+        for rid in out.num_scheduled_tokens:
+            out.block_tables[rid] = list(self.kv.tables[rid])
+            out.state_slots[rid] = self.slots.slots[rid]
+        return out
+
+    def update_from_output(
+        self, scheduled: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[RequestOutput]:
+        """Take the runner's sampled tokens for a step (requests still inside their prompt
+        sample nothing). Returns what each request gained and whether it finished."""
+        outputs = []
+        for rid, n in scheduled.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.is_finished or request.status is RequestStatus.WAITING:
+                continue  # aborted or preempted since the plan was made
+            request.num_computed_tokens += n
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk: no token yet
+            new = []
+            reason = None
+            for token in sampled.get(rid, []):
+                request.output_token_ids.append(token)
+                new.append(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    break
+            if reason is not None:
+                self._finish(request, reason)
+            outputs.append(RequestOutput(rid, new, reason))
+        return outputs
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if params.stop and self.detokenize is not None:
+            request.output_text = self.detokenize(request.output_token_ids)
+            for stop in params.stop:
+                at = request.output_text.find(stop)
+                if at >= 0:
+                    request.output_text = request.output_text[:at]
+                    return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        self.slots.free(request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Free everything it holds; it will recompute prompt and outputs when readmitted."""
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

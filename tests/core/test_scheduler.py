@@ -1,0 +1,188 @@
+"""The scheduler with hand-made runner outputs, no model.
+
+The fake runner samples token f(request, position): a request's output then does not depend
+on how it was batched, chunked or preempted, so every schedule must produce the same tokens
+as running the request alone.
+"""
+
+import pytest
+
+from sparrow.core.block_pool import KVCacheManager, StateSlotPool, kv_blocks_for_memory
+from sparrow.core.request import FinishReason, Request
+from sparrow.core.sampling_params import SamplingParams
+from sparrow.core.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 1000
+
+
+def token_at(request: Request) -> int:
+    """What the fake model samples after the request's current tokens."""
+    return (hash(request.request_id) * 31 + request.num_tokens * 7) % VOCAB
+
+
+def run_step(scheduler: Scheduler):
+    plan = scheduler.schedule()
+    for rid, n in plan.num_scheduled_tokens.items():
+        request = scheduler.requests[rid]
+        # the runner gets whole block tables that cover what it computes
+        covered = len(plan.block_tables[rid]) * scheduler.config.block_size
+        assert request.num_computed_tokens + n <= covered
+    sampled = {}
+    for rid, n in plan.num_scheduled_tokens.items():
+        request = scheduler.requests[rid]
+        if request.num_computed_tokens + n == request.num_tokens:
+            sampled[rid] = [token_at(request)]
+    return plan, scheduler.update_from_output(plan, sampled)
+
+
+def run_all(scheduler: Scheduler, max_steps: int = 10_000):
+    plans = []
+    while scheduler.has_unfinished():
+        plan, _ = run_step(scheduler)
+        assert plan.total_tokens <= scheduler.config.max_num_batched_tokens
+        plans.append(plan)
+        assert len(plans) < max_steps
+    return plans
+
+
+def make(rid: str, prompt_len: int, max_tokens: int = 5, **params) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(rid, list(range(1, prompt_len + 1)), params)
+
+
+def alone(request: Request) -> list[int]:
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, num_blocks=4096))
+    copy = make(request.request_id, len(request.prompt_token_ids), request.params.max_tokens)
+    scheduler.add_request(copy)
+    run_all(scheduler)
+    return copy.output_token_ids
+
+
+def test_single_request_prefill_then_decode():
+    scheduler = Scheduler(SchedulerConfig(block_size=16, num_blocks=8))
+    request = make("a", 20, max_tokens=3)
+    scheduler.add_request(request)
+    plans = run_all(scheduler)
+    assert [p.num_scheduled_tokens for p in plans] == [{"a": 20}, {"a": 1}, {"a": 1}]
+    assert request.finish_reason is FinishReason.LENGTH and len(request.output_token_ids) == 3
+    assert scheduler.kv.pool.num_free == 8 and scheduler.slots.num_free == 64
+
+
+def test_budget_mixes_decodes_and_prefill_chunks():
+    config = SchedulerConfig(max_num_batched_tokens=64, block_size=16, num_blocks=64)
+    scheduler = Scheduler(config)
+    requests = [make("a", 10, 8), make("b", 100, 4), make("c", 30, 4)]
+    for r in requests:
+        scheduler.add_request(r)
+    plans = run_all(scheduler)
+    assert plans[0].num_scheduled_tokens == {"a": 10, "b": 54}  # b's prompt is chunked
+    assert plans[1].num_scheduled_tokens == {"a": 1, "b": 46, "c": 17}  # decode + 2 chunks
+    for r in requests:
+        assert r.output_token_ids == alone(r)
+
+
+def test_128k_prompt_runs_in_chunks_within_budget():
+    config = SchedulerConfig(max_num_batched_tokens=8192, block_size=128, num_blocks=1100)
+    scheduler = Scheduler(config)
+    request = make("long", 131072, max_tokens=2)
+    scheduler.add_request(request)
+    plans = run_all(scheduler)
+    assert [p.num_scheduled_tokens["long"] for p in plans] == [8192] * 16 + [1]
+    # blocks grow with the computed prefix, never beyond what the step needs
+    assert len(plans[0].block_tables["long"]) == 64 and len(plans[15].block_tables["long"]) == 1024
+
+
+def test_requests_join_and_leave_mid_batch():
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=32, block_size=16))
+    first = make("first", 8, max_tokens=6)
+    scheduler.add_request(first)
+    run_step(scheduler)
+    run_step(scheduler)
+    late = make("late", 12, max_tokens=2)
+    scheduler.add_request(late)
+    plan, _ = run_step(scheduler)
+    assert plan.num_scheduled_tokens == {"first": 1, "late": 12}
+    assert plan.new_request_ids == ["late"]
+    run_all(scheduler)
+    assert first.output_token_ids == alone(first) and late.output_token_ids == alone(late)
+
+
+def test_stop_token_and_stop_string():
+    stop_token = token_at(make("s", 5))  # the first token the fake model will sample
+    scheduler = Scheduler(SchedulerConfig(), detokenize=lambda ids: " ".join(map(str, ids)))
+    by_token = make("s", 5, max_tokens=10, stop_token_ids=(stop_token,))
+    scheduler.add_request(by_token)
+    run_all(scheduler)
+    assert by_token.finish_reason is FinishReason.STOP and len(by_token.output_token_ids) == 1
+
+    expected = alone(make("t", 4, max_tokens=10))
+    stop = f" {expected[2]}"  # appears once the third token is decoded
+    by_string = make("t", 4, max_tokens=10, stop=(stop,))
+    scheduler.add_request(by_string)
+    run_all(scheduler)
+    assert by_string.finish_reason is FinishReason.STOP
+    assert by_string.output_token_ids == expected[:3] and stop not in by_string.output_text
+
+
+def test_preemption_when_blocks_run_out_gives_the_same_tokens():
+    # 6 blocks of 4 tokens: two requests of 10 + 12 tokens cannot both keep growing.
+    config = SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=6)
+    scheduler = Scheduler(config)
+    old, new = make("old", 9, max_tokens=12), make("new", 5, max_tokens=12)
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    plans = run_all(scheduler)
+    preempted = [rid for p in plans for rid in p.preempted_ids]
+    assert preempted and set(preempted) == {"new"}  # the newest request gives way
+    assert old.output_token_ids == alone(old) and new.output_token_ids == alone(new)
+    assert scheduler.kv.pool.num_free == 6
+
+
+def test_admission_queues_instead_of_overcommitting():
+    config = SchedulerConfig(max_num_seqs=2, num_state_slots=2, block_size=16, num_blocks=64)
+    scheduler = Scheduler(config)
+    for i in range(5):
+        scheduler.add_request(make(f"r{i}", 10, max_tokens=3))
+    plan, _ = run_step(scheduler)
+    assert sorted(plan.num_scheduled_tokens) == ["r0", "r1"] and scheduler.num_waiting == 3
+    run_all(scheduler)
+    assert all(r.finish_reason is FinishReason.LENGTH for r in scheduler.requests.values())
+
+
+def test_requests_that_can_never_run_are_refused():
+    scheduler = Scheduler(SchedulerConfig(max_model_len=100, block_size=16, num_blocks=4))
+    with pytest.raises(ValueError, match="exceeds the context limit of 100"):
+        scheduler.add_request(make("x", 98, max_tokens=5))
+    with pytest.raises(ValueError, match="the cache holds 64"):
+        scheduler.add_request(make("y", 60, max_tokens=5))
+    with pytest.raises(ValueError, match="empty"):
+        scheduler.add_request(Request("z", []))
+    scheduler.add_request(make("ok", 10))
+    with pytest.raises(ValueError, match="duplicate"):
+        scheduler.add_request(make("ok", 10))
+
+
+def test_abort_frees_at_once():
+    scheduler = Scheduler(SchedulerConfig(block_size=16, num_blocks=10))
+    running, queued = make("run", 40, max_tokens=50), make("queued", 10)
+    scheduler.add_request(running)
+    run_step(scheduler)
+    scheduler.add_request(queued)
+    assert scheduler.kv.pool.num_free == 7
+    assert scheduler.abort("run") and scheduler.abort("queued") and not scheduler.abort("run")
+    assert running.finish_reason is FinishReason.ABORT
+    assert scheduler.kv.pool.num_free == 10 and not scheduler.has_unfinished()
+
+
+def test_pools():
+    kv = KVCacheManager(num_blocks=4, block_size=8)
+    assert kv.allocate("a", 17) and kv.tables["a"] == [0, 1, 2]
+    assert not kv.allocate("b", 9) and "b" not in kv.tables  # all or nothing
+    assert kv.usage == 0.75
+    kv.free("a")
+    assert kv.pool.num_free == 4
+    with pytest.raises(ValueError, match="power of two"):
+        KVCacheManager(4, 12)
+    slots = StateSlotPool(1)
+    assert slots.allocate("a") == 0 and slots.allocate("b") is None
+    assert kv_blocks_for_memory(1000, 100, 0.1) == 9
