@@ -1,0 +1,105 @@
+"""The offline engine: `LLM(model=...).generate(prompts, params)`.
+
+Requests go through the scheduler (continuous batching by token budget, chunked prefill,
+preemption) and the model runner, step by step, until all finish. `add_request` / `step` /
+`abort` expose the same loop to a server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparrow.config import QuantConfig
+from sparrow.core.request import FinishReason, Request
+from sparrow.core.sampling_params import SamplingParams
+from sparrow.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from sparrow.loader.weights import load_checkpoint
+from sparrow.tokenizer import load_tokenizer
+from sparrow.worker.model_runner import ModelRunner
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        quantize: str | None = None,
+        scheduler: SchedulerConfig | None = None,
+        progress: bool = False,
+    ):
+        """model: a checkpoint directory, or None for the built-in default. quantize: None or
+        "4bit" / "8bit" (group-affine, quantised on load)."""
+        from sparrow.cli import default_checkpoint
+
+        model_dir = Path(model) if model is not None else default_checkpoint()
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        quant = None
+        if quantize is not None:
+            quant = QuantConfig.mlx_default(bits=int(quantize.removesuffix("bit")))
+        self.model = load_checkpoint(model_dir, device, dtype, quantize=quant, progress=progress)
+        self.tokenizer = load_tokenizer(model_dir)
+        cfg = self.model.config
+        self.scheduler = Scheduler(
+            scheduler or SchedulerConfig(max_model_len=cfg.max_position_embeddings),
+            detokenize=self.tokenizer.decode,
+        )
+        self.runner = ModelRunner(self.model)
+        self._ids = itertools.count()
+        self.default_stop_ids = tuple(sorted(
+            ({self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")} - {None})
+            | set(cfg.eos_token_ids)
+        ))  # fmt: skip
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not params.stop_token_ids:
+            params = dataclasses.replace(params, stop_token_ids=self.default_stop_ids)
+        request = Request(f"req-{next(self._ids)}", ids, params)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan, self.scheduler.requests)
+        outputs = self.scheduler.update_from_output(plan, sampled)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.runner.free(out.request_id)
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id):
+            self.runner.free(request_id)
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run all prompts to completion, batched; results in prompt order."""
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        while self.scheduler.has_unfinished():
+            self.step()
+        return [
+            Completion(r.request_id, r.prompt_token_ids, r.output_token_ids,
+                       self.tokenizer.decode(r.output_token_ids), r.finish_reason)
+            for r in requests
+        ]  # fmt: skip

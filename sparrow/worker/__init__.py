@@ -1,0 +1,1 @@
+"""Runs the model for the scheduler's plans: batch building, sampling."""

@@ -1,0 +1,26 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+
+from __future__ import annotations
+
+import torch
+
+from sparrow.core.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None
+) -> torch.Tensor:
+    """logits: [B, V] fp32 -> token ids [B]."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=gen)[:, 0]
