@@ -10,6 +10,7 @@ import torch
 
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.worker.sampler import sample
+from sparrow.worker.sequences import SequenceBatch
 
 
 @dataclass
@@ -63,9 +64,9 @@ def generate(
     if params.seed is not None:
         gen = torch.Generator(device=device).manual_seed(params.seed)
     stop = set(params.stop_token_ids)
-    state = model.new_state()
+    batch = SequenceBatch(model, 1, len(prompt_ids) + params.max_tokens)
     t0 = time.perf_counter()
-    hidden = model(torch.tensor(prompt_ids, device=device), [len(prompt_ids)], [state])
+    hidden = batch.forward([prompt_ids])
     token = sample(model.logits(hidden[-1:]), params, gen)
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
@@ -77,5 +78,5 @@ def generate(
         yield tok
         if tok in stop or i + 1 == params.max_tokens:
             return
-        hidden = model(token, [1], [state])
+        hidden = batch.forward([token])
         token = sample(model.logits(hidden), params, gen)

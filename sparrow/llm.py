@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from sparrow.config import QuantConfig
+from sparrow.core.block_pool import kv_blocks_for_memory
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
@@ -55,16 +57,31 @@ class LLM:
         self.model = load_checkpoint(model_dir, device, dtype, quantize=quant, progress=progress)
         self.tokenizer = load_tokenizer(model_dir)
         cfg = self.model.config
-        self.scheduler = Scheduler(
-            scheduler or SchedulerConfig(max_model_len=cfg.max_position_embeddings),
-            detokenize=self.tokenizer.decode,
-        )
-        self.runner = ModelRunner(self.model)
+        scheduler = scheduler or self._default_scheduler_config(device)
+        self.scheduler = Scheduler(scheduler, detokenize=self.tokenizer.decode)
+        self.runner = ModelRunner(self.model, scheduler)
         self._ids = itertools.count()
         self.default_stop_ids = tuple(sorted(
             ({self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")} - {None})
             | set(cfg.eos_token_ids)
         ))  # fmt: skip
+
+    def _default_scheduler_config(self, device: str) -> SchedulerConfig:
+        """KV blocks from the memory left after the weights (GPU: 90% of what is free; CPU:
+        enough for 8K tokens), printed so the budget is visible."""
+        cfg = self.model.config
+        base = SchedulerConfig(max_model_len=cfg.max_position_embeddings)
+        per_block = self.model.cache_spec().kv_bytes_per_block(base.block_size, self.model.dtype)
+        if device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            blocks = kv_blocks_for_memory(free, per_block, reserve_fraction=0.1)
+        else:
+            blocks = 8192 // base.block_size
+        if blocks < 1:
+            raise RuntimeError("no memory left for the KV cache after loading the weights")
+        print(f"[sparrow] KV cache: {blocks} blocks of {base.block_size} tokens "
+              f"({blocks * per_block / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
+        return dataclasses.replace(base, num_blocks=blocks)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

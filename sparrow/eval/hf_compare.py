@@ -21,6 +21,7 @@ import torch
 from sparrow.bench.report import write_report
 from sparrow.config import ModelConfig
 from sparrow.loader.weights import load_tensors
+from sparrow.worker.sequences import SequenceBatch
 
 
 def timed(fn) -> tuple[float, object]:
@@ -69,14 +70,14 @@ def run_hf(hf, prompt: torch.Tensor, steps: int, decode: list[int] | None = None
 @torch.inference_mode()
 def run_ours(model, prompt: torch.Tensor, decode: list[int]):
     """Same as `run_hf` for our model, with the decode tokens given."""
-    state = model.new_state()
-    t_pre, hidden = timed(lambda: model(prompt, [len(prompt)], [state]))
+    batch = SequenceBatch(model, 1, len(prompt) + len(decode))
+    t_pre, hidden = timed(lambda: batch.forward([prompt]))
     logits = [model.logits(hidden[-1:])[0]]
 
     def loop():
         for tok in decode:
             ids = torch.tensor([tok], device=prompt.device)
-            logits.append(model.logits(model(ids, [1], [state]))[0])
+            logits.append(model.logits(batch.forward([ids]))[0])
 
     t_dec, _ = timed(loop)
     return t_pre, t_dec, torch.stack(logits), decode

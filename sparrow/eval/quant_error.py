@@ -17,16 +17,17 @@ from sparrow.eval.hf_compare import agreement
 from sparrow.kernels import set_backend
 from sparrow.loader.random_checkpoint import random_tensors
 from sparrow.loader.weights import load_tensors
+from sparrow.worker.sequences import SequenceBatch
 
 
 @torch.inference_mode()
 def logits_run(model, prompt: torch.Tensor, decode: list[int]) -> torch.Tensor:
     """Last-position prefill logits and teacher-forced decode logits [1 + len(decode), V]."""
-    state = model.new_state()
-    out = [model.logits(model(prompt, [len(prompt)], [state])[-1:])[0]]
+    batch = SequenceBatch(model, 1, len(prompt) + len(decode))
+    out = [model.logits(batch.forward([prompt])[-1:])[0]]
     for tok in decode:
         ids = torch.tensor([tok], device=prompt.device)
-        out.append(model.logits(model(ids, [1], [state]))[0])
+        out.append(model.logits(batch.forward([ids]))[0])
     return torch.stack(out)
 
 

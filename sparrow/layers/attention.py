@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from sparrow.config import ModelConfig
-from sparrow.kernels.attention.naive import causal_attention
+from sparrow.kernels import use_triton
+from sparrow.kernels.attention import naive
+from sparrow.kernels.attention.paged import paged_attention
 from sparrow.layers.norms import ZeroCenteredRMSNorm
 from sparrow.layers.rotary import apply_rotary
-
-
-@dataclass
-class KVCache:
-    """One sequence's keys and values for one attention layer: [L, Hkv, D] each."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = torch.cat((self.k, k))
-        self.v = torch.cat((self.v, v))
-        return self.k, self.v
+from sparrow.worker.cache import StepMetadata
 
 
 class GatedAttention(nn.Module):
@@ -39,31 +27,31 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
-
-    def new_state(self, device: torch.device, dtype: torch.dtype) -> KVCache:
-        empty = torch.empty(0, self.num_kv_heads, self.head_dim, device=device, dtype=dtype)
-        return KVCache(empty, empty.clone())
+        self.kernel_fits = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
 
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        seq_lens: list[int],
-        caches: list[KVCache],
+        meta: StepMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """x: [T, hidden] for the sequences of `seq_lens` back to back; cos, sin: [T, rotary]."""
+        """x: [T, hidden] (the step's new tokens); cos, sin: [T, rotary]; kv_cache: this
+        layer's paged K and V [num_blocks, block_size, Hkv, D], written here, then read."""
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
         k = apply_rotary(k, cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        outs = []
-        for q_s, k_s, v_s, cache in zip(
-            q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), caches, strict=True
-        ):
-            k_all, v_all = cache.append(k_s, v_s)
-            outs.append(causal_attention(q_s, k_all, v_all, self.scale))
-        out = torch.cat(outs).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+        k_cache, v_cache = kv_cache
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        args = (k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.context_lens, self.scale)
+        if use_triton(x) and self.kernel_fits:
+            out = paged_attention(q.contiguous(), *args, gate=gate.contiguous(),
+                                  max_q_len=meta.max_q_len)  # fmt: skip
+        else:
+            out = naive.paged_attention(q, *args) * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(t, -1))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,14 +16,7 @@ from sparrow.kernels.gated_delta_rule.naive import (
     recurrent_gated_delta_rule,
 )
 from sparrow.layers.norms import GatedRMSNorm
-
-
-@dataclass
-class GDNState:
-    """One sequence's state for one GDN layer."""
-
-    conv: torch.Tensor  # [conv_dim, kernel - 1]: the last inputs of the causal conv
-    recurrent: torch.Tensor  # [Hv, Dk, Dv] fp32
+from sparrow.worker.cache import StepMetadata
 
 
 def causal_conv1d(
@@ -64,66 +54,54 @@ class GatedDeltaNet(nn.Module):
             n >= 16 and n & (n - 1) == 0 for n in (self.head_k_dim, self.head_v_dim)
         )
 
-    def new_state(self, device: torch.device, dtype: torch.dtype) -> GDNState:
-        return GDNState(
-            conv=torch.zeros(self.conv_dim, self.kernel - 1, device=device, dtype=dtype),
-            recurrent=torch.zeros(
-                self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                device=device, dtype=torch.float32,
-            ),
-        )  # fmt: skip
-
-    def forward(self, x: torch.Tensor, seq_lens: list[int], states: list[GDNState]) -> torch.Tensor:
-        """x: [T, hidden] for the sequences of `seq_lens` back to back."""
-        if use_triton(x) and self.kernels_fit:
-            return self._forward_kernels(x, seq_lens, states)
-        mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        weight = self.conv1d.weight[:, 0]
-        outs = []
-        for qkv_s, g_s, beta_s, state in zip(
-            mixed_qkv.split(seq_lens), g.split(seq_lens), beta.split(seq_lens), states, strict=True
-        ):
-            qkv_s, state.conv = causal_conv1d(qkv_s, state.conv, weight)
-            q, k, v = qkv_s.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-            q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
-            k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
-            v = v.unflatten(-1, (self.num_v_heads, self.head_v_dim))
-            rule = recurrent_gated_delta_rule if len(v) == 1 else chunk_gated_delta_rule
-            o, state.recurrent = rule(q, k, v, g_s, beta_s, state.recurrent)
-            outs.append(o.to(x.dtype))
-        o = torch.cat(outs)  # [T, Hv, Dv]
-        o = self.norm(o, z.view_as(o))
-        return self.out_proj(o.flatten(1))
-
-    def _forward_kernels(
-        self, x: torch.Tensor, seq_lens: list[int], states: list[GDNState]
+    def forward(
+        self, x: torch.Tensor, meta: StepMetadata, cache: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        """The same layer through the Triton kernels: conv, then the fused recurrent step when
-        every sequence brings one token (decode), else the chunked scan. The per-sequence
-        states are stacked into a pool for the kernels and handed back after."""
-        cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32, device=x.device)
-        slots = torch.arange(len(states), dtype=torch.int32, device=x.device)
-        conv_pool = torch.stack([s.conv for s in states])
-        state_pool = torch.stack([s.recurrent for s in states])
-        weight = self.conv1d.weight[:, 0]
-        qkv = causal_conv1d_varlen(self.in_proj_qkv(x), cu, conv_pool, slots, weight)
+        """x: [T, hidden] (the step's new tokens); cache: this layer's conv pool
+        [slots, C, K - 1] and recurrent pool [slots, Hv, Dk, Dv] fp32, indexed by
+        meta.state_slots and updated in place."""
+        conv_pool, state_pool = cache
+        mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         a, b = self.in_proj_a(x), self.in_proj_b(x)
-        if all(n == 1 for n in seq_lens):
-            o = fused_recurrent_step(qkv, a, b, self.A_log, self.dt_bias, state_pool, slots,
-                                     self.num_k_heads)  # fmt: skip
+        if use_triton(x) and self.kernels_fit:
+            o = self._mix_kernels(mixed_qkv, a, b, meta, conv_pool, state_pool)
         else:
-            q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-            o = chunk_gated_delta_rule_varlen(
-                q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
-                k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
-                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)),
-                g, b.sigmoid().float(), cu, state_pool, slots,
-            )  # fmt: skip
-        for i, s in enumerate(states):
-            s.conv, s.recurrent = conv_pool[i], state_pool[i]
-        o = o.to(x.dtype)
-        o = self.norm(o, self.in_proj_z(x).view_as(o))
+            o = self._mix_reference(mixed_qkv, a, b, meta, conv_pool, state_pool)
+        o = self.norm(o.to(x.dtype), z.view(*o.shape))
         return self.out_proj(o.flatten(1))
+
+    def _split_heads(self, qkv: torch.Tensor):
+        q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))  # fmt: skip
+
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def _mix_reference(self, mixed_qkv, a, b, meta, conv_pool, state_pool) -> torch.Tensor:
+        """One sequence at a time through naive.py: [T, Hv, Dv] fp32."""
+        weight = self.conv1d.weight[:, 0]
+        g, beta = self._decay(a), b.sigmoid()
+        outs = []
+        pieces = zip(mixed_qkv.split(meta.seq_lens), g.split(meta.seq_lens),
+                     beta.split(meta.seq_lens), meta.state_slots.tolist(), strict=True)  # fmt: skip
+        for qkv_s, g_s, beta_s, slot in pieces:
+            qkv_s, conv_pool[slot] = causal_conv1d(qkv_s, conv_pool[slot], weight)
+            rule = recurrent_gated_delta_rule if len(qkv_s) == 1 else chunk_gated_delta_rule
+            o, state_pool[slot] = rule(*self._split_heads(qkv_s), g_s, beta_s, state_pool[slot])
+            outs.append(o)
+        return torch.cat(outs)
+
+    def _mix_kernels(self, mixed_qkv, a, b, meta, conv_pool, state_pool) -> torch.Tensor:
+        """Conv, then the fused recurrent step when every sequence brings one token
+        (decode), else the chunked scan."""
+        slots = meta.state_slots
+        weight = self.conv1d.weight[:, 0]
+        qkv = causal_conv1d_varlen(mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight)
+        if meta.max_q_len == 1:
+            return fused_recurrent_step(qkv, a, b, self.A_log, self.dt_bias, state_pool, slots,
+                                        self.num_k_heads)  # fmt: skip
+        return chunk_gated_delta_rule_varlen(*self._split_heads(qkv), self._decay(a),
+                                             b.sigmoid().float(), meta.cu_seqlens, state_pool,
+                                             slots)  # fmt: skip

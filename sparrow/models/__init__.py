@@ -1,7 +1,7 @@
 """Model architectures, keyed by the `architecture` of a parsed ModelConfig.
 
 Each architecture module exports `Model`, its weight-name mapping (`checkpoint_name`,
-`per_expert_target`, `expert_slice`) and its per-request cache spec (`SequenceState`).
+`expert_target`, `expert_slice`, MLX layout hooks); `Model.cache_spec()` says what it caches.
 """
 
 from types import ModuleType

@@ -5,33 +5,26 @@ Layers: `layer_types[i]` picks Gated DeltaNet ("linear_attention") or gated full
 named exactly like the HF text model without its prefix (`layers.3.self_attn.q_proj.weight`),
 so a checkpoint maps onto them by `checkpoint_name`.
 
-A step takes the tokens of several sequences back to back ([T] ids with `seq_lens`) and each
-sequence's `SequenceState` (KV cache per attention layer, conv + recurrent state per GDN layer):
-a prompt, a prompt chunk, or one decode token per sequence all go through the same `forward`.
+A step takes the new tokens of several sequences back to back with their `StepMetadata`
+(positions, block tables, state slots) and the `ModelCache` (paged K/V per attention layer,
+conv + recurrent state pools per GDN layer): a prompt, a prompt chunk, or one decode token per
+sequence all go through the same `forward`. `cache_spec` says what the cache must hold.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from sparrow.config import FULL_ATTENTION, ModelConfig
-from sparrow.layers.attention import GatedAttention, KVCache
-from sparrow.layers.gated_deltanet import GatedDeltaNet, GDNState
+from sparrow.layers.attention import GatedAttention
+from sparrow.layers.gated_deltanet import GatedDeltaNet
 from sparrow.layers.moe import SparseMoE
 from sparrow.layers.norms import ZeroCenteredRMSNorm
 from sparrow.layers.rotary import RotaryEmbedding
-
-
-@dataclass
-class SequenceState:
-    """Everything one request keeps between steps (the model's cache spec)."""
-
-    layers: list[KVCache | GDNState]
-    num_tokens: int = 0  # tokens already processed (the next token's position)
+from sparrow.worker.cache import CacheSpec, ModelCache, StepMetadata
 
 
 class DecoderLayer(nn.Module):
@@ -46,16 +39,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def new_state(self, device: torch.device, dtype: torch.dtype) -> KVCache | GDNState:
-        mixer = self.self_attn if self.is_attention else self.linear_attn
-        return mixer.new_state(device, dtype)
-
-    def forward(self, x, cos, sin, seq_lens, states) -> torch.Tensor:
+    def forward(self, x, cos, sin, meta: StepMetadata, cache) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.is_attention:
-            h = self.self_attn(h, cos, sin, seq_lens, states)
+            h = self.self_attn(h, cos, sin, meta, cache)
         else:
-            h = self.linear_attn(h, seq_lens, states)
+            h = self.linear_attn(h, meta, cache)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -80,28 +69,27 @@ class Qwen3_5MoeModel(nn.Module):
         """The activation dtype (weights may be packed integers)."""
         return self.norm.weight.dtype
 
-    def new_state(self) -> SequenceState:
-        return SequenceState([layer.new_state(self.device, self.dtype) for layer in self.layers])
+    def cache_spec(self) -> CacheSpec:
+        cfg = self.config
+        return CacheSpec(
+            num_attention_layers=sum(layer.is_attention for layer in self.layers),
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            num_recurrent_layers=sum(not layer.is_attention for layer in self.layers),
+            conv_shape=(cfg.linear_conv_dim, cfg.linear_conv_kernel - 1),
+            state_shape=(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                         cfg.linear_value_head_dim),
+        )  # fmt: skip
 
-    def forward(
-        self, input_ids: torch.Tensor, seq_lens: list[int], states: list[SequenceState]
-    ) -> torch.Tensor:
-        """input_ids: [T], the new tokens of each sequence back to back (`seq_lens` sum to T).
-        Advances every state by its tokens. Returns final-norm hidden states [T, hidden]."""
-        if sum(seq_lens) != input_ids.shape[0] or len(seq_lens) != len(states):
-            raise ValueError(
-                f"{input_ids.shape[0]} tokens, seq_lens {seq_lens}, {len(states)} states"
-            )
-        positions = torch.cat([
-            torch.arange(s.num_tokens, s.num_tokens + n, device=input_ids.device)
-            for s, n in zip(states, seq_lens, strict=True)
-        ])  # fmt: skip
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, seq_lens, [s.layers[i] for s in states])
-        for s, n in zip(states, seq_lens, strict=True):
-            s.num_tokens += n
+    def forward(self, meta: StepMetadata, cache: ModelCache) -> torch.Tensor:
+        """Run the step's new tokens (meta.input_ids [T]); reads and extends the cache.
+        Returns final-norm hidden states [T, hidden]."""
+        x = self.embed_tokens(meta.input_ids)
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        attn = iter(zip(cache.k, cache.v, strict=True))
+        recurrent = iter(zip(cache.conv, cache.state, strict=True))
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, next(attn) if layer.is_attention else next(recurrent))
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""Runs the model for one scheduler step (the reference path: per-request state objects).
+"""Runs the model for one scheduler step.
 
-For each planned request it feeds the next `num_tokens` of its uncomputed tokens, batched
-back to back, and samples a token for every request whose input is now complete. The
-engine issue replaces the per-request states with pooled caches and CUDA-graph decode.
+The runner owns the cache tensors (paged K/V, recurrent-state pools) sized by the scheduler's
+config; the scheduler owns which blocks and slots each request holds. For each planned
+request it feeds the next `num_tokens` of its uncomputed tokens, batched back to back, and
+samples a token for every request whose input is now complete.
 """
 
 from __future__ import annotations
@@ -10,45 +11,46 @@ from __future__ import annotations
 import torch
 
 from sparrow.core.request import Request
-from sparrow.core.scheduler import SchedulerOutput
+from sparrow.core.scheduler import SchedulerConfig, SchedulerOutput
+from sparrow.worker.cache import ModelCache, build_metadata
 from sparrow.worker.sampler import sample
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, config: SchedulerConfig):
         self.model = model
-        self.states: dict[str, object] = {}  # request id -> the model's SequenceState
+        self.cache = ModelCache(model.cache_spec(), config.num_blocks, config.block_size,
+                                config.num_state_slots, model.device, model.dtype)  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
 
     def free(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, requests: dict[str, Request]) -> dict[str, list[int]]:
         """Returns {request_id: [sampled token]} for requests that completed their input."""
-        for rid in plan.preempted_ids:
-            self.states.pop(rid, None)  # recomputed from scratch when readmitted
         if not plan.num_scheduled_tokens:
             return {}
-        ids, lens, states, last = [], [], [], {}
-        for rid, n in plan.num_scheduled_tokens.items():
-            request = requests[rid]
-            if rid in plan.new_request_ids or rid not in self.states:
-                self.states[rid] = self.model.new_state()
-            start = request.num_computed_tokens
-            ids.extend(request.all_token_ids[start : start + n])
-            lens.append(n)
-            states.append(self.states[rid])
-            if start + n == request.num_tokens:  # input complete: sample from its last row
-                last[rid] = sum(lens) - 1
         device = self.model.device
-        hidden = self.model(torch.tensor(ids, device=device), lens, states)
-        if not last:
+        if plan.new_request_ids:  # (re)started requests begin from zero recurrent state
+            fresh = [plan.state_slots[rid] for rid in plan.new_request_ids]
+            self.cache.reset_slots(torch.tensor(fresh, device=device))
+        rids = list(plan.num_scheduled_tokens)
+        computed = [requests[rid].num_computed_tokens for rid in rids]
+        tokens = [requests[rid].all_token_ids[c : c + plan.num_scheduled_tokens[rid]]
+                  for rid, c in zip(rids, computed, strict=True)]  # fmt: skip
+        meta = build_metadata(tokens, computed, [plan.block_tables[r] for r in rids],
+                              [plan.state_slots[r] for r in rids], self.cache.block_size,
+                              device)  # fmt: skip
+        hidden = self.model(meta, self.cache)
+        ends = meta.cu_seqlens[1:].tolist()
+        done = [(i, rid) for i, rid in enumerate(rids)
+                if computed[i] + len(tokens[i]) == requests[rid].num_tokens]  # fmt: skip
+        if not done:
             return {}
-        logits = self.model.logits(hidden[list(last.values())])
+        logits = self.model.logits(hidden[[ends[i] - 1 for i, _ in done]])
         sampled = {}
-        for row, rid in enumerate(last):
+        for row, (_, rid) in enumerate(done):
             params = requests[rid].params
             token = sample(logits[row : row + 1], params, self._generator(rid, params.seed))
             sampled[rid] = [int(token)]

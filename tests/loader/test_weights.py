@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from sparrow.config import ModelConfig
 from sparrow.loader.random_checkpoint import random_model, random_tensors, write_random_checkpoint
 from sparrow.loader.weights import CheckpointError, load_checkpoint, load_tensors
+from sparrow.worker.sequences import SequenceBatch
 
 CFG = ModelConfig(
     vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=2, num_kv_heads=1,
@@ -75,7 +76,7 @@ def test_hf_save_pretrained_layout(tmp_path):
     ids = torch.arange(20) % CFG.vocab_size
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
-        actual = ours.logits(ours(ids, [20], [ours.new_state()]))
+        actual = ours.logits(SequenceBatch(ours, 1, 20).forward([ids]))
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
 
 

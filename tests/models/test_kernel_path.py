@@ -6,6 +6,7 @@ import torch
 
 from sparrow.kernels import get_backend, set_backend
 from sparrow.loader.random_checkpoint import PRESETS, random_model
+from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 
 CFG = PRESETS["qwen3.6-tiny"].replace(vocab_size=256, initializer_range=0.1)
@@ -19,12 +20,11 @@ def backend():
 
 
 def _run(model, prompts, decode):
-    states = [model.new_state() for _ in prompts]
+    batch = SequenceBatch(model, len(prompts), 128)
     with torch.no_grad():
-        hidden = model(torch.cat(prompts), [len(p) for p in prompts], states)
-        out = [model.logits(hidden)]
+        out = [model.logits(batch.forward(prompts))]
         for ids in decode:
-            out.append(model.logits(model(ids, [1] * len(prompts), states)))
+            out.append(model.logits(batch.forward(ids[:, None])))
     return torch.cat(out)
 
 

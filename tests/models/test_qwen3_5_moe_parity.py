@@ -8,6 +8,7 @@ from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 from sparrow.config import ModelConfig
 from sparrow.loader.random_checkpoint import write_random_checkpoint
 from sparrow.loader.weights import load_checkpoint
+from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 
 TOL = 1e-4
@@ -71,11 +72,10 @@ def test_batched_prefill_and_decode_match_hf(models, lengths):
     decode = torch.randint(0, SMALL.vocab_size, (DECODE_STEPS, len(lengths)), generator=gen)
     decode = decode.to(device)
 
-    states = [ours.new_state() for _ in prompts]
+    batch = SequenceBatch(ours, len(prompts), max(lengths) + DECODE_STEPS)
     with torch.no_grad():
-        hidden = ours(torch.tensor(sum(prompts, []), device=device), list(lengths), states)
-        prefill = ours.logits(hidden).split(list(lengths))
-        steps = [ours.logits(ours(decode[i], [1] * len(lengths), states))
+        prefill = ours.logits(batch.forward(prompts)).split(list(lengths))
+        steps = [ours.logits(batch.forward(decode[i, :, None]))
                  for i in range(DECODE_STEPS)]  # fmt: skip
 
     for b, prompt in enumerate(prompts):
@@ -91,10 +91,10 @@ def test_chunked_prefill_matches_hf_single_pass(models):
     ours, hf, device = models
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, SMALL.vocab_size, (150,), generator=gen).to(device)
-    state = ours.new_state()
+    batch = SequenceBatch(ours, 1, 150)
     with torch.no_grad():
-        chunks = [ours.logits(ours(c, [len(c)], [state])) for c in prompt.split([63, 1, 86])]
+        chunks = [ours.logits(batch.forward([c])) for c in prompt.split([63, 1, 86])]
         expected = hf(prompt[None]).logits[0]
-    assert state.num_tokens == 150
+    assert batch.computed == [150]
     err = rel_err(torch.cat(chunks), expected)
     assert err < TOL, f"rel err {err:.2e}"

@@ -11,6 +11,7 @@ from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
 from sparrow.loader.weights import CheckpointError, load_checkpoint
 from sparrow.quant.mlx_layout import save_mlx_checkpoint
 from sparrow.quant.modules import QuantizedEmbedding, QuantizedExperts, QuantizedLinear
+from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 
 CFG = PRESETS["qwen3.6-tiny"].replace(vocab_size=512)
@@ -30,7 +31,7 @@ def quantized(float_ckpt):
 
 def _logits(model, ids):
     with torch.no_grad():
-        return model.logits(model(ids, [len(ids)], [model.new_state()]))
+        return model.logits(SequenceBatch(model, 1, len(ids)).forward([ids]))
 
 
 def _dequantized_float_model(float_ckpt, quantized):
@@ -126,12 +127,12 @@ def test_decode_with_triton_gemv_matches_reference(quantized):
 
     def run(backend):
         set_backend(backend)
-        state = quantized.new_state()
+        batch = SequenceBatch(quantized, 1, 32)
         with torch.no_grad():
-            logits = [quantized.logits(quantized(prompt, [20], [state]))[-1]]
+            logits = [quantized.logits(batch.forward([prompt]))[-1]]
             for _ in range(3):
                 tok = logits[-1].argmax()[None]
-                logits.append(quantized.logits(quantized(tok, [1], [state]))[0])
+                logits.append(quantized.logits(batch.forward([tok]))[0])
         return torch.stack(logits)
 
     previous = get_backend()

@@ -20,6 +20,7 @@ def _paged_attn_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
     G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HAS_GATE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_m, i_kvh, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + i_b)
@@ -48,7 +49,7 @@ def _paged_attn_kernel(
         p_kv = block.to(tl.int64)[:, None] * stride_kb + (n % CACHE_BLOCK)[:, None] * stride_kt \
             + i_kvh * stride_kh + o_d[None, :]  # fmt: skip
         b_k = tl.load(k_ptr + p_kv, mask=m_n[:, None], other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale  # [ROWS, BLOCK_N] fp32
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale  # [ROWS, BLOCK_N]
         keep = m_n[None, :] & (n[None, :] <= pos[:, None])
         b_s = tl.where(keep, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, axis=1))
@@ -57,7 +58,7 @@ def _paged_attn_kernel(
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(b_p, axis=1)
         b_v = tl.load(v_ptr + p_kv, mask=m_n[:, None], other=0.0)
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
         m_i = m_new
     b_o = b_acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     p_o = (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + o_d[None, :]
@@ -107,6 +108,6 @@ def paged_attention(
         context_lens, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), scale,
         G=g, D=d, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, CACHE_BLOCK=cache_block,
-        HAS_GATE=gate is not None,
+        HAS_GATE=gate is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

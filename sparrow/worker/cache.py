@@ -1,0 +1,106 @@
+"""The model's cache tensors and the per-step metadata that indexes them.
+
+Attention layers keep K/V in a paged pool ([num_blocks, block_size, Hkv, D] per layer, a
+request's blocks listed in its block table); Gated DeltaNet layers keep conv and recurrent
+states in slot pools ([num_slots, ...] per layer, one slot per running request). Which block
+and which slot a request owns is decided on the CPU (`sparrow.core`); this module holds the
+tensors and turns a step's plan into `StepMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a model needs cached per token (attention) and per request (recurrent)."""
+
+    num_attention_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_recurrent_layers: int
+    conv_shape: tuple[int, ...]  # per request and layer: [C, K - 1]
+    state_shape: tuple[int, ...]  # per request and layer: [Hv, Dk, Dv], fp32
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_attention_layers * block_size * self.num_kv_heads * self.head_dim * item
+
+
+class ModelCache:
+    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int,
+                 device: torch.device | str, dtype: torch.dtype):  # fmt: skip
+        self.spec, self.block_size = spec, block_size
+        kv_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = [torch.zeros(kv_shape, device=device, dtype=dtype)
+                  for _ in range(spec.num_attention_layers)]  # fmt: skip
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.conv = [torch.zeros(num_slots, *spec.conv_shape, device=device, dtype=dtype)
+                     for _ in range(spec.num_recurrent_layers)]  # fmt: skip
+        self.state = [torch.zeros(num_slots, *spec.state_shape, device=device,
+                                  dtype=torch.float32)
+                      for _ in range(spec.num_recurrent_layers)]  # fmt: skip
+
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        """Zero the recurrent states of requests that start (or restart) now."""
+        for conv, state in zip(self.conv, self.state, strict=True):
+            conv[slots] = 0
+            state[slots] = 0
+
+
+@dataclass
+class StepMetadata:
+    """Everything a forward step needs besides the weights, built once per step."""
+
+    input_ids: torch.Tensor  # [T] new tokens of all sequences, back to back
+    positions: torch.Tensor  # [T] absolute position of each new token
+    seq_lens: list[int]  # [B] new tokens per sequence (host)
+    cu_seqlens: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32, cached tokens after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, cache row (block * block_size + offset) per token
+    state_slots: torch.Tensor  # [B] int32, recurrent-state slot per sequence
+    max_q_len: int
+
+
+def build_metadata(
+    tokens: list[list[int]],
+    computed: list[int],
+    block_tables: list[list[int]],
+    state_slots: list[int],
+    block_size: int,
+    device: torch.device | str,
+) -> StepMetadata:
+    """tokens[b]: sequence b's new tokens, which follow its `computed[b]` cached ones."""
+    seq_lens = [len(t) for t in tokens]
+    positions = [c + i for c, n in zip(computed, seq_lens, strict=True) for i in range(n)]
+    slot_mapping = [
+        table[p // block_size] * block_size + p % block_size
+        for table, c, n in zip(block_tables, computed, seq_lens, strict=True)
+        for p in range(c, c + n)
+    ]
+    width = max(len(t) for t in block_tables)
+    tables = [t + [0] * (width - len(t)) for t in block_tables]
+    cu = [0]
+    for n in seq_lens:
+        cu.append(cu[-1] + n)
+
+    def as_tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return StepMetadata(
+        input_ids=as_tensor([x for t in tokens for x in t], torch.long),
+        positions=as_tensor(positions, torch.long),
+        seq_lens=seq_lens,
+        cu_seqlens=as_tensor(cu, torch.int32),
+        context_lens=as_tensor(
+            [c + n for c, n in zip(computed, seq_lens, strict=True)], torch.int32
+        ),  # fmt: skip
+        block_tables=as_tensor(tables, torch.int32),
+        slot_mapping=as_tensor(slot_mapping, torch.long),
+        state_slots=as_tensor(state_slots, torch.int32),
+        max_q_len=max(seq_lens),
+    )
