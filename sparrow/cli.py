@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -54,48 +54,48 @@ def _device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from sparrow.generate import GenerationStats, SamplingParams, generate
-    from sparrow.loader.weights import load_checkpoint
-    from sparrow.tokenizer import load_tokenizer
+    """Stream one request through the engine (scheduler + runner)."""
+    from sparrow.core.sampling_params import SamplingParams
+    from sparrow.generate import GenerationStats
+    from sparrow.llm import LLM
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,
     )  # fmt: skip
-    model_dir = Path(args.model) if args.model else default_checkpoint()
     device, dtype = _device_and_dtype(args)
-    model = load_checkpoint(model_dir, device, dtype, quantize=_quant_config(args.quantize))
-    tokenizer = load_tokenizer(model_dir)
+    llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True)
     text = args.prompt
     if not args.raw:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    stops = {tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")} - {None}
-    stops = tuple(sorted(stops | set(model.config.eos_token_ids)))
-    params = dataclasses.replace(params, stop_token_ids=stops)
-    stats = GenerationStats()
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    request = llm.add_request(text, params)
+    stats = GenerationStats(prompt_tokens=len(request.prompt_token_ids))
+    start = time.perf_counter()
+    first = None
     shown = ""
-    for _ in generate(model, tokenizer.encode(text), params, stats):
-        out = tokenizer.decode(stats.token_ids)
+    while llm.scheduler.has_unfinished():
+        llm.step()
+        if first is None and request.output_token_ids:
+            first = time.perf_counter()
+            stats.prefill_s = first - start
+        out = llm.tokenizer.decode(request.output_token_ids)
         if not out.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
             sys.stdout.write(out[len(shown) :])
             sys.stdout.flush()
             shown = out
+    stats.decode_tokens = len(request.output_token_ids)
+    stats.decode_s = time.perf_counter() - first
     print(f"\n{stats.summary()}")
     return 0
 
 
-def _quant_config(name: str | None):
-    from sparrow.config import QuantConfig
-
-    return None if name is None else QuantConfig.mlx_default(bits=int(name.removesuffix("bit")))
-
-
 def cmd_checkpoint_quantize(args: argparse.Namespace) -> int:
+    from sparrow.config import QuantConfig
     from sparrow.loader.weights import load_checkpoint
     from sparrow.quant.mlx_layout import save_mlx_checkpoint
 
     device, dtype = _device_and_dtype(args)
-    model = load_checkpoint(args.src, device, dtype, quantize=_quant_config(args.quantize))
+    model = load_checkpoint(args.src, device, dtype, quantize=QuantConfig.from_name(args.quantize))
     out = save_mlx_checkpoint(model, args.out, tokenizer_dir=args.src)
     print(f"wrote {out} ({args.quantize}, MLX layout)")
     return 0

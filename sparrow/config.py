@@ -48,6 +48,15 @@ class QuantConfig:
         eight = QuantSpec(8, group_size)
         return cls(bits, group_size, (("mlp.gate", eight), ("mlp.shared_expert_gate", eight)))
 
+    @classmethod
+    def from_name(cls, name: str | None) -> QuantConfig | None:
+        """ "4bit" / "8bit" (the MLX policy at that width) or None (no quantisation)."""
+        if name is None:
+            return None
+        if name not in ("4bit", "8bit"):
+            raise ConfigError(f"unknown quantisation {name!r}; expected '4bit' or '8bit'")
+        return cls.mlx_default(bits=int(name.removesuffix("bit")))
+
     def spec_for(self, path: str) -> QuantSpec | None:
         for key, spec in self.overrides:
             if path == key or path.endswith("." + key):

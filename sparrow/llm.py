@@ -51,9 +51,7 @@ class LLM:
         model_dir = Path(model) if model is not None else default_checkpoint()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-        quant = None
-        if quantize is not None:
-            quant = QuantConfig.mlx_default(bits=int(quantize.removesuffix("bit")))
+        quant = QuantConfig.from_name(quantize)
         self.model = load_checkpoint(model_dir, device, dtype, quantize=quant, progress=progress)
         self.tokenizer = load_tokenizer(model_dir)
         cfg = self.model.config
