@@ -89,6 +89,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible server over the engine (single process)."""
+    import uvicorn
+
+    from sparrow.llm import LLM
+    from sparrow.server.app import build_app
+    from sparrow.server.async_engine import AsyncEngine
+
+    device, dtype = _device_and_dtype(args)
+    llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True)
+    name = args.served_model_name or (Path(args.model).name if args.model else "default")
+    app = build_app(AsyncEngine(llm, max_waiting=args.max_waiting), name, args.api_key,
+                    args.max_body_bytes)  # fmt: skip
+    print(f"[sparrow] serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=30)  # fmt: skip
+    return 0
+
+
 def cmd_checkpoint_quantize(args: argparse.Namespace) -> int:
     from sparrow.config import QuantConfig
     from sparrow.loader.weights import load_checkpoint
@@ -145,6 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantise a float checkpoint's weights on load (group-affine, MLX layout)",
     )
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    srv.add_argument("--model", help="checkpoint directory (default: built-in small random model)")
+    srv.add_argument("--served-model-name", help="the model id clients use (default: dir name)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="queued requests before new ones get 503 + Retry-After",
+    )
+    srv.add_argument("--quantize", choices=_QUANT, default=None)
+    _add_device_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
     ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)

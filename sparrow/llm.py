@@ -81,11 +81,17 @@ class LLM:
               f"({blocks * per_block / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
         return dataclasses.replace(base, num_blocks=blocks)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+    def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        """A validated request (not queued yet): ValueError if it can never run."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not params.stop_token_ids:
             params = dataclasses.replace(params, stop_token_ids=self.default_stop_ids)
         request = Request(f"req-{next(self._ids)}", ids, params)
+        self.scheduler.validate(request)
+        return request
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        request = self.make_request(prompt, params)
         self.scheduler.add_request(request)
         return request
 

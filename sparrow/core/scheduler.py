@@ -78,6 +78,15 @@ class Scheduler:
         """Queue a request. Raises ValueError for one that can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.validate(request)
+        request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def validate(self, request: Request) -> None:
+        """Raise ValueError if the request can never run (reads only the config: safe to call
+        from another thread)."""
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty")
         limit = self.config.max_model_len
@@ -87,15 +96,11 @@ class Scheduler:
                 f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
                 f"({request.params.max_tokens}) = {total} exceeds the context limit of {limit}"
             )
-        if self.kv.blocks_needed(request.request_id, total) > self.config.num_blocks:
+        if -(-total // self.config.block_size) > self.config.num_blocks:
             raise ValueError(
                 f"request needs {total} tokens of KV cache; the cache holds "
                 f"{self.config.num_blocks * self.config.block_size}"
             )
-        request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free what it holds. False if it is unknown or done."""

@@ -1,0 +1,1 @@
+"""The single-process OpenAI-compatible HTTP server (`sparrow serve`)."""
