@@ -97,9 +97,11 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan, self.scheduler.requests)
+        sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
         outputs = self.scheduler.update_from_output(plan, sampled)
         for out in outputs:
+            if out.request_id in logprobs and out.new_token_ids:
+                out.logprobs = [logprobs[out.request_id]]
             if out.finish_reason is not None:
                 self.runner.free(out.request_id)
         return outputs

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from sparrow.core.block_pool import KVCacheManager, StateSlotPool
 from sparrow.core.request import FinishReason, Request, RequestStatus
+from sparrow.core.sampling_params import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None  # filled by the engine when asked for
 
 
 class Scheduler:

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sparrow.core.request import FinishReason
-from sparrow.core.sampling_params import SamplingParams
+from sparrow.core.sampling_params import SamplingParams, TokenLogprob
 from sparrow.server.async_engine import AsyncEngine, EngineFull
 from sparrow.server.protocol import (
     ChatCompletionRequest,
@@ -77,6 +77,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # emitted so far
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def advance(self, decode, new_ids: list[int], finish: FinishReason | None) -> str:
         """Add tokens; returns the text that may be emitted now. Holds back an incomplete
@@ -96,6 +97,27 @@ class Choice:
                 full = full[:-1]
         delta, self.text = full[len(self.text) :], full
         return delta
+
+
+def chat_logprobs(entries: list[TokenLogprob], decode) -> dict:
+    """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def one(token_id: int, logprob: float) -> dict:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [one(e.token_id, e.logprob)
+                        | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}  # fmt: skip
+
+
+def text_logprobs(entries: list[TokenLogprob], decode, offset: int) -> dict:
+    """OpenAI completions format: parallel lists and text offsets."""
+    tokens = [decode(e.token_id) for e in entries]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}  # fmt: skip
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
@@ -155,7 +177,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         params = SamplingParams(
             max_tokens=max_tokens or max(1, min(DEFAULT_MAX_TOKENS, room)),
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            seed=body.seed, stop=body.stop_strings(),
+            seed=body.seed, stop=body.stop_strings(), logprobs=body.logprobs_count(),
         )  # fmt: skip
         try:  # n requests, seeds seed, seed + 1, ... so the choices differ reproducibly
             requests = [
@@ -204,11 +226,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     last = now
                     metrics.generation_tokens.inc(len(item.token_ids))
                 delta = choice.advance(llm.tokenizer.decode, item.token_ids, item.finish_reason)
+                choice.logprobs += item.logprobs or []
                 if choice.finish_reason is not None:
                     open_choices -= 1
                     if item.finish_reason is None:  # a stop string ended it here
                         engine.abort(choice.request_id)
-                yield choice, delta
+                yield choice, delta, item.logprobs or []
         finally:
             for task in tasks:
                 task.cancel()
@@ -216,6 +239,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 if c.finish_reason is None:
                     metrics.aborted.inc()
                     engine.abort(c.request_id)
+
+    def decode(token_id: int) -> str:
+        return llm.tokenizer.decode([token_id])
 
     def usage(ids, choices) -> dict:
         completion = sum(len(c.token_ids) for c in choices)
@@ -228,12 +254,22 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def respond(body: SamplingFields, ids, choices, queues, chat: bool):
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         kind = "chat.completion" if chat else "text_completion"
+        wants_logprobs = body.logprobs_count() is not None
+
+        def logprobs_json(entries: list[TokenLogprob], offset: int = 0):
+            if not wants_logprobs:
+                return None
+            return (
+                chat_logprobs(entries, decode) if chat else text_logprobs(entries, decode, offset)
+            )
+
         if not body.stream:
             async for _ in events(choices, queues):
                 pass
             out = [{"index": c.index, "finish_reason": reason(c),
                     **({"message": {"role": "assistant", "content": c.text}} if chat
-                       else {"text": c.text}), "logprobs": None} for c in choices]  # fmt: skip
+                       else {"text": c.text}), "logprobs": logprobs_json(c.logprobs)}
+                   for c in choices]  # fmt: skip
             return {"id": rid, "object": kind, "created": created, "model": model_name,
                     "choices": out, "usage": usage(ids, choices)}  # fmt: skip
 
@@ -253,13 +289,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 for c in choices:
                     yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                   "finish_reason": None}])  # fmt: skip
-            async for c, delta in events(choices, queues):
+            async for c, delta, new_logprobs in events(choices, queues):
                 done = reason(c) if c.finish_reason is not None else None
-                if not delta and done is None:
+                if not delta and done is None and not new_logprobs:
                     continue
                 part = {"delta": {"content": delta}} if chat else {"text": delta}
-                yield chunk([{"index": c.index, **part, "finish_reason": done,
-                              "logprobs": None}])  # fmt: skip
+                lp = logprobs_json(new_logprobs, len(c.text) - len(delta))
+                yield chunk([{"index": c.index, **part, "finish_reason": done, "logprobs": lp}])
             if body.stream_options and body.stream_options.include_usage:
                 yield chunk([], usage=usage(ids, choices))
             yield "data: [DONE]\n\n"

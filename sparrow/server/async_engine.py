@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from sparrow.core.request import FinishReason, Request
+from sparrow.core.sampling_params import TokenLogprob
 from sparrow.llm import LLM
 
 
@@ -22,6 +23,7 @@ from sparrow.llm import LLM
 class StreamItem:
     token_ids: list[int]  # new tokens
     finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class EngineFull(RuntimeError):
@@ -107,7 +109,8 @@ class AsyncEngine:
             self._drain()
             if self.llm.scheduler.has_unfinished():
                 for out in self.llm.step():
-                    self._post(out.request_id, StreamItem(out.new_token_ids, out.finish_reason))
+                    item = StreamItem(out.new_token_ids, out.finish_reason, out.logprobs)
+                    self._post(out.request_id, item)
                 self._work.set()
             elif self._stopping and self._inbox.empty():
                 return

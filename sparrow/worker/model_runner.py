@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from sparrow.core.request import Request
+from sparrow.core.sampling_params import TokenLogprob
 from sparrow.core.scheduler import SchedulerConfig, SchedulerOutput
 from sparrow.worker.cache import ModelCache, build_metadata
-from sparrow.worker.sampler import sample
+from sparrow.worker.sampler import sample, token_logprob
 
 
 class ModelRunner:
@@ -27,10 +28,13 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, requests: dict[str, Request]) -> dict[str, list[int]]:
-        """Returns {request_id: [sampled token]} for requests that completed their input."""
+    def execute(
+        self, plan: SchedulerOutput, requests: dict[str, Request]
+    ) -> tuple[dict[str, list[int]], dict[str, TokenLogprob]]:
+        """Returns ({request_id: [sampled token]}, {request_id: its logprobs}) for requests
+        that completed their input (logprobs only where the request asked)."""
         if not plan.num_scheduled_tokens:
-            return {}
+            return {}, {}
         device = self.model.device
         if plan.new_request_ids:  # (re)started requests begin from zero recurrent state
             fresh = [plan.state_slots[rid] for rid in plan.new_request_ids]
@@ -47,14 +51,16 @@ class ModelRunner:
         done = [(i, rid) for i, rid in enumerate(rids)
                 if computed[i] + len(tokens[i]) == requests[rid].num_tokens]  # fmt: skip
         if not done:
-            return {}
+            return {}, {}
         logits = self.model.logits(hidden[[ends[i] - 1 for i, _ in done]])
-        sampled = {}
+        sampled, logprobs = {}, {}
         for row, (_, rid) in enumerate(done):
             params = requests[rid].params
-            token = sample(logits[row : row + 1], params, self._generator(rid, params.seed))
-            sampled[rid] = [int(token)]
-        return sampled
+            token = int(sample(logits[row : row + 1], params, self._generator(rid, params.seed)))
+            sampled[rid] = [token]
+            if params.logprobs is not None:
+                logprobs[rid] = token_logprob(logits[row], token, params.logprobs)
+        return sampled, logprobs
 
     def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.core.sampling_params import SamplingParams
+from sparrow.core.sampling_params import SamplingParams, TokenLogprob
 
 
 def sample(
@@ -24,3 +24,12 @@ def sample(
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """logits: [V] fp32. The token's log-probability under the model (before temperature and
+    filtering) and the `top` most likely tokens with theirs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logp, top) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best else ()
+    return TokenLogprob(token, float(logp[token]), pairs)

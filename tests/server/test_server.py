@@ -211,3 +211,21 @@ def test_fuzzed_bodies_never_5xx(server):
 
     check()
     assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_logprobs(client):
+    out = _chat(client, max_tokens=4, logprobs=True, top_logprobs=3).choices[0]
+    entries = out.logprobs.content
+    assert len(entries) >= 1
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert abs(tops[0] - e.logprob) < 1e-5  # greedy: the sampled token is the top one
+    text = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0,
+                                     logprobs=2).choices[0]  # fmt: skip
+    assert len(text.logprobs.tokens) == 3 and len(text.logprobs.top_logprobs[0]) <= 2
+    assert text.logprobs.text_offset[0] == 0
+    streamed = list(_chat(client, max_tokens=3, logprobs=True, stream=True))
+    assert sum(len(c.choices[0].logprobs.content) for c in streamed
+               if c.choices and c.choices[0].logprobs) == 3  # fmt: skip
