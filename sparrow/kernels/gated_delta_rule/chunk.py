@@ -110,6 +110,7 @@ def _chunk_kernel(
     v_seq, o_seq = v_ptr + start * stride_vt + i_h * DV, o_ptr + start * stride_vt + i_h * DV
     g_seq, b_seq = g_ptr + start * stride_gt, b_ptr + start * stride_gt
     for c0 in range(0, length, 64):
+        # fmt: off  (the four 16-row sub-blocks of the chunk)
         q0, k0, v0, g0, be0 = _load_sub(
             q_seq,
             k_seq,
@@ -158,8 +159,23 @@ def _chunk_kernel(
             stride_gt,
             DK,
         )
-        q3, k3, v3, g3, be3 = _load_sub(q_seq, k_seq, v_seq, g_seq, b_seq, c0 + 48, length, i_k,
-                                        i_h, o_v, stride_qt, stride_vt, stride_gt, DK)  # fmt: skip
+        q3, k3, v3, g3, be3 = _load_sub(
+            q_seq,
+            k_seq,
+            v_seq,
+            g_seq,
+            b_seq,
+            c0 + 48,
+            length,
+            i_k,
+            i_h,
+            o_v,
+            stride_qt,
+            stride_vt,
+            stride_gt,
+            DK,
+        )
+        # fmt: on
         # cumulative log-decay from the chunk start
         gc0 = tl.cumsum(g0, axis=0)
         gc1 = tl.sum(g0, axis=0) + tl.cumsum(g1, axis=0)
