@@ -110,71 +110,16 @@ def _chunk_kernel(
     v_seq, o_seq = v_ptr + start * stride_vt + i_h * DV, o_ptr + start * stride_vt + i_h * DV
     g_seq, b_seq = g_ptr + start * stride_gt, b_ptr + start * stride_gt
     for c0 in range(0, length, 64):
-        # fmt: off  (the four 16-row sub-blocks of the chunk)
-        q0, k0, v0, g0, be0 = _load_sub(
-            q_seq,
-            k_seq,
-            v_seq,
-            g_seq,
-            b_seq,
-            c0,
-            length,
-            i_k,
-            i_h,
-            o_v,
-            stride_qt,
-            stride_vt,
-            stride_gt,
-            DK,
-        )
-        q1, k1, v1, g1, be1 = _load_sub(
-            q_seq,
-            k_seq,
-            v_seq,
-            g_seq,
-            b_seq,
-            c0 + 16,
-            length,
-            i_k,
-            i_h,
-            o_v,
-            stride_qt,
-            stride_vt,
-            stride_gt,
-            DK,
-        )
-        q2, k2, v2, g2, be2 = _load_sub(
-            q_seq,
-            k_seq,
-            v_seq,
-            g_seq,
-            b_seq,
-            c0 + 32,
-            length,
-            i_k,
-            i_h,
-            o_v,
-            stride_qt,
-            stride_vt,
-            stride_gt,
-            DK,
-        )
-        q3, k3, v3, g3, be3 = _load_sub(
-            q_seq,
-            k_seq,
-            v_seq,
-            g_seq,
-            b_seq,
-            c0 + 48,
-            length,
-            i_k,
-            i_h,
-            o_v,
-            stride_qt,
-            stride_vt,
-            stride_gt,
-            DK,
-        )
+        # the four 16-row sub-blocks of the chunk
+        # fmt: off
+        q0, k0, v0, g0, be0 = _load_sub(q_seq, k_seq, v_seq, g_seq, b_seq, c0, length, i_k, i_h,
+                                        o_v, stride_qt, stride_vt, stride_gt, DK)
+        q1, k1, v1, g1, be1 = _load_sub(q_seq, k_seq, v_seq, g_seq, b_seq, c0 + 16, length, i_k,
+                                        i_h, o_v, stride_qt, stride_vt, stride_gt, DK)
+        q2, k2, v2, g2, be2 = _load_sub(q_seq, k_seq, v_seq, g_seq, b_seq, c0 + 32, length, i_k,
+                                        i_h, o_v, stride_qt, stride_vt, stride_gt, DK)
+        q3, k3, v3, g3, be3 = _load_sub(q_seq, k_seq, v_seq, g_seq, b_seq, c0 + 48, length, i_k,
+                                        i_h, o_v, stride_qt, stride_vt, stride_gt, DK)
         # fmt: on
         # cumulative log-decay from the chunk start
         gc0 = tl.cumsum(g0, axis=0)
