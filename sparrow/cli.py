@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -14,37 +11,7 @@ import torch
 
 from sparrow.config import ConfigError
 
-DEFAULT_PRESET = "qwen3.6-tiny"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow"))
-
-
-def default_checkpoint() -> Path:
-    """The built-in default model: a small random checkpoint, created on first use."""
-    from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
-
-    path = cache_dir() / f"default-{DEFAULT_PRESET}"
-    if (path / "config.json").is_file():
-        return path
-    print(
-        f"[sparrow] no --model given: creating the built-in default checkpoint "
-        f"({DEFAULT_PRESET}, random weights) in {path}",
-        file=sys.stderr,
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-    try:
-        write_random_checkpoint(tmp, PRESETS[DEFAULT_PRESET], seed=0, progress=False)
-        tmp.rename(path)
-    except OSError:
-        if not (path / "config.json").is_file():  # not a concurrent creator that won
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:

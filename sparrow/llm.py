@@ -20,6 +20,7 @@ from sparrow.core.block_pool import kv_blocks_for_memory
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from sparrow.loader.random_checkpoint import default_checkpoint
 from sparrow.loader.weights import load_checkpoint
 from sparrow.tokenizer import load_tokenizer
 from sparrow.worker.model_runner import ModelRunner
@@ -46,8 +47,6 @@ class LLM:
     ):
         """model: a checkpoint directory, or None for the built-in default. quantize: None or
         "4bit" / "8bit" (group-affine, quantised on load)."""
-        from sparrow.cli import default_checkpoint
-
         model_dir = Path(model) if model is not None else default_checkpoint()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)

@@ -28,6 +28,12 @@ def get_backend() -> str:
     return _backend
 
 
+def fits_tiles(*dims: int) -> bool:
+    """Whether head dims suit the kernels: powers of two, at least 16 (what tl.dot needs).
+    Layers with other shapes take the reference path."""
+    return all(n >= 16 and n & (n - 1) == 0 for n in dims)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether ops on `t` take the Triton kernels."""
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from sparrow.config import ModelConfig
-from sparrow.kernels import use_triton
+from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.attention import naive
 from sparrow.kernels.attention.paged import paged_attention
 from sparrow.layers.norms import ZeroCenteredRMSNorm
@@ -27,7 +27,7 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.kernel_fits = self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0
+        self.kernel_fits = fits_tiles(self.head_dim)
 
     def forward(
         self,

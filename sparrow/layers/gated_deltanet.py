@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.config import ModelConfig
-from sparrow.kernels import use_triton
+from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
 from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step
@@ -48,11 +48,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
-        # The kernels tile head dims in powers of two (>= 16, as tl.dot needs); other shapes
-        # take the reference path.
-        self.kernels_fit = all(
-            n >= 16 and n & (n - 1) == 0 for n in (self.head_k_dim, self.head_v_dim)
-        )
+        self.kernels_fit = fits_tiles(self.head_k_dim, self.head_v_dim)
 
     def forward(
         self, x: torch.Tensor, meta: StepMetadata, cache: tuple[torch.Tensor, torch.Tensor]

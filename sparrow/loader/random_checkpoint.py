@@ -13,6 +13,10 @@ than the bf16 checkpoint.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,3 +130,33 @@ def write_random_checkpoint(
 
         write_tokenizer_files(out)
     return out
+
+
+DEFAULT_PRESET = "qwen3.6-tiny"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow"))
+
+
+def default_checkpoint() -> Path:
+    """The built-in default model: a small random checkpoint, created on first use."""
+    path = cache_dir() / f"default-{DEFAULT_PRESET}"
+    if (path / "config.json").is_file():
+        return path
+    print(
+        f"[sparrow] no --model given: creating the built-in default checkpoint "
+        f"({DEFAULT_PRESET}, random weights) in {path}",
+        file=sys.stderr,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    try:
+        write_random_checkpoint(tmp, PRESETS[DEFAULT_PRESET], seed=0, progress=False)
+        tmp.rename(path)
+    except OSError:
+        if not (path / "config.json").is_file():  # not a concurrent creator that won
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -8,6 +8,8 @@ samples a token for every request whose input is now complete.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from sparrow.core.request import Request
@@ -47,7 +49,7 @@ class ModelRunner:
                               [plan.state_slots[r] for r in rids], self.cache.block_size,
                               device)  # fmt: skip
         hidden = self.model(meta, self.cache)
-        ends = meta.cu_seqlens[1:].tolist()
+        ends = list(itertools.accumulate(meta.seq_lens))  # host side: no device sync
         done = [(i, rid) for i, rid in enumerate(rids)
                 if computed[i] + len(tokens[i]) == requests[rid].num_tokens]  # fmt: skip
         if not done:
