@@ -38,30 +38,38 @@ class Completion:
 class LLM:
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | torch.nn.Module | None = None,
         device: str | None = None,
         dtype: torch.dtype | None = None,
         quantize: str | None = None,
         scheduler: SchedulerConfig | None = None,
         progress: bool = False,
+        cuda_graphs: bool = True,
     ):
-        """model: a checkpoint directory, or None for the built-in default. quantize: None or
-        "4bit" / "8bit" (group-affine, quantised on load)."""
-        model_dir = Path(model) if model is not None else default_checkpoint()
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-        quant = QuantConfig.from_name(quantize)
-        self.model = load_checkpoint(model_dir, device, dtype, quantize=quant, progress=progress)
-        self.tokenizer = load_tokenizer(model_dir)
+        """model: a checkpoint directory, None for the built-in default, or a model already
+        in memory (prompts then go in as token ids unless it is a directory's). quantize: None
+        or "4bit" / "8bit" (group-affine, quantised on load). cuda_graphs: replay decode steps
+        from captured graphs on a GPU (False: eager, like vLLM's enforce_eager)."""
+        if isinstance(model, torch.nn.Module):
+            self.model, self.tokenizer = model, None
+            device = str(model.device)
+        else:
+            model_dir = Path(model) if model is not None else default_checkpoint()
+            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+            quant = QuantConfig.from_name(quantize)
+            self.model = load_checkpoint(model_dir, device, dtype, quantize=quant,
+                                         progress=progress)  # fmt: skip
+            self.tokenizer = load_tokenizer(model_dir)
         cfg = self.model.config
         scheduler = scheduler or self._default_scheduler_config(device)
-        self.scheduler = Scheduler(scheduler, detokenize=self.tokenizer.decode)
-        self.runner = ModelRunner(self.model, scheduler)
+        detokenize = self.tokenizer.decode if self.tokenizer else None
+        self.scheduler = Scheduler(scheduler, detokenize=detokenize)
+        self.runner = ModelRunner(self.model, scheduler, cuda_graphs=cuda_graphs)
         self._ids = itertools.count()
-        self.default_stop_ids = tuple(sorted(
-            ({self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")} - {None})
-            | set(cfg.eos_token_ids)
-        ))  # fmt: skip
+        special = {self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")
+                   } if self.tokenizer else set()  # fmt: skip
+        self.default_stop_ids = tuple(sorted((special - {None}) | set(cfg.eos_token_ids)))
 
     def _default_scheduler_config(self, device: str) -> SchedulerConfig:
         """KV blocks from the memory left after the weights (GPU: 90% of what is free; CPU:
@@ -82,8 +90,10 @@ class LLM:
 
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """A validated request (not queued yet): ValueError if it can never run."""
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: give prompts as token ids")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not params.stop_token_ids:
+        if not params.stop_token_ids and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=self.default_stop_ids)
         request = Request(f"req-{next(self._ids)}", ids, params)
         self.scheduler.validate(request)
@@ -122,6 +132,7 @@ class LLM:
             self.step()
         return [
             Completion(r.request_id, r.prompt_token_ids, r.output_token_ids,
-                       self.tokenizer.decode(r.output_token_ids), r.finish_reason)
+                       self.tokenizer.decode(r.output_token_ids) if self.tokenizer else "",
+                       r.finish_reason)
             for r in requests
         ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -36,3 +37,25 @@ def graph_time_us(calls: list[Callable[[], object]], replays: int = 20, rounds: 
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
     return statistics.median(times)
+
+
+def kernel_profile(fn: Callable[[], object], top: int = 20) -> dict:
+    """Run `fn` once (after one warm-up call) under the profiler: CUDA time and launch count
+    per kernel, the busiest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            per_kernel[event.name].append(event.device_time_total)
+    rows = sorted(((n, len(t), sum(t)) for n, t in per_kernel.items()), key=lambda r: -r[2])
+    return {
+        "kernels": sum(r[1] for r in rows),
+        "kernel_time_us": sum(r[2] for r in rows),
+        "top": [{"kernel": n[:90], "count": c, "us": round(us, 1)} for n, c, us in rows[:top]],
+    }

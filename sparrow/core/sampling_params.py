@@ -15,6 +15,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded output
     logprobs: int | None = None  # report each sampled token's logprob and this many top ones
+    ignore_eos: bool = False  # do not stop at the model's end tokens (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -8,13 +8,15 @@ from torch import nn
 from sparrow.config import ModelConfig
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.attention import naive
-from sparrow.kernels.attention.paged import paged_attention
+from sparrow.kernels.attention.paged import paged_attention, paged_decode_attention
+from sparrow.layers.linear import Projections
 from sparrow.layers.norms import ZeroCenteredRMSNorm
-from sparrow.layers.rotary import apply_rotary
 from sparrow.worker.cache import StepMetadata
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(Projections, nn.Module):
+    FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_kv_heads
@@ -41,15 +43,20 @@ class GatedAttention(nn.Module):
         layer's paged K and V [num_blocks, block_size, Hkv, D], written here, then read."""
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        k = apply_rotary(k, cos, sin)
+        q = self.q_norm.with_rope(q, cos, sin)
+        k = self.k_norm.with_rope(
+            self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin
+        )
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
         args = (k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.context_lens, self.scale)
-        if use_triton(x) and self.kernel_fits:
+        if use_triton(x) and self.kernel_fits and meta.max_q_len == 1:  # decode
+            out = paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                         meta.context_lens, self.scale,
+                                         gate.contiguous())  # fmt: skip
+        elif use_triton(x) and self.kernel_fits:
             out = paged_attention(q.contiguous(), *args, gate=gate.contiguous(),
                                   max_q_len=meta.max_q_len)  # fmt: skip
         else:

@@ -10,11 +10,12 @@ from sparrow.config import ModelConfig
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
 from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
-from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step
+from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step, gated_rms_norm
 from sparrow.kernels.gated_delta_rule.naive import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from sparrow.layers.linear import Projections
 from sparrow.layers.norms import GatedRMSNorm
 from sparrow.worker.cache import StepMetadata
 
@@ -29,7 +30,9 @@ def causal_conv1d(
     return F.silu(y).t().to(x.dtype), x_ext[:, x_ext.shape[1] - conv_state.shape[1] :]
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(Projections, nn.Module):
+    FUSED = {"in": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d = cfg.hidden_size
@@ -57,13 +60,13 @@ class GatedDeltaNet(nn.Module):
         [slots, C, K - 1] and recurrent pool [slots, Hv, Dk, Dv] fp32, indexed by
         meta.state_slots and updated in place."""
         conv_pool, state_pool = cache
-        mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        a, b = self.in_proj_a(x), self.in_proj_b(x)
+        mixed_qkv, z, b, a = self.project("in", x)
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         if use_triton(x) and self.kernels_fit:
-            o = self._mix_kernels(mixed_qkv, a, b, meta, conv_pool, state_pool)
+            o = self._mix_kernels(mixed_qkv, a, b, z, meta, conv_pool, state_pool)
         else:
-            o = self._mix_reference(mixed_qkv, a, b, meta, conv_pool, state_pool)
-        o = self.norm(o.to(x.dtype), z.view(*o.shape))
+            o = self.norm(self._mix_reference(mixed_qkv, a, b, meta, conv_pool, state_pool)
+                          .to(x.dtype), z)  # fmt: skip
         return self.out_proj(o.flatten(1))
 
     def _split_heads(self, qkv: torch.Tensor):
@@ -89,15 +92,20 @@ class GatedDeltaNet(nn.Module):
             outs.append(o)
         return torch.cat(outs)
 
-    def _mix_kernels(self, mixed_qkv, a, b, meta, conv_pool, state_pool) -> torch.Tensor:
-        """Conv, then the fused recurrent step when every sequence brings one token
-        (decode), else the chunked scan."""
+    def _mix_kernels(self, mixed_qkv, a, b, z, meta, conv_pool, state_pool) -> torch.Tensor:
+        """Conv, then the fused recurrent step and the gated-norm kernel when every sequence
+        brings one token (decode), else the chunked scan and the norm. Returns the normed
+        output [T, Hv, Dv] in the activation dtype. (The step can fuse the norm too, a head per
+        program; splitting heads over more programs and a separate norm kernel measured
+        faster on the H200: 9.9 vs 11.9 us per layer at batch 1, 107 vs 149 us at 64.)"""
         slots = meta.state_slots
         weight = self.conv1d.weight[:, 0]
         qkv = causal_conv1d_varlen(mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight)
         if meta.max_q_len == 1:
-            return fused_recurrent_step(qkv, a, b, self.A_log, self.dt_bias, state_pool, slots,
-                                        self.num_k_heads)  # fmt: skip
-        return chunk_gated_delta_rule_varlen(*self._split_heads(qkv), self._decay(a),
-                                             b.sigmoid().float(), meta.cu_seqlens, state_pool,
-                                             slots)  # fmt: skip
+            o = fused_recurrent_step(qkv, a, b, self.A_log, self.dt_bias, state_pool, slots,
+                                     self.num_k_heads)  # fmt: skip
+            return gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+        o = chunk_gated_delta_rule_varlen(*self._split_heads(qkv), self._decay(a),
+                                          b.sigmoid().float(), meta.cu_seqlens, state_pool,
+                                          slots, max_len=meta.max_q_len)  # fmt: skip
+        return self.norm(o.to(mixed_qkv.dtype), z)

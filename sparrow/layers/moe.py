@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.config import ModelConfig
+from sparrow.kernels import use_triton
+from sparrow.layers.linear import Projections
 
 
 def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,8 +21,10 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     return weights.to(router_logits.dtype), ids
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(Projections, nn.Module):
     """The shared expert: down(silu(gate(x)) * up(x))."""
+
+    FUSED = {"gate_up": ("gate_proj", "up_proj")}
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -29,7 +33,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project("gate_up", x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -45,13 +50,22 @@ class Experts(nn.Module):
         """Float (gate_up [2I, hidden], down [hidden, I]) of expert e."""
         return self.gate_up_proj[e], self.down_proj[e]
 
-    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int):
-        """Route (softmax top-k) and run the experts: [T, hidden] -> [T, hidden]."""
+    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                      shared: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+        """Route (softmax top-k) and run the experts: [T, hidden] -> [T, hidden]. With
+        shared = (shared expert output, its gate logit [T, 1]), add sigmoid(gate) * output."""
         weights, ids = route(router_logits, top_k)
-        return self(x, weights, ids)
+        out = self(x, weights, ids)
+        return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden]; weights, ids: [T, k]. Loops over the experts that received rows."""
+        """x: [T, hidden]; weights, ids: [T, k]. Reference: loops over the experts that
+        received rows (reads them on the host). On a GPU with the kernel backend: grouped
+        GEMMs (bf16), or for other dtypes a gather of each assignment's weights (small test
+        models); both without host sync."""
+        if use_triton(x) and x.is_cuda:
+            grouped = self._grouped if x.dtype == torch.bfloat16 else self._gathered
+            return grouped(x, weights, ids)
         out = torch.zeros_like(x)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
@@ -61,8 +75,37 @@ class Experts(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """Assignments sorted by expert, then torch's grouped GEMM per projection: no host
+        sync (group ends come from a scatter-add, not bincount), so it can be captured."""
+        t, k = ids.shape
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
+        rows = x[order // k]
+        gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=ends)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=ends)
+        y = y * weights.flatten()[order, None]
+        out = torch.empty_like(y).index_copy_(0, order, y)
+        return out.view(t, k, -1).sum(1)
 
-class SparseMoE(nn.Module):
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """One weight copy per assignment, then batched matmuls (any dtype, small models)."""
+        t, k = ids.shape
+        flat = ids.flatten()
+        rows = x.repeat_interleave(k, dim=0)[:, :, None]  # assignment a = t * k + slot
+        gate, up = torch.bmm(self.gate_up_proj[flat].to(x.dtype), rows)[..., 0].chunk(2, -1)
+        h = (F.silu(gate) * up)[:, :, None]
+        y = torch.bmm(self.down_proj[flat].to(x.dtype), h)[..., 0] * weights.reshape(-1, 1)
+        return y.view(t, k, -1).sum(1)
+
+
+class SparseMoE(Projections, nn.Module):
+    FUSED = {"gates": ("gate", "shared_expert_gate")}  # the router and the shared expert's
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
@@ -73,6 +116,6 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        routed = self.experts.route_and_run(x, self.gate(x), self.top_k)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        router_logits, shared_gate = self.project("gates", x)
+        shared = (self.shared_expert(x), shared_gate)
+        return self.experts.route_and_run(x, router_logits, self.top_k, shared)

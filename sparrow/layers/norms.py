@@ -6,6 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparrow.kernels import use_triton
+from sparrow.kernels.rms_norm import naive
+from sparrow.kernels.rms_norm import norm as kernels
+
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, in fp32."""
@@ -14,7 +18,9 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class ZeroCenteredRMSNorm(nn.Module):
-    """`rms_norm(x) * (1 + w)`, computed in fp32, cast back. The stored weight is w (init 0)."""
+    """`rms_norm(x) * (1 + w)`, computed in fp32, cast back. The stored weight is w (init 0).
+    With the kernel backend each call is one Triton kernel, fused with its neighbour: the
+    residual add (`add`) or the rotary embedding of q/k (`with_rope`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -22,7 +28,19 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_norm(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
+        ops = kernels if use_triton(x) and x.is_contiguous() else naive
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm): the residual stream's step into the next sub-layer."""
+        ops = kernels if use_triton(x) else naive
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Per-head norm then partial RoPE: x [T, H, D] (a view of a projection is fine)."""
+        fits = use_triton(x) and x.stride(-1) == 1 and x.shape[-1] & (x.shape[-1] - 1) == 0
+        ops = kernels if fits else naive
+        return ops.rms_norm_rope(x, self.weight, self.eps, cos, sin)
 
 
 class GatedRMSNorm(nn.Module):

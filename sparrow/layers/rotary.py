@@ -21,14 +21,18 @@ class RotaryEmbedding:
         for dim, offset in ((1, 1), (2, 2)):
             axis[offset : 3 * mrope_section[dim] : 3] = dim
         self.axis = axis
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions: [T] (text) or [3, T] (t/h/w). Returns cos, sin: [T, rotary_dim]."""
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
-        inv_freq = self.inv_freq.to(positions.device)
+        device = positions.device
+        if device not in self._tables:  # copied once per device (no copies in a graph)
+            self._tables[device] = (self.inv_freq.to(device), self.axis.to(device))
+        inv_freq, axis = self._tables[device]
         freqs = positions.float()[:, :, None] * inv_freq  # [3, T, R/2]
-        freqs = freqs.gather(0, self.axis.to(positions.device).expand(1, freqs.shape[1], -1))[0]
+        freqs = freqs.gather(0, axis.expand(1, freqs.shape[1], -1))[0]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sparrow.config import ModelConfig
+from sparrow.config import ModelConfig, QuantConfig
 from sparrow.loader.weights import build_empty_model, load_tensors
 from sparrow.loader.writer import ShardWriter
 
@@ -99,11 +99,12 @@ def random_model(
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    quantize: QuantConfig | None = None,
 ) -> torch.nn.Module:
-    """A model with random weights materialised directly on `device` (no checkpoint file)."""
-    return load_tensors(
-        cfg, random_tensors(cfg, seed, device, dtype), device, dtype, where="random weights"
-    )
+    """A model with random weights materialised directly on `device` (no checkpoint file),
+    quantised tensor by tensor when `quantize` is given (the float model never exists)."""
+    return load_tensors(cfg, random_tensors(cfg, seed, device, dtype), device, dtype,
+                        where="random weights", quantize=quantize)  # fmt: skip
 
 
 def write_random_checkpoint(

@@ -159,6 +159,9 @@ class WeightAssembler:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(f"{where}: missing tensors: {', '.join(missing[:5])}{more}")
         self.model.load_state_dict(self.tensors, strict=True, assign=True)
+        for module in self.model.modules():  # one matmul per group of projections
+            if hasattr(module, "fuse_projections"):
+                module.fuse_projections()
         return self.model
 
     def _describe_missing(self, param: str) -> str:
@@ -246,11 +249,15 @@ def load_tensors(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     where: str = "state dict",
+    quantize: QuantConfig | None = None,
 ) -> torch.nn.Module:
     """Build a model from (HF name, tensor) pairs, e.g. an HF model's `state_dict()`: the same
     name mapping and checks as files. Tensors already on `device` in `dtype` are used as they
-    are (no copy), so an HF model and ours can share one set of weights."""
+    are (no copy), so an HF model and ours can share one set of weights. With `quantize`,
+    float tensors are quantised as they arrive."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    if quantize is not None:
+        cfg = cfg.replace(quantization=quantize)
     assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype)
     for name, t in items:
         target = assembler.target(name, tuple(t.shape), t.dtype, where)

@@ -39,14 +39,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta: StepMetadata, cache) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x, residual, cos, sin, meta: StepMetadata, cache):
+        """x: the previous layer's output (its MLP's, not yet added to the residual stream),
+        or the embeddings with residual None. Returns (this layer's MLP output, the residual
+        stream before it): each add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add(x, residual)
         if self.is_attention:
             h = self.self_attn(h, cos, sin, meta, cache)
         else:
             h = self.linear_attn(h, meta, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        residual, h = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5MoeModel(nn.Module):
@@ -88,9 +94,11 @@ class Qwen3_5MoeModel(nn.Module):
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         attn = iter(zip(cache.k, cache.v, strict=True))
         recurrent = iter(zip(cache.conv, cache.state, strict=True))
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, next(attn) if layer.is_attention else next(recurrent))
-        return self.norm(x)
+            caches = next(attn) if layer.is_attention else next(recurrent)
+            x, residual = layer(x, residual, cos, sin, meta, caches)
+        return self.norm.add(x, residual)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""

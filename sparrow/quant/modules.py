@@ -95,14 +95,17 @@ class QuantizedExperts(Experts):
         for name, shape in self.logical_shapes.items():
             _packed_params(self, name, shape, spec, dtype)
 
-    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int):
-        """With the Triton backend: GPU routing + grouped fused-dequant GEMMs, no host sync."""
+    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                      shared: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+        """With the Triton backend: GPU routing + grouped fused-dequant GEMMs and the combine
+        with the shared expert in one kernel, no host sync."""
         if not use_triton(x):
-            return super().route_and_run(x, router_logits, top_k)
+            return super().route_and_run(x, router_logits, top_k, shared)
         return moe_experts(
             x.reshape(-1, x.shape[-1]), router_logits, top_k,
             (self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
             (self.down_proj, self.down_proj_scales, self.down_proj_biases), self.spec,
+            shared=shared,
         )  # fmt: skip
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:

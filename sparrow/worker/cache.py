@@ -31,9 +31,14 @@ class CacheSpec:
 
 
 class ModelCache:
+    """One block and one state slot beyond those the scheduler hands out (`pad_block`,
+    `pad_slot`) are scratch: padding rows of a captured decode step write there."""
+
     def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int,
                  device: torch.device | str, dtype: torch.dtype):  # fmt: skip
         self.spec, self.block_size = spec, block_size
+        self.pad_block, self.pad_slot = num_blocks, num_slots
+        num_blocks, num_slots = num_blocks + 1, num_slots + 1
         kv_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.k = [torch.zeros(kv_shape, device=device, dtype=dtype)
                   for _ in range(spec.num_attention_layers)]  # fmt: skip

@@ -26,6 +26,24 @@ def sample(
     return torch.multinomial(probs, 1, generator=gen)[:, 0]
 
 
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+) -> list[int]:
+    """logits: [B, V] fp32, row b sampled with params[b]. Greedy rows share one argmax; the
+    tokens come back to the host in one transfer."""
+    greedy = [b for b, p in enumerate(params) if p.temperature == 0]
+    if len(greedy) == len(params):
+        return logits.argmax(dim=-1).tolist()
+    picked = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    if greedy:
+        rows = torch.tensor(greedy, device=logits.device)
+        picked[rows] = logits[rows].argmax(dim=-1)
+    for b, (p, gen) in enumerate(zip(params, gens, strict=True)):
+        if p.temperature != 0:
+            picked[b] = sample(logits[b : b + 1], p, gen)[0]
+    return picked.tolist()
+
+
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """logits: [V] fp32. The token's log-probability under the model (before temperature and
     filtering) and the `top` most likely tokens with theirs."""

@@ -64,3 +64,18 @@ def test_sizes_not_multiples_of_the_tiles():
 @pytest.mark.parametrize("t", [1, 8, 64, 1000, 2048])
 def test_real_sizes_gpu(t):
     _run(t, e=256, k=8, d=2048, inter=512, dtype=torch.bfloat16, device="cuda", tol=2e-2)
+
+
+@pytest.mark.parametrize("t", [2, 17])  # GEMV and grouped GEMM paths
+def test_combine_with_shared_expert(t):
+    """shared=(output, gate logit): the layer's output in the combine kernel."""
+    spec = QuantSpec(4, 64)
+    e, k, d, inter = 8, 2, 128, 64
+    gate_up, down = _weights(e, d, inter, spec, torch.float32, "cpu", seed=5)
+    gen = torch.Generator().manual_seed(6)
+    x, logits = torch.randn(t, d, generator=gen), torch.randn(t, e, generator=gen)
+    shared, gate = torch.randn(t, d, generator=gen), torch.randn(t, 1, generator=gen)
+    out = moe_experts(x, logits, k, gate_up, down, spec, shared=(shared, gate))
+    weights, ids = route(logits, k)
+    routed = naive.moe_experts(x, weights, ids, gate_up, down, spec)
+    assert rel_err(out, routed + torch.sigmoid(gate) * shared) < 1e-5

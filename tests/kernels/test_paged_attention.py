@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sparrow.kernels.attention import naive
-from sparrow.kernels.attention.paged import paged_attention
+from sparrow.kernels.attention.paged import paged_attention, paged_decode_attention
 from tests.conftest import rel_err
 
 
@@ -26,7 +26,8 @@ def _case(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, seed=0):
     return [x.to(device, dtype) if x.is_floating_point() else x.to(device) for x in tensors]
 
 
-def _check(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, tol, with_gate=True):
+def _check(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, tol, with_gate=True,
+           splits=None):  # fmt: skip
     q, k_cache, v_cache, tables, cu, ctx, gate = _case(ctx_lens, q_lens, hq, hkv, d, block,
                                                        device, dtype)  # fmt: skip
     gate = gate if with_gate else None
@@ -41,7 +42,10 @@ def _check(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, tol, with_gate=Tr
         scale,
         None if gate is None else gate.float(),
     )
-    out = paged_attention(q, k_cache, v_cache, tables, cu, ctx, scale, gate)
+    if splits is None:
+        out = paged_attention(q, k_cache, v_cache, tables, cu, ctx, scale, gate)
+    else:  # the split-K decode kernel (one query per sequence)
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, gate, splits)
     assert rel_err(out.float(), expected) < tol
 
 
@@ -51,6 +55,13 @@ CPU = dict(hq=4, hkv=2, d=32, block=16, device="cpu", dtype=torch.float16, tol=5
 @pytest.mark.parametrize("ctx_lens", [[1], [15], [16], [17], [40, 1, 16, 33]])
 def test_decode(ctx_lens):
     _check(ctx_lens, [1] * len(ctx_lens), **CPU)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("ctx_lens", [[1], [17], [40, 1, 16, 33, 95]])
+def test_split_decode(ctx_lens, splits):
+    """More splits than key blocks leaves some empty; the merge must ignore them."""
+    _check(ctx_lens, [1] * len(ctx_lens), **CPU, splits=splits)
 
 
 @pytest.mark.parametrize("ctx_lens, q_lens", [([37], [37]), ([70, 16], [20, 16]),
@@ -69,4 +80,7 @@ def test_no_gate_and_wide_gqa():
 def test_real_sizes_gpu(ctx):
     kw = dict(hq=16, hkv=2, d=256, block=128, device="cuda", dtype=torch.bfloat16, tol=2e-2)
     _check([ctx, ctx // 2 + 1], [1, 1], **kw)  # decode
+    for splits in (1, 16, 64):
+        _check([ctx, ctx // 2 + 1], [1, 1], **kw, splits=splits)
+    _check([ctx] * 8, [1] * 8, **kw, splits=0)  # split count chosen by batch
     _check([ctx, ctx // 2 + 1], [ctx, 1], **kw)  # prefill + decode mixed

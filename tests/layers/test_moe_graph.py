@@ -1,5 +1,6 @@
-"""The 4-bit MoE layer on the kernel path never synchronises with the host: it is captured
-in a CUDA graph and replayed (any sync inside would make the capture fail)."""
+"""The MoE layer on the kernel path (4-bit kernels, or bf16 grouped GEMMs) never synchronises
+with the host: it is captured in a CUDA graph and replayed (any sync inside would make the
+capture fail)."""
 
 import pytest
 import torch
@@ -12,21 +13,28 @@ from tests.conftest import rel_err
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantized", [True, False])
 @pytest.mark.parametrize("tokens", [1, 8, 100])
-def test_moe_layer_is_capturable(tokens):
+def test_moe_layer_is_capturable(tokens, quantized):
     cfg = ModelConfig()  # full-size layer: hidden 2048, 256 experts, top-8
     torch.manual_seed(0)
     with torch.device("cuda"):
         layer = SparseMoE(cfg).to(torch.bfloat16)
     for p in layer.parameters():
         p.requires_grad_(False).normal_(0, 0.02)
-    moe = quantized_copy(layer, QuantConfig.mlx_default(), torch.bfloat16, "layers.0.mlp.")
+    moe = layer
+    if quantized:
+        moe = quantized_copy(layer, QuantConfig.mlx_default(), torch.bfloat16, "layers.0.mlp.")
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     previous = get_backend()
+    set_backend("reference")
+    with torch.inference_mode():
+        reference = moe(x)
     set_backend("triton")
     try:
         with torch.inference_mode():
             eager = moe(x)
+            assert rel_err(eager, reference) < 3e-2
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

@@ -4,7 +4,15 @@ One program per (query block, KV head, sequence). GQA packing: the G = Hq / Hkv 
 of a KV head are rows of one tile ([BLOCK_M query positions x G heads]), so each key/value
 row loaded from the cache serves all of them. Keys are walked in BLOCK_N steps through the
 block table with an online softmax (fp32); the sigmoid output gate is applied before the
-store. Decode is the case of one query per sequence.
+store.
+
+Decode (one query per sequence) has its own split-K schedule (flash-decoding): with 2 KV
+heads a sequence would otherwise give the GPU 2 programs, so each (sequence, KV head) is
+split into `num_splits` contiguous key ranges, each program writes an unnormalised partial
+output with its running max and sum, and a second kernel merges them by log-sum-exp (and
+applies the gate). The split count depends only on the batch shape and each split's range
+on the context length read on the device, so the launch is the same for every step and can
+be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -109,5 +117,120 @@ def paged_attention(
         k_cache.stride(2), block_tables.stride(0), scale,
         G=g, D=d, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, CACHE_BLOCK=cache_block,
         HAS_GATE=gate is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr, ctx_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
+    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_s, i_kvh, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(ctx_ptr + i_b)
+    per_split = tl.cdiv(tl.cdiv(ctx, S), BLOCK_N) * BLOCK_N
+    lo = i_s * per_split
+    hi = tl.minimum(ctx, lo + per_split)
+    o_r = tl.arange(0, ROWS)
+    m_r = o_r < G
+    head = i_kvh * G + o_r
+    o_d = tl.arange(0, D)
+    b_q = tl.load(q_ptr + i_b * stride_qb + head[:, None] * stride_qh + o_d[None, :],
+                  mask=m_r[:, None], other=0.0)  # fmt: skip
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    b_acc = tl.zeros([ROWS, D], dtype=tl.float32)
+    o_n = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + o_n
+        m_n = n < hi
+        block = tl.load(tables_ptr + i_b * stride_tb + n // CACHE_BLOCK, mask=m_n, other=0)
+        p_kv = block.to(tl.int64)[:, None] * stride_kb + (n % CACHE_BLOCK)[:, None] * stride_kt \
+            + i_kvh * stride_kh + o_d[None, :]  # fmt: skip
+        b_k = tl.load(k_ptr + p_kv, mask=m_n[:, None], other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, axis=1))  # finite: every block has a key
+        b_p = tl.exp(b_s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(b_p, axis=1)
+        b_v = tl.load(v_ptr + p_kv, mask=m_n[:, None], other=0.0)
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+        m_i = m_new
+    # partials laid out [B, Hq, S, ...]; an empty split leaves m = -inf, l = 0
+    row = (i_b * (G * tl.num_programs(1)) + head) * S + i_s
+    tl.store(acc_ptr + row[:, None] * D + o_d[None, :], b_acc, mask=m_r[:, None])
+    tl.store(ml_ptr + row * 2, m_i, mask=m_r)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=m_r)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    acc_ptr, ml_ptr, gate_ptr, o_ptr, stride_ob, stride_oh, HQ,
+    S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr,
+):  # fmt: skip
+    i_h, i_b = tl.program_id(0), tl.program_id(1)
+    o_s = tl.arange(0, SP)
+    m_s = o_s < S
+    row = (i_b * HQ + i_h) * S + o_s
+    b_m = tl.load(ml_ptr + row * 2, mask=m_s, other=float("-inf"))
+    b_l = tl.load(ml_ptr + row * 2 + 1, mask=m_s, other=0.0)
+    m_all = tl.max(b_m, axis=0)
+    w = tl.where(b_m == float("-inf"), 0.0, tl.exp(b_m - m_all))
+    o_d = tl.arange(0, D)
+    b_acc = tl.load(acc_ptr + row[:, None] * D + o_d[None, :], mask=m_s[:, None], other=0.0)
+    b_o = tl.sum(b_acc * w[:, None], axis=0) / tl.sum(b_l * w, axis=0)
+    p_o = i_b * stride_ob + i_h * stride_oh + o_d
+    if HAS_GATE:
+        b_o = b_o * tl.sigmoid(tl.load(gate_ptr + p_o).to(tl.float32))
+    tl.store(o_ptr + p_o, b_o.to(o_ptr.dtype.element_ty))
+
+
+def decode_splits(batch: int, num_kv_heads: int, target_programs: int = 256) -> int:
+    """Key-range splits per (sequence, KV head): enough programs to fill the GPU at small
+    batch, one split once the batch alone fills it (a power of two, at most 64)."""
+    want = max(1, target_programs // (batch * num_kv_heads))
+    return min(64, triton.next_power_of_2(want))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    gate: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """One query per sequence (decode), split-K. q (and gate): [B, Hq, D]; the rest as in
+    `paged_attention` (every context length >= 1). Returns [B, Hq, D] in q's dtype."""
+    bsz, hq, d = q.shape
+    _, cache_block, hkv, _ = k_cache.shape
+    if hq % hkv or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
+        raise ValueError(f"q {list(q.shape)} does not fit caches {list(k_cache.shape)}")
+    if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need unit stride on D, the caches equal strides")
+    if gate is not None and (gate.shape != q.shape or gate.stride() != q.stride()):
+        raise ValueError("gate must have q's shape and strides")
+    g = hq // hkv
+    splits = num_splits or decode_splits(bsz, hkv)
+    acc = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float32)
+    ml = torch.empty(bsz, hq, splits, 2, device=q.device, dtype=torch.float32)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_split_kernel[(splits, hkv, bsz)](
+        q, k_cache, v_cache, acc, ml, block_tables, context_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), scale,
+        S=splits, G=g, D=d, ROWS=max(16, triton.next_power_of_2(g)),
+        BLOCK_N=min(block_n, cache_block), CACHE_BLOCK=cache_block, PRECISION=precision,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(hq, bsz)](
+        acc, ml, gate if gate is not None else q, out, q.stride(0), q.stride(1), hq,
+        S=splits, SP=max(2, splits), D=d, HAS_GATE=gate is not None,
     )  # fmt: skip
     return out

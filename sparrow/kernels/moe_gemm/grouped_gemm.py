@@ -150,6 +150,32 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
     )  # fmt: skip
 
 
+@triton.jit
+def _combine_kernel(p_ptr, s_ptr, g_ptr, o_ptr, D, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_j partial[t, j] + sigmoid(gate[t]) * shared[t] (see naive.combine)."""
+    i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d = i_d * BLOCK + tl.arange(0, BLOCK)
+    m_d = o_d < D
+    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        b_acc += tl.load(p_ptr + (i_t * TOP_K + j) * D + o_d, mask=m_d, other=0.0)
+    b_g = tl.sigmoid(tl.load(g_ptr + i_t).to(tl.float32))
+    b_s = tl.load(s_ptr + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    tl.store(o_ptr + i_t * D + o_d, (b_acc + b_g * b_s).to(o_ptr.dtype.element_ty), mask=m_d)
+
+
+def _combine(partial, shared, top_k):
+    """Sum the k weighted expert rows of each token; add the gated shared expert if given."""
+    t, d = partial.shape[0] // top_k, partial.shape[1]
+    if shared is None:
+        return partial.view(t, top_k, d).sum(1)
+    out_shared, gate = (x.contiguous() for x in shared)
+    out = torch.empty_like(out_shared)
+    _combine_kernel[(t, triton.cdiv(d, 1024))](partial, out_shared, gate, out, d, TOP_K=top_k,
+                                               BLOCK=1024)  # fmt: skip
+    return out
+
+
 GEMV_TOKENS = 8  # up to this many tokens, each assignment runs as a GEMV (decode)
 
 
@@ -180,11 +206,14 @@ def moe_experts(
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     spec: QuantSpec,
     tiles: GemmTiles | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer, all on the GPU with no host sync. Up to GEMV_TOKENS
     tokens (unless tiles are given) take the GEMV path, else the grouped GEMM.
     x: [T, D]; router_logits: [T, E]; gate_up: (packed [E, 2I, D*bits/32], scales, biases
-    [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]."""
+    [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]; with
+    shared = (shared expert output [T, D], its gate logit [T, 1]) the layer's combined output
+    (`naive.combine`), in one kernel."""
     t, d = x.shape
     e, two_i = gate_up[0].shape[:2]
     inter = two_i // 2
@@ -195,9 +224,9 @@ def moe_experts(
     if t <= GEMV_TOKENS and tiles is None:
         _launch_gemv(x, gate_up, h, None, ids, inter, top_k, True, spec)
         _launch_gemv(h, down, partial, weights, ids, d, top_k, False, spec)
-        return partial.view(t, top_k, d).sum(1).to(x.dtype)
+        return _combine(partial, shared, top_k).to(x.dtype)
     tiles = tiles or tiles_for(t * top_k, e)
     routing = align(ids, e, tiles.block_m)
     _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, tiles)
     _launch(h, down, partial, weights.reshape(-1), routing, d, top_k, False, spec, tiles)
-    return partial.view(t, top_k, d).sum(1).to(x.dtype)
+    return _combine(partial, shared, top_k).to(x.dtype)

@@ -29,3 +29,11 @@ def moe_experts(
         h = (F.silu(gate) * up).to(x.dtype).float()  # the kernel stores h in x's dtype
         out.index_add_(0, token, (h @ w_d.t()) * weights[token, slot, None].float())
     return out.to(x.dtype)
+
+
+def combine(partial: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
+    """The MoE layer's output: partial [T, k, D] fp32 (weighted expert outputs), shared
+    [T, D] (the shared expert's output), shared_gate [T, 1] (its gate logit).
+    sum_j partial[:, j] + sigmoid(shared_gate) * shared, in shared's dtype."""
+    routed = partial.sum(1).to(shared.dtype)
+    return routed + torch.sigmoid(shared_gate) * shared

@@ -1,0 +1,209 @@
+"""End-to-end engine speed at batch 1 and under concurrency: the headline benchmark (GPU).
+
+Full-size Qwen3.6-35B-A3B with random weights through the engine (`sparrow.LLM`: scheduler,
+chunked prefill, CUDA-graph decode), 4-bit and bf16, against HF transformers (bf16, its
+fastest kernels installed) in the same run. Per prompt length and round, engines alternate:
+prefill the prompt (time to the first token), then decode `--decode` tokens. Medians over
+rounds. HF runs up to `--hf-max-len` (beyond, it is skipped and the report says so).
+Then concurrency: C requests of 512 tokens decoding together (output tok/s of all of them).
+Finally one decode step of the 4-bit engine is profiled eagerly: time and count per kernel.
+
+    python -m sparrow.bench.e2e --out bench-out/e2e.json
+    python -m sparrow.bench.plot bench-out/e2e.json   # the PNG (needs matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from sparrow.bench.report import write_report
+from sparrow.bench.timing import HBM_BYTES_PER_S, kernel_profile
+from sparrow.config import ModelConfig, QuantConfig
+from sparrow.core.sampling_params import SamplingParams
+from sparrow.core.scheduler import SchedulerConfig
+from sparrow.llm import LLM
+from sparrow.loader.random_checkpoint import random_model
+from sparrow.worker.cache import build_metadata
+
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+VOCAB = 248000  # prompt token ids are drawn below this
+
+
+def _sync_time() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], decode: int) -> tuple[float, float, int]:
+    """Run prompts together to `decode` tokens each. Returns (seconds until every request has
+    its first token, seconds after that until all finish, tokens generated in that time)."""
+    params = SamplingParams(max_tokens=decode, ignore_eos=True)
+    for p in prompts:
+        llm.add_request(p, params)
+    t0 = _sync_time()
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started |= {o.request_id for o in llm.step() if o.new_token_ids}
+    t1 = _sync_time()
+    generated = 0
+    while llm.scheduler.has_unfinished():
+        generated += sum(len(o.new_token_ids) for o in llm.step())
+    return t1 - t0, _sync_time() - t1, generated
+
+
+def decode_bytes_per_token(model: torch.nn.Module, context: int) -> float:
+    """Bytes one decode token must read at batch 1: every weight except the routed experts,
+    top_k / num_experts of those, and the KV cache of `context` tokens."""
+    cfg = model.config
+    total = routed = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        total += nbytes
+        routed += nbytes if ".experts." in name else 0
+    if not cfg.tie_word_embeddings:  # the embedding reads one row, not the table
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    spec = model.cache_spec()
+    kv = spec.kv_bytes_per_block(1, model.dtype) * context
+    return total - routed + routed * cfg.num_experts_per_tok / cfg.num_experts + kv
+
+
+@torch.inference_mode()
+def profile_decode_step(llm: LLM, context: int) -> dict:
+    """Profile one eager decode step at `context` tokens: per-kernel CUDA time and count."""
+    runner = llm.runner
+    bs = runner.cache.block_size
+    table = list(range(-(-(context + 1) // bs)))
+    meta = build_metadata([[1]], [context], [table], [0], bs, runner.model.device)
+    return kernel_profile(
+        lambda: runner.model.logits(runner.model(meta, runner.cache)[-1:]).argmax(-1)
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--decode", type=int, default=32, help="decode tokens per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default="4bit,bf16")
+    p.add_argument("--hf-max-len", type=int, default=16384, help="0: no HF baseline")
+    p.add_argument("--hf-decode", type=int, default=8, help="HF decode tokens per round")
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the full 40")
+    p.add_argument("--out", default="bench-out/e2e.json")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    cfg = ModelConfig() if args.layers is None else ModelConfig().replace(num_layers=args.layers)
+    torch.manual_seed(0)
+
+    engines: dict[str, object] = {}
+    hf = None
+    if args.hf_max_len:
+        from sparrow.eval.hf_compare import build_hf, ours_from_hf, run_hf
+
+        hf = build_hf(cfg, torch.bfloat16)
+        engines["hf"] = hf
+    max_len = max(lengths) + args.decode + 1
+    sched = SchedulerConfig(max_num_seqs=max(concurrency + [1]), max_model_len=max_len,
+                            num_blocks=-(-max_len // 128) + 8 * max(concurrency + [1]))  # fmt: skip
+    for variant in args.variants.split(","):
+        if variant == "bf16":
+            model = ours_from_hf(cfg, hf) if hf is not None else random_model(cfg, 0, "cuda")
+        else:
+            model = random_model(cfg, 0, "cuda", quantize=QuantConfig.from_name(variant))
+        engines[f"sparrow-{variant}"] = LLM(model, scheduler=sched)
+    print(f"[e2e] engines ready; GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
+
+    gen = torch.Generator().manual_seed(0)
+    results: dict[str, dict[int, dict]] = {name: {} for name in engines}
+    for length in lengths:
+        prompt = torch.randint(0, VOCAB, (length,), generator=gen).tolist()
+        runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        warm = 1 if length <= 16384 else 0  # longer prompts reuse the compiled kernels
+        for _ in range(args.rounds + warm):
+            for name, engine in engines.items():
+                if name == "hf":
+                    if length > args.hf_max_len:
+                        continue
+                    ids = torch.tensor(prompt, device="cuda")
+                    t_pre, t_dec = run_hf(engine, ids, args.hf_decode)[:2]
+                    runs[name].append((length / t_pre, args.hf_decode / t_dec))
+                else:
+                    t_pre, t_dec, n = run_engine(engine, [prompt], args.decode + 1)
+                    runs[name].append((length / t_pre, n / t_dec))
+        for name, rows in runs.items():
+            rows = rows[warm:]
+            results[name][length] = {
+                "prefill_tok_s": statistics.median(r[0] for r in rows),
+                "decode_tok_s": statistics.median(r[1] for r in rows),
+            }
+        line = "  ".join(
+            f"{n}: {r[length]['prefill_tok_s']:9.0f} / {r[length]['decode_tok_s']:6.1f}"
+            for n, r in results.items() if length in r
+        )  # fmt: skip
+        print(f"[e2e] {length:>7} tokens  prefill / decode tok/s  {line}", flush=True)
+
+    conc: dict[str, dict[int, float]] = defaultdict(dict)
+    for c in concurrency:
+        prompts = [torch.randint(0, VOCAB, (512,), generator=gen).tolist() for _ in range(c)]
+        for name, engine in engines.items():
+            if name != "hf":
+                run_engine(engine, prompts, 4)  # warm-up at this batch size
+                _, t_dec, n = run_engine(engine, prompts, 64)
+                conc[name][c] = n / t_dec
+    report = {
+        "model": f"qwen3_5_moe full width, {cfg.num_layers} layers, random weights",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "decode_tokens": args.decode,
+        "hf_decode_tokens": args.hf_decode,
+        "rounds": args.rounds,
+        "hf_skipped_above": args.hf_max_len or None,
+        "batch1": results,
+        "concurrency_decode_tok_s": conc,
+    }
+    for name, engine in engines.items():
+        if name == "hf":
+            continue
+        floor = {n: HBM_BYTES_PER_S / decode_bytes_per_token(engine.model, n) for n in lengths}
+        report.setdefault("decode_roofline_tok_s", {})[name] = floor
+        report.setdefault("decode_profile_4k", {})[name] = profile_decode_step(engine, 4096)
+    _print_table(report, lengths)
+    write_report(args.out, report)
+    return report
+
+
+def _print_table(report: dict, lengths: list[int]) -> None:
+    batch1 = report["batch1"]
+    names = list(batch1)
+    print(f"{'tokens':>8}" + "".join(f"{n + ' pre':>20}{n + ' dec':>18}" for n in names))
+    for length in lengths:
+        cells = "".join(
+            f"{batch1[n][length]['prefill_tok_s']:>20.0f}{batch1[n][length]['decode_tok_s']:>18.1f}"
+            if length in batch1[n] else f"{'-':>20}{'-':>18}"
+            for n in names
+        )  # fmt: skip
+        print(f"{length:>8}{cells}")
+    for name, floor in report.get("decode_roofline_tok_s", {}).items():
+        frac = {n: batch1[name][n]["decode_tok_s"] / floor[n] for n in lengths}
+        print(f"{name} decode as a fraction of the bandwidth floor: "
+              + ", ".join(f"{n}: {f:.0%}" for n, f in frac.items()))  # fmt: skip
+    for name, c in report["concurrency_decode_tok_s"].items():
+        print(f"{name} decode tok/s by concurrency: "
+              + ", ".join(f"{k}: {v:.0f}" for k, v in c.items()))  # fmt: skip
+    for name, prof in report.get("decode_profile_4k", {}).items():
+        print(
+            f"{name}: one eager decode step at 4K: {prof['kernels']} kernels, "
+            f"{prof['kernel_time_us']:.0f} us of kernel time; top:"
+        )
+        for row in prof["top"][:12]:
+            print(f"    {row['us']:>9.1f} us  x{row['count']:<4} {row['kernel']}")
+
+
+if __name__ == "__main__":
+    main()

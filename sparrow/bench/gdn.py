@@ -1,0 +1,168 @@
+"""Gated DeltaNet kernels vs flash-linear-attention 0.6.0 at the model's shapes (GPU).
+
+Prefill: our chunked kernel vs fla's `chunk_gated_delta_rule` (both with the L2-norm of q/k
+in the kernel, an initial state and the final state out), one sequence of 512..32K tokens,
+eager, median of `do_bench`. Decode: one layer step for a batch of sequences whose states sit
+in a pool; ours is conv update + fused recurrent step + gated RMSNorm, fla's is its fused
+recurrent kernel alone; both timed inside a CUDA graph of 30 consecutive layers (distinct
+states, as in the model) and fla also eagerly. State traffic = state bytes read + written.
+
+    python -m sparrow.bench.gdn --out bench-out/gdn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from sparrow.bench.report import write_report
+from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
+from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
+from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step, gated_rms_norm
+from sparrow.layers.norms import GatedRMSNorm
+
+HK, HV, D, CONV_K = 16, 32, 128, 4  # Qwen3.6-35B-A3B
+CONV_DIM = 2 * HK * D + HV * D
+LAYERS = 30
+
+
+def _inputs(batch: int, length: int, gen: torch.Generator):
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    q, k, v = randn(batch, length, HK, D), randn(batch, length, HK, D), randn(batch, length, HV, D)
+    g = F.logsigmoid(randn(batch, length, HV, dtype=torch.float32)) * 0.1
+    beta = randn(batch, length, HV, dtype=torch.float32).sigmoid()
+    h0 = randn(batch, HV, D, D, dtype=torch.float32) * 0.1
+    return q, k, v, g, beta, h0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def bench_prefill(length: int, fla_chunk, gen) -> dict:
+    q, k, v, g, beta, h0 = _inputs(1, length, gen)
+    cu = torch.tensor([0, length], dtype=torch.int32, device="cuda")
+    slots = torch.zeros(1, dtype=torch.int32, device="cuda")
+    pool = h0.clone()
+
+    def ours(block_v=32):
+        pool.copy_(h0)
+        return chunk_gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], cu, pool, slots,
+                                             block_v=block_v)  # fmt: skip
+
+    def fla():
+        return fla_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+    o_ours, (o_fla, h_fla) = ours(), fla()
+    row = {"tokens": length, "o_rel_err_vs_fla": _rel(o_ours, o_fla[0]),
+           "state_rel_err_vs_fla": _rel(pool, h_fla)}  # fmt: skip
+    copy_ms = do_bench(lambda: pool.copy_(h0), return_mode="median")
+    for bv in (16, 32, 64):  # state columns per program of the sequential kernel
+        row[f"ours_bv{bv}_ms"] = do_bench(lambda bv=bv: ours(bv), return_mode="median") - copy_ms
+    row["ours_ms"] = min(row[f"ours_bv{bv}_ms"] for bv in (16, 32, 64))
+    row["fla_ms"] = do_bench(fla, return_mode="median")
+    row["speedup"] = row["fla_ms"] / row["ours_ms"]
+    row["ours_kernels"] = kernel_profile(ours, top=6)["top"]
+    return row
+
+
+def bench_decode(batch: int, fla_recurrent, gen) -> dict:
+    norm = GatedRMSNorm(D, 1e-6).cuda()
+    norm.weight.data.fill_(1.0)
+    a_log = torch.rand(HV, generator=gen, device="cuda").mul(15).add(0.01).log()
+    dt_bias = torch.ones(HV, device="cuda")
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    conv_w = torch.randn(CONV_DIM, CONV_K, generator=gen, device="cuda").bfloat16() * 0.3
+    layers = []
+    for _ in range(LAYERS):  # distinct inputs and states per layer: nothing stays in L2
+        mixed = torch.randn(batch, CONV_DIM, generator=gen, device="cuda").bfloat16()
+        ab = torch.randn(2, batch, HV, generator=gen, device="cuda").bfloat16()
+        z = torch.randn(batch, HV, D, generator=gen, device="cuda").bfloat16()
+        conv = torch.zeros(batch, CONV_DIM, CONV_K - 1, device="cuda", dtype=torch.bfloat16)
+        state = torch.randn(batch, HV, D, D, generator=gen, device="cuda") * 0.1
+        layers.append((mixed, ab, z, conv, state))
+
+    def ours(mixed, ab, z, conv, state):  # the layer's decode path: two kernels
+        qkv = causal_conv1d_varlen(mixed, cu, conv, slots, conv_w)
+        return fused_recurrent_step(qkv, ab[0], ab[1], a_log, dt_bias, state, slots, HK,
+                                    norm=(norm.weight, z, norm.eps))  # fmt: skip
+
+    def ours_split(mixed, ab, z, conv, state):  # variant: BV-split step + a norm kernel
+        qkv = causal_conv1d_varlen(mixed, cu, conv, slots, conv_w)
+        o = fused_recurrent_step(qkv, ab[0], ab[1], a_log, dt_bias, state, slots, HK)
+        return gated_rms_norm(o, z, norm.weight, norm.eps)
+
+    def step_only(mixed, ab, z, conv, state):
+        return fused_recurrent_step(mixed, ab[0], ab[1], a_log, dt_bias, state, slots, HK,
+                                    norm=(norm.weight, z, norm.eps))  # fmt: skip
+
+    fla_calls = []
+    for mixed, ab, _, _, state in layers:
+        q, k, v = mixed.view(batch, 1, -1).split((HK * D, HK * D, HV * D), dim=-1)
+        args = (q.reshape(batch, 1, HK, D), k.reshape(batch, 1, HK, D),
+                v.reshape(batch, 1, HV, D), F.logsigmoid(ab[0].float())[:, None],
+                ab[1].float().sigmoid()[:, None])  # fmt: skip
+        fla_calls.append(
+            lambda args=args, state=state: fla_recurrent(
+                *args, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
+        )
+    state_bytes = batch * HV * D * D * 4 * 2
+    row = {"batch": batch}
+    row["ours_graph_us"] = graph_time_us([lambda x=x: ours(*x) for x in layers])
+    row["ours_split_graph_us"] = graph_time_us([lambda x=x: ours_split(*x) for x in layers])
+    row["ours_step_only_graph_us"] = graph_time_us([lambda x=x: step_only(*x) for x in layers])
+    row["conv_only_graph_us"] = graph_time_us(
+        [lambda x=x: causal_conv1d_varlen(x[0], cu, x[3], slots, conv_w) for x in layers]
+    )
+    row["fla_graph_us"] = graph_time_us(fla_calls)
+    row["fla_eager_us"] = do_bench(fla_calls[0], return_mode="median") * 1e3
+    for name in ("ours_graph_us", "fla_graph_us", "fla_eager_us"):
+        row[name.replace("_us", "_state_tb_s")] = state_bytes / (row[name] * 1e-6) / 1e12
+    row["ours_state_bw_fraction"] = row["ours_graph_state_tb_s"] * 1e12 / HBM_BYTES_PER_S
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--lengths", default="512,2048,8192,32768")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--out", default="bench-out/gdn.json")
+    args = p.parse_args(argv)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.inference_mode():
+        prefill = [bench_prefill(int(n), chunk_gated_delta_rule, gen)
+                   for n in args.lengths.split(",")]  # fmt: skip
+        decode = [bench_decode(int(b), fused_recurrent_gated_delta_rule, gen)
+                  for b in args.batches.split(",")]  # fmt: skip
+    print(f"{'prefill tokens':>14}{'ours ms':>10}{'fla ms':>10}{'speedup':>9}{'o err':>10}")
+    for r in prefill:
+        print(f"{r['tokens']:>14}{r['ours_ms']:>10.3f}{r['fla_ms']:>10.3f}{r['speedup']:>9.2f}"
+              f"{r['o_rel_err_vs_fla']:>10.1e}  "
+              + ", ".join(f"{k['kernel'][:14]} {k['us']:.0f}us"
+                          for k in r["ours_kernels"]))  # fmt: skip
+    print(f"{'decode batch':>14}{'ours graph us':>15}{'TB/s':>7}{'split us':>10}{'step us':>9}"
+          f"{'conv us':>9}{'fla graph us':>14}{'fla eager us':>14}")  # fmt: skip
+    for r in decode:
+        print(f"{r['batch']:>14}{r['ours_graph_us']:>15.2f}{r['ours_graph_state_tb_s']:>7.2f}"
+              f"{r['ours_split_graph_us']:>10.2f}{r['ours_step_only_graph_us']:>9.2f}"
+              f"{r['conv_only_graph_us']:>9.2f}"
+              f"{r['fla_graph_us']:>14.2f}{r['fla_eager_us']:>14.2f}")  # fmt: skip
+    report = {"gpu": torch.cuda.get_device_name(), "shapes": f"Hk={HK} Hv={HV} D={D}",
+              "prefill": prefill, "decode": decode}  # fmt: skip
+    write_report(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The zero-centred RMSNorm of Qwen3.5/3.6 with the neighbours it is fused with, in plain
+PyTorch with the model's exact dtype handling: the spec of the kernels in `norm.py`."""
+
+from __future__ import annotations
+
+import torch
+
+from sparrow.layers.rotary import apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / rms(x) * (1 + w)` over the last dim, computed in fp32, cast back to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(
+        x.dtype
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream step: s = residual + x (in x's dtype), then (s, rms_norm(s))."""
+    s = residual + x
+    return s, rms_norm(s, weight, eps)
+
+
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Per-head q/k norm then partial RoPE. x: [T, H, D]; cos, sin: [T, R], R <= D."""
+    return apply_rotary(rms_norm(x, weight, eps), cos, sin)

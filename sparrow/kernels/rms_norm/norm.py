@@ -1,0 +1,102 @@
+"""Zero-centred RMSNorm kernels: one row per program, the whole row in registers.
+
+`add_rms_norm` fuses the residual add with the next norm (one read of each input, one write
+of the sum and one of the normed row); `rms_norm_rope` fuses the per-head q/k norm of the
+attention layer with its partial rotary embedding (NeoX halves on the first R dims), reading
+the head straight out of the projection's output (any row and head stride).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _normed(b_x, w_ptr, o_d, m_d, eps, D: tl.constexpr):
+    b_w = tl.load(w_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+    return b_x * tl.rsqrt(tl.sum(b_x * b_x) / D + eps) * (1.0 + b_w)
+
+
+@triton.jit
+def _add_norm_kernel(x_ptr, r_ptr, s_ptr, y_ptr, w_ptr, eps, HAS_RESIDUAL: tl.constexpr,
+                     D: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64) * D
+    o_d = tl.arange(0, BLOCK)
+    m_d = o_d < D
+    b_x = tl.load(x_ptr + row + o_d, mask=m_d, other=0.0)
+    if HAS_RESIDUAL:
+        b_x = b_x + tl.load(r_ptr + row + o_d, mask=m_d, other=0.0)  # rounded like torch
+        tl.store(s_ptr + row + o_d, b_x, mask=m_d)
+    b_y = _normed(b_x.to(tl.float32), w_ptr, o_d, m_d, eps, D)
+    tl.store(y_ptr + row + o_d, b_y.to(y_ptr.dtype.element_ty), mask=m_d)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `naive.rms_norm` for contiguous x [..., D]."""
+    return _launch(x, None, weight, eps)[1]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Same contract as `naive.add_rms_norm`: returns (residual + x, its norm)."""
+    return _launch(x, residual, weight, eps)
+
+
+def _launch(x, residual, weight, eps):
+    d = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if residual is not None else x
+    r = residual.contiguous() if residual is not None else x
+    _add_norm_kernel[(x.numel() // d,)](
+        x, r, s, y, weight, eps, HAS_RESIDUAL=residual is not None, D=d,
+        BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1,
+    )  # fmt: skip
+    return s, y
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, eps, stride_xt, stride_xh,
+                      stride_ct, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr):  # fmt: skip
+    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_d = tl.arange(0, D)
+    b_x = tl.load(x_ptr + i_t * stride_xt + i_h * stride_xh + o_d).to(tl.float32)
+    b_n = _normed(b_x, w_ptr, o_d, o_d < D, eps, D).to(y_ptr.dtype.element_ty).to(tl.float32)
+    # the rotation partner of dim d < R: d + R/2 (first half, negated) or d - R/2
+    half: tl.constexpr = R // 2
+    partner = tl.where(o_d < half, o_d + half, o_d - half)
+    m_r = o_d < R
+    b_p = tl.load(x_ptr + i_t * stride_xt + i_h * stride_xh + partner, mask=m_r, other=0.0)
+    b_p = _normed_partner(b_p.to(tl.float32), b_x, w_ptr, partner, m_r, eps, D)
+    b_p = b_p.to(y_ptr.dtype.element_ty).to(tl.float32)
+    b_cos = tl.load(cos_ptr + i_t * stride_ct + o_d, mask=m_r, other=1.0).to(tl.float32)
+    b_sin = tl.load(sin_ptr + i_t * stride_ct + o_d, mask=m_r, other=0.0).to(tl.float32)
+    rotated = tl.where(o_d < half, -b_p, b_p)
+    b_y = tl.where(m_r, b_n * b_cos + rotated * b_sin, b_n)
+    tl.store(y_ptr + (i_t * H + i_h) * D + o_d, b_y.to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _normed_partner(b_p, b_x, w_ptr, partner, m_r, eps, D: tl.constexpr):
+    """Normed values at the partner dims: the row's rms comes from the whole row b_x."""
+    b_w = tl.load(w_ptr + partner, mask=m_r, other=0.0).to(tl.float32)
+    return b_p * tl.rsqrt(tl.sum(b_x * b_x) / D + eps) * (1.0 + b_w)
+
+
+def rms_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as `naive.rms_norm_rope`; x [T, H, D] may be a strided view (unit stride
+    on D, D a power of two). Returns a contiguous [T, H, D]."""
+    t, h, d = x.shape
+    r = cos.shape[-1]
+    if x.stride(-1) != 1 or d & (d - 1) or r > d or r % 2 or cos.shape != sin.shape:
+        raise ValueError(f"x {list(x.shape)} (unit stride, D a power of two), cos/sin [T, R<=D]")
+    y = torch.empty(t, h, d, device=x.device, dtype=x.dtype)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _norm_rope_kernel[(t, h)](
+        x, y, weight, cos, sin, eps, x.stride(0), x.stride(1), cos.stride(0),
+        H=h, D=d, R=r, num_warps=1 if d <= 256 else 4,
+    )  # fmt: skip
+    return y

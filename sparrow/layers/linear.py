@@ -1,0 +1,70 @@
+"""Several projections of one input as one matmul (one GEMV launch in decode).
+
+`FusedLinears` concatenates the modules' weights along the output dim and turns each
+module's parameters into views of its rows: parameter names and the state dict are
+unchanged (checkpoints save as before), the memory is the same once the originals are
+released, and the fused call returns each projection's output as a view of one result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FusedLinears:
+    def __init__(self, whole: nn.Module, sizes: list[int]):
+        self.whole, self.sizes = whole, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.whole(x).split(self.sizes, dim=-1)
+
+
+def _is_quantized(m: nn.Module) -> bool:  # a QuantizedLinear (not imported: no cycle)
+    return hasattr(m, "spec") and getattr(m, "logical_shapes", {}).keys() == {"weight"}
+
+
+def _signature(m: nn.Module):
+    if _is_quantized(m):
+        return (type(m), m.in_features, m.spec, m.scales.dtype, m.weight.device)
+    if type(m) is nn.Linear and m.bias is None:
+        return (nn.Linear, m.in_features, m.weight.dtype, m.weight.device)
+    return None
+
+
+def fuse_linears(modules: list[nn.Module]) -> FusedLinears | None:
+    """Fuse bias-free linear layers of one input and one format; None if they differ."""
+    sig = _signature(modules[0])
+    if sig is None or any(_signature(m) != sig for m in modules[1:]):
+        return None
+    first, sizes = modules[0], [m.out_features for m in modules]
+    with torch.device("meta"):
+        if _is_quantized(first):
+            whole = type(first)(first.in_features, sum(sizes), first.spec, first.scales.dtype)
+        else:
+            whole = nn.Linear(first.in_features, sum(sizes), bias=False)
+    for name, _ in first.named_parameters(recurse=False):
+        cat = torch.cat([getattr(m, name) for m in modules])
+        setattr(whole, name, nn.Parameter(cat, requires_grad=False))
+        for m, rows in zip(modules, cat.split(sizes), strict=True):
+            setattr(m, name, nn.Parameter(rows, requires_grad=False))
+    return FusedLinears(whole, sizes)
+
+
+class Projections:
+    """Mixin for a layer with projections of one input: `fuse_projections` (called once the
+    weights are loaded) fuses the groups listed in `FUSED`; `project` runs a group, fused
+    if it could be, else one module at a time."""
+
+    FUSED: dict[str, tuple[str, ...]] = {}
+
+    def fuse_projections(self) -> None:
+        for group, names in self.FUSED.items():
+            fused = fuse_linears([self.get_submodule(n) for n in names])
+            self.__dict__[f"_fused_{group}"] = fused
+
+    def project(self, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fused = self.__dict__.get(f"_fused_{group}")
+        if fused is not None:
+            return fused(x)
+        return tuple(self.get_submodule(n)(x) for n in self.FUSED[group])

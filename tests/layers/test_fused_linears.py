@@ -1,0 +1,37 @@
+"""Projections fused into one matmul: same outputs, same parameter names, weights shared."""
+
+import torch
+from torch import nn
+
+from sparrow.config import QuantConfig
+from sparrow.layers.linear import fuse_linears
+from sparrow.loader.random_checkpoint import PRESETS, random_model
+from sparrow.quant.affine import QuantSpec
+from sparrow.quant.modules import QuantizedLinear
+
+
+def test_fused_outputs_equal_separate_ones():
+    torch.manual_seed(0)
+    mods = [nn.Linear(64, n, bias=False) for n in (32, 8, 1)]
+    x = torch.randn(3, 64)
+    expected = [m(x) for m in mods]
+    fused = fuse_linears(mods)
+    for out, ref, m in zip(fused(x), expected, mods, strict=True):
+        assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(m(x), ref, atol=1e-6)
+    # the modules' weights are views of the fused weight
+    assert mods[1].weight.data_ptr() == fused.whole.weight.data_ptr() + 32 * 64 * 4
+
+
+def test_mixed_formats_are_not_fused():
+    q = QuantizedLinear(64, 16, QuantSpec(4, 64), torch.float32)
+    assert fuse_linears([nn.Linear(64, 16, bias=False), q]) is None
+
+
+def test_loaded_model_is_fused_with_unchanged_names():
+    cfg = PRESETS["qwen3.6-tiny"].replace(vocab_size=256)
+    model = random_model(cfg, dtype=torch.float32, quantize=QuantConfig.from_name("4bit"))
+    layer = model.layers[0].linear_attn
+    assert layer.__dict__.get("_fused_in") is not None
+    names = set(model.state_dict())
+    assert "layers.0.linear_attn.in_proj_qkv.weight" in names
+    assert not any("whole" in n or "_fused" in n for n in names)
