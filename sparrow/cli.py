@@ -31,7 +31,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed,
     )  # fmt: skip
     device, dtype = _device_and_dtype(args)
-    llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True)
+    llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True,
+              load_format=args.load_format)  # fmt: skip
     text = args.prompt
     if not args.raw:
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -65,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sparrow.server.async_engine import AsyncEngine
 
     device, dtype = _device_and_dtype(args)
-    llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True)
+    llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True,
+              load_format=args.load_format)  # fmt: skip
     name = args.served_model_name or (Path(args.model).name if args.model else "default")
     app = build_app(AsyncEngine(llm, max_waiting=args.max_waiting), name, args.api_key,
                     args.max_body_bytes)  # fmt: skip
@@ -146,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="queued requests before new ones get 503 + Retry-After",
     )
     srv.add_argument("--quantize", choices=_QUANT, default=None)
+    srv.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                     help="dummy: random weights for the config (benchmarks)")  # fmt: skip
     _add_device_args(srv)
     srv.set_defaults(func=cmd_serve)
 

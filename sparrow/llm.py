@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from sparrow.config import QuantConfig
+from sparrow.config import QuantConfig, load_model_config
 from sparrow.core.block_pool import kv_blocks_for_memory
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
-from sparrow.loader.random_checkpoint import default_checkpoint
+from sparrow.loader.random_checkpoint import default_checkpoint, random_model
 from sparrow.loader.weights import load_checkpoint
 from sparrow.tokenizer import load_tokenizer
 from sparrow.worker.model_runner import ModelRunner
@@ -45,11 +45,14 @@ class LLM:
         scheduler: SchedulerConfig | None = None,
         progress: bool = False,
         cuda_graphs: bool = True,
+        load_format: str = "auto",
     ):
         """model: a checkpoint directory, None for the built-in default, or a model already
         in memory (prompts then go in as token ids unless it is a directory's). quantize: None
         or "4bit" / "8bit" (group-affine, quantised on load). cuda_graphs: replay decode steps
-        from captured graphs on a GPU (False: eager, like vLLM's enforce_eager)."""
+        from captured graphs on a GPU (False: eager, like vLLM's enforce_eager). load_format
+        "dummy": the directory's config.json and tokenizer with random weights (no
+        safetensors needed; for benchmarks, as in vLLM)."""
         if isinstance(model, torch.nn.Module):
             self.model, self.tokenizer = model, None
             device = str(model.device)
@@ -58,8 +61,13 @@ class LLM:
             device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
             quant = QuantConfig.from_name(quantize)
-            self.model = load_checkpoint(model_dir, device, dtype, quantize=quant,
-                                         progress=progress)  # fmt: skip
+            if load_format == "dummy":
+                self.model = random_model(load_model_config(model_dir), 0, device, dtype, quant)
+            elif load_format == "auto":
+                self.model = load_checkpoint(model_dir, device, dtype, quantize=quant,
+                                             progress=progress)  # fmt: skip
+            else:
+                raise ValueError(f"load_format {load_format!r}: expected 'auto' or 'dummy'")
             self.tokenizer = load_tokenizer(model_dir)
         cfg = self.model.config
         scheduler = scheduler or self._default_scheduler_config(device)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparrow.core.block_pool import KVCacheManager, StateSlotPool
+from sparrow.core.detokenizer import IncrementalText
 from sparrow.core.request import FinishReason, Request, RequestStatus
 from sparrow.core.sampling_params import TokenLogprob
 
@@ -67,6 +68,7 @@ class Scheduler:
     ):
         self.config = config
         self.detokenize = detokenize  # needed for stop strings
+        self._texts: dict[str, IncrementalText] = {}  # output text of requests with stops
         self.kv = KVCacheManager(config.num_blocks, config.block_size)
         self.slots = StateSlotPool(config.num_state_slots)
         self.requests: dict[str, Request] = {}
@@ -193,7 +195,8 @@ class Scheduler:
         if token in params.stop_token_ids:
             return FinishReason.STOP
         if params.stop and self.detokenize is not None:
-            request.output_text = self.detokenize(request.output_token_ids)
+            text = self._texts.setdefault(request.request_id, IncrementalText(self.detokenize))
+            request.output_text = text.add([token])
             for stop in params.stop:
                 at = request.output_text.find(stop)
                 if at >= 0:
@@ -220,5 +223,6 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._release(request)
+        self._texts.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

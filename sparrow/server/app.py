@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from sparrow.core.detokenizer import IncrementalText
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
 from sparrow.server.async_engine import AsyncEngine, EngineFull
@@ -74,17 +76,18 @@ class Choice:
     index: int
     request_id: str
     stops: tuple[str, ...]
+    decoded: IncrementalText
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # emitted so far
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def advance(self, decode, new_ids: list[int], finish: FinishReason | None) -> str:
+    def advance(self, new_ids: list[int], finish: FinishReason | None) -> str:
         """Add tokens; returns the text that may be emitted now. Holds back an incomplete
         UTF-8 sequence and, until the end, anything that could begin a stop string."""
         self.token_ids += new_ids
         self.finish_reason = finish
-        full = decode(self.token_ids)
+        full = self.decoded.add(new_ids, final=finish is not None)
         for stop in self.stops:
             at = full.find(stop)
             if at >= 0:
@@ -93,8 +96,6 @@ class Choice:
         if self.finish_reason is None:
             hold = max((len(s) - 1 for s in self.stops), default=0)
             full = full[: len(full) - hold] if hold else full
-            if full.endswith("\ufffd"):
-                full = full[:-1]
         delta, self.text = full[len(self.text) :], full
         return delta
 
@@ -126,6 +127,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def lifespan(_app: FastAPI):
         yield
         engine.shutdown()  # after uvicorn stopped taking requests and drained in-flight ones
+        print("[sparrow] server stopped", file=sys.stderr, flush=True)
 
     app = FastAPI(title="sparrow", lifespan=lifespan)
     metrics = Metrics(engine)
@@ -178,6 +180,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             max_tokens=max_tokens or max(1, min(DEFAULT_MAX_TOKENS, room)),
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=body.seed, stop=body.stop_strings(), logprobs=body.logprobs_count(),
+            ignore_eos=body.ignore_eos,
         )  # fmt: skip
         try:  # n requests, seeds seed, seed + 1, ... so the choices differ reproducibly
             requests = [
@@ -188,7 +191,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except ValueError as e:
             raise ApiError(400, f"{e} (context limit {context_limit} tokens)",
                            "invalid_request_error") from e  # fmt: skip
-        choices = [Choice(i, r.request_id, params.stop) for i, r in enumerate(requests)]
+        choices = [Choice(i, r.request_id, params.stop, IncrementalText(llm.tokenizer.decode))
+                   for i, r in enumerate(requests)]  # fmt: skip
         queues = []
         try:
             for r in requests:
@@ -225,7 +229,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                     )
                     last = now
                     metrics.generation_tokens.inc(len(item.token_ids))
-                delta = choice.advance(llm.tokenizer.decode, item.token_ids, item.finish_reason)
+                delta = choice.advance(item.token_ids, item.finish_reason)
                 choice.logprobs += item.logprobs or []
                 if choice.finish_reason is not None:
                     open_choices -= 1

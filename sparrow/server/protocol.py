@@ -37,6 +37,7 @@ class SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # keep generating past end tokens (vLLM's extension; benchmarks)
 
     @field_validator("stop")
     @classmethod

@@ -3,6 +3,7 @@ openai client (and raw HTTP for the error cases)."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,10 +25,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _start(cache_dir) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = os.environ | {"SPARROW_CACHE": str(tmp_path_factory.mktemp("cache"))}
+    env = os.environ | {"SPARROW_CACHE": str(cache_dir)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparrow", "serve", "--port", str(port), "--api-key", KEY,
          "--max-body-bytes", "20000", "--max-waiting", "64"],
@@ -46,6 +46,12 @@ def server(tmp_path_factory):
     else:
         proc.kill()
         pytest.fail("server did not start")
+    return proc, base
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, base = _start(tmp_path_factory.mktemp("cache"))
     yield base
     proc.terminate()
     proc.wait(timeout=60)
@@ -229,3 +235,21 @@ def test_logprobs(client):
     streamed = list(_chat(client, max_tokens=3, logprobs=True, stream=True))
     assert sum(len(c.choices[0].logprobs.content) for c in streamed
                if c.choices and c.choices[0].logprobs) == 3  # fmt: skip
+
+
+def test_graceful_shutdown_finishes_in_flight_streams(tmp_path):
+    """SIGTERM mid-stream: the stream still runs to its end, then the server exits cleanly
+    and takes no new requests."""
+    proc, base = _start(tmp_path)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+    stream = _chat(client, stream=True, max_tokens=60)
+    first = next(iter(stream))
+    proc.terminate()
+    chunks = [first, *stream]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(bool(c.choices[0].delta.content) for c in chunks) > 1
+    # uvicorn re-raises the signal it handled once shut down: exit code 0 or -SIGTERM
+    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    assert "[sparrow] server stopped" in proc.stdout.read()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{base}/health", timeout=2)

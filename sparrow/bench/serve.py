@@ -1,0 +1,182 @@
+"""The HTTP server under load: time to first token and output tok/s by concurrency, and the
+cost of the HTTP path against the offline engine at concurrency 1.
+
+First the offline engine (`sparrow.LLM`, in this process) runs the same requests one at a
+time; then `sparrow serve` starts in a subprocess on the same model and C streaming clients
+(`/v1/completions` with token-id prompts, greedy, `ignore_eos`) each send `--requests`
+requests back to back. Per request: time to the first streamed token, decode tok/s after
+it; per concurrency: output tok/s of all clients together.
+
+    python -m sparrow.bench.serve --model DIR --load-format dummy --quantize 4bit \\
+        --concurrency 1,8,32 --out bench-out/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+from sparrow.bench.report import write_report
+from sparrow.core.sampling_params import SamplingParams
+from sparrow.llm import LLM
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def offline(args, prompt: list[int]) -> dict:
+    """Decode tok/s of the engine in this process, one request at a time."""
+    llm = LLM(args.model, quantize=args.quantize, load_format=args.load_format)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    rows = []
+    for _ in range(args.requests + 1):  # the first warms up
+        llm.add_request(prompt, params)
+        t0 = time.perf_counter()
+        first = None
+        while llm.scheduler.has_unfinished():
+            if any(o.new_token_ids for o in llm.step()) and first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        rows.append((first - t0, (args.max_tokens - 1) / (end - first)))
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    rows = rows[1:]
+    return {"ttft_s": statistics.median(r[0] for r in rows),
+            "decode_tok_s": statistics.median(r[1] for r in rows)}  # fmt: skip
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sparrow", "serve", "--port", str(port),
+           "--served-model-name", "bench", "--max-waiting", "4096",
+           "--load-format", args.load_format]  # fmt: skip
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--quantize", args.quantize] if args.quantize else []
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + args.start_timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer /health within {args.start_timeout} s")
+
+
+async def one_request(client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int):
+    """Stream one completion. Returns (time to first token, decode tok/s after it, tokens)."""
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                last = time.perf_counter()
+                first = first or last
+    decode = (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
+    return first - t0, decode, tokens
+
+
+async def load(base: str, prompt: list[int], concurrency: int, requests: int, max_tokens: int):
+    async with httpx.AsyncClient(timeout=None) as client:
+
+        async def worker():
+            return [await one_request(client, base, prompt, max_tokens) for _ in range(requests)]
+
+        await one_request(client, base, prompt, 4)  # warm-up
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(worker() for _ in range(concurrency)))
+                   for r in rs]  # fmt: skip
+        wall = time.perf_counter() - t0
+    ttft = sorted(r[0] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "ttft_median_s": statistics.median(ttft),
+        "ttft_p90_s": ttft[math.ceil(0.9 * len(ttft)) - 1],
+        "decode_tok_s_per_request": statistics.median(r[1] for r in results),
+        "output_tok_s": sum(r[2] for r in results) / wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    p.add_argument("--quantize", default=None)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--requests", type=int, default=2, help="requests per client")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--out", default="bench-out/serve.json")
+    args = p.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1000, 100000, (args.prompt_len,), generator=gen).tolist()
+
+    base_line = offline(args, prompt)
+    proc, base = start_server(args)
+    try:
+        rows = [asyncio.run(load(base, prompt, int(c), args.requests, args.max_tokens))
+                for c in args.concurrency.split(",")]  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    c1 = next((r for r in rows if r["concurrency"] == 1), None)
+    overhead = 1 - c1["decode_tok_s_per_request"] / base_line["decode_tok_s"] if c1 else None
+    report = {"model": args.model or "built-in default", "quantize": args.quantize,
+              "load_format": args.load_format, "prompt_len": args.prompt_len,
+              "max_tokens": args.max_tokens, "offline": base_line, "server": rows,
+              "http_decode_overhead_c1": overhead}  # fmt: skip
+    print(f"offline (c=1): ttft {base_line['ttft_s'] * 1e3:.1f} ms, decode "
+          f"{base_line['decode_tok_s']:.1f} tok/s")  # fmt: skip
+    print(f"{'clients':>8}{'ttft med ms':>13}{'ttft p90 ms':>13}{'dec tok/s/req':>15}"
+          f"{'output tok/s':>14}")  # fmt: skip
+    for r in rows:
+        ttft, p90 = r["ttft_median_s"] * 1e3, r["ttft_p90_s"] * 1e3
+        print(f"{r['concurrency']:>8}{ttft:>13.1f}{p90:>13.1f}"
+              f"{r['decode_tok_s_per_request']:>15.1f}{r['output_tok_s']:>14.1f}")  # fmt: skip
+    if overhead is not None:
+        print(f"HTTP path vs offline decode at concurrency 1: {overhead:+.1%} slower")
+    write_report(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

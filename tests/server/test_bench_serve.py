@@ -1,0 +1,21 @@
+"""The serving benchmark runs end to end on the built-in model (a smoke test: numbers are
+measured on the H200, not here)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+
+def test_bench_serve_writes_its_report(tmp_path, monkeypatch):
+    from sparrow.bench import serve
+
+    monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "serve.json"
+    serve.main(["--concurrency", "1,2", "--requests", "1", "--prompt-len", "16",
+                "--max-tokens", "4", "--out", str(out)])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert [r["concurrency"] for r in report["server"]] == [1, 2]
+    assert all(r["output_tok_s"] > 0 for r in report["server"])
+    assert report["offline"]["decode_tok_s"] > 0 and report["http_decode_overhead_c1"] is not None
