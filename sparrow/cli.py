@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--seed", type=int, default=None)
+    _add_load_format(gen)
     _add_device_args(gen)
     gen.add_argument(
         "--quantize",
@@ -148,8 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="queued requests before new ones get 503 + Retry-After",
     )
     srv.add_argument("--quantize", choices=_QUANT, default=None)
-    srv.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                     help="dummy: random weights for the config (benchmarks)")  # fmt: skip
+    _add_load_format(srv)
     _add_device_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -188,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _QUANT = ["4bit", "8bit"]
+
+
+def _add_load_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default="auto",
+        help="dummy: random weights for the checkpoint's config (benchmarks)",
+    )
 
 
 def _add_device_args(parser: argparse.ArgumentParser) -> None:
