@@ -73,12 +73,13 @@ def decode_bytes_per_token(model: torch.nn.Module, context: int) -> float:
 
 
 @torch.inference_mode()
-def profile_decode_step(llm: LLM, context: int) -> dict:
-    """Profile one eager decode step at `context` tokens: per-kernel CUDA time and count."""
+def profile_step(llm: LLM, context: int, new_tokens: int) -> dict:
+    """Profile one eager step of one sequence: `new_tokens` after `context` cached ones (a
+    decode step, or a prefill chunk from context 0): per-kernel CUDA time and count."""
     runner = llm.runner
     bs = runner.cache.block_size
-    table = list(range(-(-(context + 1) // bs)))
-    meta = build_metadata([[1]], [context], [table], [0], bs, runner.model.device)
+    table = list(range(-(-(context + new_tokens) // bs)))
+    meta = build_metadata([[1] * new_tokens], [context], [table], [0], bs, runner.model.device)
     return kernel_profile(
         lambda: runner.model.logits(runner.model(meta, runner.cache)[-1:]).argmax(-1)
     )
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         floor = {n: HBM_BYTES_PER_S / decode_bytes_per_token(engine.model, n) for n in lengths}
         report.setdefault("decode_roofline_tok_s", {})[name] = floor
-        report.setdefault("decode_profile_4k", {})[name] = profile_decode_step(engine, 4096)
+        report.setdefault("decode_profile_4k", {})[name] = profile_step(engine, 4096, 1)
+        report.setdefault("prefill_profile_4k", {})[name] = profile_step(engine, 0, 4096)
     _print_table(report, lengths)
     write_report(args.out, report)
     return report
@@ -196,13 +198,13 @@ def _print_table(report: dict, lengths: list[int]) -> None:
     for name, c in report["concurrency_decode_tok_s"].items():
         print(f"{name} decode tok/s by concurrency: "
               + ", ".join(f"{k}: {v:.0f}" for k, v in c.items()))  # fmt: skip
-    for name, prof in report.get("decode_profile_4k", {}).items():
-        print(
-            f"{name}: one eager decode step at 4K: {prof['kernels']} kernels, "
-            f"{prof['kernel_time_us']:.0f} us of kernel time; top:"
-        )
-        for row in prof["top"][:12]:
-            print(f"    {row['us']:>9.1f} us  x{row['count']:<4} {row['kernel']}")
+    for key, what in (("decode_profile_4k", "decode step at 4K"),
+                      ("prefill_profile_4k", "prefill of 4K tokens")):  # fmt: skip
+        for name, prof in report.get(key, {}).items():
+            print(f"{name}: one eager {what}: {prof['kernels']} kernels, "
+                  f"{prof['kernel_time_us']:.0f} us of kernel time; top:")  # fmt: skip
+            for row in prof["top"][:12]:
+                print(f"    {row['us']:>9.1f} us  x{row['count']:<4} {row['kernel']}")
 
 
 if __name__ == "__main__":
