@@ -4,6 +4,8 @@
 module's parameters into views of its rows: parameter names and the state dict are
 unchanged (checkpoints save as before), the memory is the same once the originals are
 released, and the fused call returns each projection's output as a view of one result.
+If the modules' parameters are replaced later (`.to()`, `load_state_dict`, a deep copy), the
+views no longer match and the group runs one module at a time again.
 """
 
 from __future__ import annotations
@@ -13,8 +15,14 @@ from torch import nn
 
 
 class FusedLinears:
-    def __init__(self, whole: nn.Module, sizes: list[int]):
+    def __init__(self, whole: nn.Module, sizes: list[int], modules: list[nn.Module]):
         self.whole, self.sizes = whole, sizes
+        self.views = [(m, name, p.data_ptr()) for m in modules
+                      for name, p in m.named_parameters(recurse=False)]  # fmt: skip
+
+    def intact(self) -> bool:
+        """Whether every module still holds its view of the fused weights (host-side check)."""
+        return all(getattr(m, name).data_ptr() == ptr for m, name, ptr in self.views)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.whole(x).split(self.sizes, dim=-1)
@@ -48,7 +56,7 @@ def fuse_linears(modules: list[nn.Module]) -> FusedLinears | None:
         setattr(whole, name, nn.Parameter(cat, requires_grad=False))
         for m, rows in zip(modules, cat.split(sizes), strict=True):
             setattr(m, name, nn.Parameter(rows, requires_grad=False))
-    return FusedLinears(whole, sizes)
+    return FusedLinears(whole, sizes, modules)
 
 
 class Projections:
@@ -65,6 +73,6 @@ class Projections:
 
     def project(self, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         fused = self.__dict__.get(f"_fused_{group}")
-        if fused is not None:
+        if fused is not None and fused.intact():
             return fused(x)
         return tuple(self.get_submodule(n)(x) for n in self.FUSED[group])

@@ -35,3 +35,15 @@ def test_loaded_model_is_fused_with_unchanged_names():
     names = set(model.state_dict())
     assert "layers.0.linear_attn.in_proj_qkv.weight" in names
     assert not any("whole" in n or "_fused" in n for n in names)
+
+
+def test_replaced_weights_unfuse():
+    """After a parameter is replaced (not a view any more) the group runs module by module."""
+    cfg = PRESETS["qwen3.6-tiny"].replace(vocab_size=256)
+    model = random_model(cfg, dtype=torch.float32)
+    attn = model.layers[3].self_attn
+    x = torch.randn(2, cfg.hidden_size)
+    assert attn.__dict__["_fused_qkv"].intact()
+    attn.k_proj.weight = nn.Parameter(torch.zeros_like(attn.k_proj.weight), requires_grad=False)
+    q, k, v = attn.project("qkv", x)
+    assert not attn.__dict__["_fused_qkv"].intact() and torch.equal(k, torch.zeros_like(k))
