@@ -7,8 +7,11 @@ time; then `sparrow serve` starts in a subprocess on the same model and C stream
 requests back to back. Per request: time to the first streamed token, decode tok/s after
 it; per concurrency: output tok/s of all clients together.
 
-    python -m sparrow.bench.serve --model DIR --load-format dummy --quantize 4bit \\
+    python -m sparrow.bench.serve --preset qwen3.6-35b-a3b --quantize 4bit \\
         --concurrency 1,8,32 --out bench-out/serve.json
+
+`--preset` serves random weights for a built-in config (`--load-format dummy` on a directory
+holding only its config.json; the tokenizer is the packaged Qwen3.5/3.6 vocabulary).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import torch
@@ -31,6 +36,7 @@ import torch
 from sparrow.bench.report import write_report
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.llm import LLM
+from sparrow.loader.random_checkpoint import PRESETS
 
 
 def _free_port() -> int:
@@ -138,6 +144,8 @@ async def load(base: str, prompt: list[int], concurrency: int, requests: int, ma
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="random weights for this config instead of a checkpoint")  # fmt: skip
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     p.add_argument("--quantize", default=None)
     p.add_argument("--concurrency", default="1,8,32")
@@ -147,6 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", default="bench-out/serve.json")
     args = p.parse_args(argv)
+    if args.preset:  # a directory with just the config: weights are drawn at load time
+        args.model = tempfile.mkdtemp(prefix=f"sparrow-{args.preset}-")
+        config = PRESETS[args.preset].to_hf_config()
+        (Path(args.model) / "config.json").write_text(json.dumps(config))
+        args.load_format = "dummy"
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 100000, (args.prompt_len,), generator=gen).tolist()
 
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
         proc.wait(timeout=120)
     c1 = next((r for r in rows if r["concurrency"] == 1), None)
     overhead = 1 - c1["decode_tok_s_per_request"] / base_line["decode_tok_s"] if c1 else None
-    report = {"model": args.model or "built-in default", "quantize": args.quantize,
+    report = {"model": args.preset or args.model or "built-in default", "quantize": args.quantize,
               "load_format": args.load_format, "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "offline": base_line, "server": rows,
               "http_decode_overhead_c1": overhead}  # fmt: skip

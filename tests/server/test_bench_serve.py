@@ -13,8 +13,8 @@ def test_bench_serve_writes_its_report(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "serve.json"
-    serve.main(["--concurrency", "1,2", "--requests", "1", "--prompt-len", "16",
-                "--max-tokens", "4", "--out", str(out)])  # fmt: skip
+    serve.main(["--preset", "qwen3.6-tiny", "--concurrency", "1,2", "--requests", "1",
+                "--prompt-len", "16", "--max-tokens", "4", "--out", str(out)])  # fmt: skip
     report = json.loads(out.read_text())
     assert [r["concurrency"] for r in report["server"]] == [1, 2]
     assert all(r["output_tok_s"] > 0 for r in report["server"])
