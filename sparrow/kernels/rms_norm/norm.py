@@ -57,6 +57,13 @@ def _launch(x, residual, weight, eps):
 
 
 @triton.jit
+def _normed_partner(b_p, b_x, w_ptr, partner, m_r, eps, D: tl.constexpr):
+    """Normed values at the partner dims: the row's rms comes from the whole row b_x."""
+    b_w = tl.load(w_ptr + partner, mask=m_r, other=0.0).to(tl.float32)
+    return b_p * tl.rsqrt(tl.sum(b_x * b_x) / D + eps) * (1.0 + b_w)
+
+
+@triton.jit
 def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, eps, stride_xt, stride_xh,
                       stride_ct, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr):  # fmt: skip
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -75,13 +82,6 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, eps, stride_xt, str
     rotated = tl.where(o_d < half, -b_p, b_p)
     b_y = tl.where(m_r, b_n * b_cos + rotated * b_sin, b_n)
     tl.store(y_ptr + (i_t * H + i_h) * D + o_d, b_y.to(y_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _normed_partner(b_p, b_x, w_ptr, partner, m_r, eps, D: tl.constexpr):
-    """Normed values at the partner dims: the row's rms comes from the whole row b_x."""
-    b_w = tl.load(w_ptr + partner, mask=m_r, other=0.0).to(tl.float32)
-    return b_p * tl.rsqrt(tl.sum(b_x * b_x) / D + eps) * (1.0 + b_w)
 
 
 def rms_norm_rope(
