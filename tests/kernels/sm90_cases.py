@@ -1,0 +1,136 @@
+"""Every Triton kernel as the model launches it (Qwen3.6-35B-A3B shapes, bf16), compiled
+for Hopper (sm_90) down to a cubin without a GPU. Run as a script in a process without
+TRITON_INTERPRET (the interpreter replaces the JIT functions the compiler needs); prints one
+JSON line per kernel. `tests/kernels/test_compile_sm90.py` drives it.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sparrow.kernels.attention import paged
+from sparrow.kernels.causal_conv1d import conv
+from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
+from sparrow.kernels.moe_gemm import grouped_gemm
+from sparrow.kernels.moe_routing import routing
+from sparrow.kernels.quant_gemv import gemv
+from sparrow.kernels.rms_norm import norm
+
+FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
+
+# kernel, pointer dtypes (default first), constexprs, launch options: shapes of
+# Qwen3.6-35B-A3B in bf16 as the layers launch them.
+BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128, "PRECISION": "tf32"}
+CASES = {
+    "add_rms_norm": (norm._add_norm_kernel, {"*": "bf16"},
+                     {"HAS_RESIDUAL": True, "D": 2048, "BLOCK": 2048}, {"num_warps": 4}),
+    "rms_norm_rope": (norm._norm_rope_kernel, {"*": "bf16"}, {"H": 16, "D": 256, "R": 64},
+                      {"num_warps": 1}),
+    "gated_rms_norm": (fused_recurrent._gated_norm_kernel, {"*": "bf16", "o_ptr": "fp32"},
+                       {"D": 128}, {"num_warps": 1}),
+    "gdn_decode_step": (fused_recurrent._recurrent_step_kernel,
+                        {"*": "bf16", "state_ptr": "fp32", "slot_ptr": "i32", "o_ptr": "fp32"},
+                        {"RATIO": 2, "DK": 128, "DV": 128, "BV": 32, "NORM": False},
+                        {"num_warps": 4}),
+    "gdn_decode_step_norm": (fused_recurrent._recurrent_step_kernel,
+                             {"*": "bf16", "state_ptr": "fp32", "slot_ptr": "i32"},
+                             {"RATIO": 2, "DK": 128, "DV": 128, "BV": 128, "NORM": True},
+                             {"num_warps": 8}),
+    "causal_conv1d": (conv._conv_kernel, {"*": "bf16", "cu_ptr": "i32", "slot_ptr": "i32"},
+                      {"KW": 4, "BLOCK_T": 16, "BLOCK_C": 128}, {"num_warps": 4}),
+    "gdn_wy": (chunk._wy_kernel, {"*": "bf16", "g_ptr": "fp32", "b_ptr": "fp32",
+                                  "gc_ptr": "fp32", "cu_ptr": "i32"},
+               BF16_QKV | {"BC": 64}, {"num_warps": 4}),
+    "gdn_state": (chunk._state_kernel, {"*": "bf16", "gc_ptr": "fp32", "state_ptr": "fp32",
+                                        "slot_ptr": "i32", "cu_ptr": "i32", "chunk_ptr": "i32"},
+                  BF16_QKV | {"BV": 32}, {"num_warps": 4}),
+    "gdn_output": (chunk._output_kernel, {"*": "bf16", "gc_ptr": "fp32", "o_ptr": "fp32",
+                                          "cu_ptr": "i32", "chunk_ptr": "i32"},
+                   BF16_QKV | {"BV": 64}, {"num_warps": 4}),
+    "paged_prefill": (paged._paged_attn_kernel, {"*": "bf16", "tables_ptr": "i32",
+                                                 "cu_q_ptr": "i32", "ctx_ptr": "i32"},
+                      {"G": 8, "D": 256, "ROWS": 64, "BLOCK_M": 8, "BLOCK_N": 64,
+                       "CACHE_BLOCK": 128, "HAS_GATE": True, "PRECISION": "tf32"},
+                      {"num_warps": 4}),
+    "paged_decode_split": (paged._decode_split_kernel, {"*": "bf16", "acc_ptr": "fp32",
+                                                        "ml_ptr": "fp32", "tables_ptr": "i32",
+                                                        "ctx_ptr": "i32"},
+                           {"S": 64, "G": 8, "D": 256, "ROWS": 16, "BLOCK_N": 64,
+                            "CACHE_BLOCK": 128, "PRECISION": "tf32"}, {"num_warps": 4}),
+    "paged_decode_merge": (paged._decode_merge_kernel, {"*": "bf16", "acc_ptr": "fp32",
+                                                        "ml_ptr": "fp32"},
+                           {"S": 64, "SP": 64, "D": 256, "HAS_GATE": True}, {"num_warps": 4}),
+    "quant_gemv": (gemv._gemv_kernel, {"*": "bf16", "w_ptr": "i32"},
+                   {"BITS": 4, "GROUP": 64, "BLOCK_N": 8, "BLOCK_K": 512},
+                   {"num_warps": 2, "num_stages": 2}),
+    "moe_gemv": (grouped_gemm._moe_gemv_kernel, {"*": "bf16", "w_ptr": "i32", "c_ptr": "fp32",
+                                                 "rw_ptr": "fp32", "ids_ptr": "i32"},
+                 {"TOP_K": 8, "GATED": False, "APPLY_WEIGHT": True, "BITS": 4, "GROUP": 64,
+                  "BLOCK_N": 8, "BLOCK_K": 512}, {"num_warps": 2}),
+    "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
+                                                 "sorted_ptr": "i32", "block_expert_ptr": "i32",
+                                                 "num_rows_ptr": "i32"},
+                 {"TOP_K": 8, "GATED": True, "APPLY_WEIGHT": False, "BITS": 4, "GROUP": 64,
+                  "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64},
+                 {"num_warps": 4, "num_stages": 3}),
+    "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16", "p_ptr": "fp32"},
+                    {"TOP_K": 8, "BLOCK": 1024}, {"num_warps": 4}),
+    "topk_route": (routing._topk_kernel, {"*": "bf16", "w_ptr": "fp32", "ids_ptr": "i32"},
+                   {"K": 8, "BLOCK_E": 256}, {"num_warps": 4}),
+    "align_count": (routing._count_kernel, {"*": "i32"}, {"BLOCK": 1024}, {"num_warps": 4}),
+    "align_scan": (routing._scan_kernel, {"*": "i32"},
+                   {"BLOCK_M": 64, "BLOCK_E": 256, "BLOCK_B": 64}, {"num_warps": 4}),
+    "align_scatter": (routing._scatter_kernel, {"*": "i32"}, {"BLOCK": 1024}, {"num_warps": 4}),
+}  # fmt: skip
+
+
+def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + pointers.get(name, pointers["*"])
+        else:
+            sig[name] = "fp32" if name in FLOATS else "i32"
+    return sig
+
+
+def compile_case(name: str) -> dict:
+    fn, pointers, constexprs, options = CASES[name]
+    src = ASTSource(fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+        return {"case": name, "error": f"{type(e).__name__}: {e}"[-2000:]}
+    return {"case": name, "cubin": "cubin" in kernel.asm, "shared_bytes": kernel.metadata.shared,
+            **_resources(kernel.asm["ptx"])}  # fmt: skip
+
+
+def _resources(ptx: str) -> dict:
+    """Registers and spill bytes from ptxas -v (the CompiledKernel reads them from a device)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path  # the one Triton itself used for the cubin
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", f"{tmp}/k.o"],
+                             capture_output=True, text=True)  # fmt: skip
+    info = out.stderr + out.stdout
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spills": int(spills.group(1)) if spills else None}  # fmt: skip
+
+
+if __name__ == "__main__":
+    for case in sys.argv[1:] or sorted(CASES):
+        print(json.dumps(compile_case(case)), flush=True)
