@@ -87,7 +87,7 @@ def paged_attention(
     gate: torch.Tensor | None = None,
     max_q_len: int | None = None,
     block_m: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `naive.paged_attention`. q (and gate): [T, Hq, D] with D a power of
     two; k_cache, v_cache: [num_blocks, block_size, Hkv, D] with the same strides;
@@ -108,7 +108,11 @@ def paged_attention(
     max_q_len = max_q_len or t
     block_m = block_m or (1 if max_q_len == 1 else max(1, 64 // g))
     rows = max(16, triton.next_power_of_2(block_m * g))
-    block_n = min(block_n, cache_block)
+    # Wide heads take narrow key blocks and 8 warps: at D = 256 (64 rows) the 64-key,
+    # 4-warp tile spills 3.5 KB of registers, 16 keys with 8 warps 8 bytes (ptxas, sm_90,
+    # tests/kernels/sm90_cases.py).
+    block_n = min(block_n or max(16, min(64, 4096 // d)), cache_block)
+    warps = 8 if d >= 256 else 4
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_q_len, block_m), hkv, cu_seqlens_q.numel() - 1)
     _paged_attn_kernel[grid](
@@ -117,6 +121,7 @@ def paged_attention(
         k_cache.stride(2), block_tables.stride(0), scale,
         G=g, D=d, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, CACHE_BLOCK=cache_block,
         HAS_GATE=gate is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -204,7 +209,7 @@ def paged_decode_attention(
     scale: float,
     gate: torch.Tensor | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence (decode), split-K. q (and gate): [B, Hq, D]; the rest as in
     `paged_attention` (every context length >= 1). Returns [B, Hq, D] in q's dtype."""
@@ -226,7 +231,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale,
         S=splits, G=g, D=d, ROWS=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=min(block_n, cache_block), CACHE_BLOCK=cache_block, PRECISION=precision,
+        BLOCK_N=min(block_n or min(64, 8192 // d), cache_block),  # D = 256: 32 keys, no spills
+        CACHE_BLOCK=cache_block, PRECISION=precision,
     )  # fmt: skip
     out = torch.empty_like(q)
     _decode_merge_kernel[(hq, bsz)](

@@ -37,11 +37,12 @@ def _mm(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _pair(k_i, k_j, gc_i, gc_j, beta_i, PRECISION: tl.constexpr):
-    """Block [16, 16] of A between sub-blocks i and j: beta_i exp(G_i - G_j) k_i.k_j (for
-    i == j, the caller keeps the strictly lower part)."""
-    kk = _mm(k_i, tl.trans(k_j), PRECISION)
-    return kk * tl.exp(tl.minimum(gc_i[:, None] - gc_j[None, :], 0.0)) * beta_i[:, None]
+def _scaled(kk, n_i, n_j, gc_i, gc_j, beta_i):
+    """Block [16, 16] of A between sub-blocks i and j from the raw dot products kk of their
+    k rows: beta_i exp(G_i - G_j) (k_i / |k_i|).(k_j / |k_j|) (for i == j the caller keeps
+    the strictly lower part)."""
+    decay = tl.exp(tl.minimum(gc_i[:, None] - gc_j[None, :], 0.0))
+    return kk * (n_i * beta_i)[:, None] * n_j[None, :] * decay
 
 
 @triton.jit
@@ -60,21 +61,6 @@ def _inverse_unit_lower(a):
         row = tl.where(o == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inv, axis=0)
         inv = tl.where(o[:, None] == r, row[None, :], inv)
     return inv
-
-
-@triton.jit
-def _load_rows(k_ptr, g_ptr, b_ptr, row0, length, i_k, i_h, stride_kt, stride_gt,
-               DK: tl.constexpr):  # fmt: skip
-    """Rows row0..row0+16: L2-normalised k [16, DK], its inverse norms, g and beta [16]."""
-    o_t = row0 + tl.arange(0, 16)
-    m_t = o_t < length
-    o_dk = tl.arange(0, DK)
-    b_k = tl.load(k_ptr + o_t[:, None] * stride_kt + i_k * DK + o_dk[None, :],
-                  mask=m_t[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    inv = tl.rsqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)
-    b_g = tl.load(g_ptr + o_t * stride_gt + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_beta = tl.load(b_ptr + o_t * stride_gt + i_h, mask=m_t, other=0.0).to(tl.float32)
-    return b_k * inv[:, None], inv, b_g, b_beta
 
 
 @triton.jit
@@ -101,12 +87,110 @@ def _store_rows(ptr, row0, length, col, stride_t, x):
 
 
 @triton.jit
-def _wy_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, w_ptr, u_ptr, gc_ptr, cu_ptr,
+def _mat_offsets():
+    o = tl.arange(0, 16)
+    return o[:, None] * 16 + o[None, :]
+
+
+@triton.jit
+def _blocks_kernel(
+    k_ptr, g_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, cu_ptr, chunk_ptr,
+    stride_kt, stride_gt, RATIO: tl.constexpr, DK: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, head): G, the inverse k norms, and the ten 16x16 blocks of the solve
+    (inverted diagonal blocks t_i, off-diagonal blocks a_ij of A) into `mats`."""
+    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c0 = i_c * 64
+    start = tl.load(cu_ptr + i_b)
+    length = tl.load(cu_ptr + i_b + 1) - start
+    if c0 >= length:
+        return
+    i_k = i_h // RATIO
+    BK: tl.constexpr = 32 if DK > 32 else DK
+    k_seq = k_ptr + start * stride_kt + i_k * DK
+    # the ten dot products of the four 16-row sub-blocks, BK columns of k at a time (whole
+    # 128-wide fp32 rows of all four kept live spill registers), and the row norms
+    kk00 = tl.zeros([16, 16], dtype=tl.float32)
+    kk10, kk20, kk30, kk11, kk21 = kk00, kk00, kk00, kk00, kk00
+    kk31, kk22, kk32, kk33 = kk00, kk00, kk00, kk00
+    ss0 = tl.zeros([16], dtype=tl.float32)
+    ss1, ss2, ss3 = ss0, ss0, ss0
+    for kb in range(DK // BK):
+        x0 = _cols(k_seq, c0, length, kb * BK, stride_kt, BK)
+        x1 = _cols(k_seq, c0 + 16, length, kb * BK, stride_kt, BK)
+        x2 = _cols(k_seq, c0 + 32, length, kb * BK, stride_kt, BK)
+        x3 = _cols(k_seq, c0 + 48, length, kb * BK, stride_kt, BK)
+        ss0, ss1 = ss0 + tl.sum(x0 * x0, axis=1), ss1 + tl.sum(x1 * x1, axis=1)
+        ss2, ss3 = ss2 + tl.sum(x2 * x2, axis=1), ss3 + tl.sum(x3 * x3, axis=1)
+        kk00 += _mm(x0, tl.trans(x0), PRECISION)
+        kk10 += _mm(x1, tl.trans(x0), PRECISION)
+        kk20 += _mm(x2, tl.trans(x0), PRECISION)
+        kk30 += _mm(x3, tl.trans(x0), PRECISION)
+        kk11 += _mm(x1, tl.trans(x1), PRECISION)
+        kk21 += _mm(x2, tl.trans(x1), PRECISION)
+        kk31 += _mm(x3, tl.trans(x1), PRECISION)
+        kk22 += _mm(x2, tl.trans(x2), PRECISION)
+        kk32 += _mm(x3, tl.trans(x2), PRECISION)
+        kk33 += _mm(x3, tl.trans(x3), PRECISION)
+    n0, n1 = tl.rsqrt(ss0 + 1e-6), tl.rsqrt(ss1 + 1e-6)
+    n2, n3 = tl.rsqrt(ss2 + 1e-6), tl.rsqrt(ss3 + 1e-6)
+    g_seq, b_seq, sg = g_ptr + start * stride_gt, b_ptr + start * stride_gt, stride_gt
+    g0, g1 = _rows16(g_seq, c0, length, sg, i_h), _rows16(g_seq, c0 + 16, length, sg, i_h)
+    g2, g3 = _rows16(g_seq, c0 + 32, length, sg, i_h), _rows16(g_seq, c0 + 48, length, sg, i_h)
+    be0, be1 = _rows16(b_seq, c0, length, sg, i_h), _rows16(b_seq, c0 + 16, length, sg, i_h)
+    be2, be3 = _rows16(b_seq, c0 + 32, length, sg, i_h), _rows16(b_seq, c0 + 48, length, sg, i_h)
+    gc0 = tl.cumsum(g0, axis=0)
+    gc1 = tl.sum(g0, axis=0) + tl.cumsum(g1, axis=0)
+    gc2 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.cumsum(g2, axis=0)
+    gc3 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0) + tl.cumsum(g3, axis=0)
+    o_r = tl.arange(0, 16)
+    p_row = (start + c0 + o_r) * stride_gt + i_h
+    tl.store(gc_ptr + p_row, gc0, mask=c0 + o_r < length)
+    tl.store(gc_ptr + p_row + 16 * stride_gt, gc1, mask=c0 + 16 + o_r < length)
+    tl.store(gc_ptr + p_row + 32 * stride_gt, gc2, mask=c0 + 32 + o_r < length)
+    tl.store(gc_ptr + p_row + 48 * stride_gt, gc3, mask=c0 + 48 + o_r < length)
+    tl.store(kinv_ptr + p_row, n0, mask=c0 + o_r < length)
+    tl.store(kinv_ptr + p_row + 16 * stride_gt, n1, mask=c0 + 16 + o_r < length)
+    tl.store(kinv_ptr + p_row + 32 * stride_gt, n2, mask=c0 + 32 + o_r < length)
+    tl.store(kinv_ptr + p_row + 48 * stride_gt, n3, mask=c0 + 48 + o_r < length)
+    chunk = tl.load(chunk_ptr + i_b).to(tl.int64) + i_c
+    p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256) + _mat_offsets()
+    strict = _lower(True)
+    tl.store(p_m, _inverse_unit_lower(_scaled(kk00, n0, n0, gc0, gc0, be0) * strict))
+    tl.store(p_m + 256, _inverse_unit_lower(_scaled(kk11, n1, n1, gc1, gc1, be1) * strict))
+    tl.store(p_m + 512, _inverse_unit_lower(_scaled(kk22, n2, n2, gc2, gc2, be2) * strict))
+    tl.store(p_m + 768, _inverse_unit_lower(_scaled(kk33, n3, n3, gc3, gc3, be3) * strict))
+    tl.store(p_m + 1024, _scaled(kk10, n1, n0, gc1, gc0, be1))
+    tl.store(p_m + 1280, _scaled(kk20, n2, n0, gc2, gc0, be2))
+    tl.store(p_m + 1536, _scaled(kk30, n3, n0, gc3, gc0, be3))
+    tl.store(p_m + 1792, _scaled(kk21, n2, n1, gc2, gc1, be2))
+    tl.store(p_m + 2048, _scaled(kk31, n3, n1, gc3, gc1, be3))
+    tl.store(p_m + 2304, _scaled(kk32, n3, n2, gc3, gc2, be3))
+
+
+@triton.jit
+def _cols(k_seq, row0, length, col, stride_t, BK: tl.constexpr):
+    """Raw k of rows row0..row0+16, columns col..col+BK (fp32)."""
+    o_t = row0 + tl.arange(0, 16)
+    o_c = col + tl.arange(0, BK)
+    return tl.load(k_seq + o_t[:, None] * stride_t + o_c[None, :],
+                   mask=(o_t < length)[:, None], other=0.0).to(tl.float32)  # fmt: skip
+
+
+@triton.jit
+def _rows16(ptr, row0, length, stride_t, i_h):
+    o_t = row0 + tl.arange(0, 16)
+    return tl.load(ptr + o_t * stride_t + i_h, mask=o_t < length, other=0.0)
+
+
+@triton.jit
+def _solve_kernel(
+    k_ptr, v_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, w_ptr, u_ptr, cu_ptr, chunk_ptr,
     stride_kt, stride_vt, stride_gt, stride_wt, stride_ut,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Per (chunk, head): [W | U] by block forward substitution, BC columns at a time."""
     NCOL: tl.constexpr = (DK + DV) // BC
     i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c0 = i_c * 64
@@ -116,35 +200,26 @@ def _wy_kernel(
         return
     i_k = i_h // RATIO
     k_seq, v_seq = k_ptr + start * stride_kt, v_ptr + start * stride_vt + i_h * DV
-    g_seq, b_seq = g_ptr + start * stride_gt, b_ptr + start * stride_gt
-    sk, sg = stride_kt, stride_gt
-    k0, n0, g0, be0 = _load_rows(k_seq, g_seq, b_seq, c0, length, i_k, i_h, sk, sg, DK)
-    k1, n1, g1, be1 = _load_rows(k_seq, g_seq, b_seq, c0 + 16, length, i_k, i_h, sk, sg, DK)
-    k2, n2, g2, be2 = _load_rows(k_seq, g_seq, b_seq, c0 + 32, length, i_k, i_h, sk, sg, DK)
-    k3, n3, g3, be3 = _load_rows(k_seq, g_seq, b_seq, c0 + 48, length, i_k, i_h, sk, sg, DK)
-    gc0 = tl.cumsum(g0, axis=0)
-    gc1 = tl.sum(g0, axis=0) + tl.cumsum(g1, axis=0)
-    gc2 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.cumsum(g2, axis=0)
-    gc3 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0) + tl.cumsum(g3, axis=0)
-    o_r = tl.arange(0, 16)  # G, for the later kernels
-    p_gc = gc_ptr + (start + c0 + o_r) * stride_gt + i_h
-    tl.store(p_gc, gc0, mask=c0 + o_r < length)
-    tl.store(p_gc + 16 * stride_gt, gc1, mask=c0 + 16 + o_r < length)
-    tl.store(p_gc + 32 * stride_gt, gc2, mask=c0 + 32 + o_r < length)
-    tl.store(p_gc + 48 * stride_gt, gc3, mask=c0 + 48 + o_r < length)
-    a10 = _pair(k1, k0, gc1, gc0, be1, PRECISION)
-    a20 = _pair(k2, k0, gc2, gc0, be2, PRECISION)
-    a30 = _pair(k3, k0, gc3, gc0, be3, PRECISION)
-    a21 = _pair(k2, k1, gc2, gc1, be2, PRECISION)
-    a31 = _pair(k3, k1, gc3, gc1, be3, PRECISION)
-    a32 = _pair(k3, k2, gc3, gc2, be3, PRECISION)
-    t0 = _inverse_unit_lower(_pair(k0, k0, gc0, gc0, be0, PRECISION) * _lower(True))
-    t1 = _inverse_unit_lower(_pair(k1, k1, gc1, gc1, be1, PRECISION) * _lower(True))
-    t2 = _inverse_unit_lower(_pair(k2, k2, gc2, gc2, be2, PRECISION) * _lower(True))
-    t3 = _inverse_unit_lower(_pair(k3, k3, gc3, gc3, be3, PRECISION) * _lower(True))
-    for cb in tl.static_range(NCOL):  # the block solve, BC columns of [W | U] at a time
+    g_seq, b_seq, n_seq = (
+        gc_ptr + start * stride_gt,
+        b_ptr + start * stride_gt,
+        kinv_ptr + start * stride_gt,
+    )
+    sg = stride_gt
+    gc0, gc1 = _rows16(g_seq, c0, length, sg, i_h), _rows16(g_seq, c0 + 16, length, sg, i_h)
+    gc2, gc3 = _rows16(g_seq, c0 + 32, length, sg, i_h), _rows16(g_seq, c0 + 48, length, sg, i_h)
+    be0, be1 = _rows16(b_seq, c0, length, sg, i_h), _rows16(b_seq, c0 + 16, length, sg, i_h)
+    be2, be3 = _rows16(b_seq, c0 + 32, length, sg, i_h), _rows16(b_seq, c0 + 48, length, sg, i_h)
+    n0, n1 = _rows16(n_seq, c0, length, sg, i_h), _rows16(n_seq, c0 + 16, length, sg, i_h)
+    n2, n3 = _rows16(n_seq, c0 + 32, length, sg, i_h), _rows16(n_seq, c0 + 48, length, sg, i_h)
+    chunk = tl.load(chunk_ptr + i_b).to(tl.int64) + i_c
+    p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256) + _mat_offsets()
+    t0, t1, t2, t3 = tl.load(p_m), tl.load(p_m + 256), tl.load(p_m + 512), tl.load(p_m + 768)
+    a10, a20, a30 = tl.load(p_m + 1024), tl.load(p_m + 1280), tl.load(p_m + 1536)
+    a21, a31, a32 = tl.load(p_m + 1792), tl.load(p_m + 2048), tl.load(p_m + 2304)
+    for cb in range(NCOL):
         col = cb * BC
-        sv = stride_vt
+        sk, sv = stride_kt, stride_vt
         r0 = _rhs(k_seq, v_seq, c0, length, i_k, n0, gc0, be0, col, sk, sv, DK, BC)
         r1 = _rhs(k_seq, v_seq, c0 + 16, length, i_k, n1, gc1, be1, col, sk, sv, DK, BC)
         r2 = _rhs(k_seq, v_seq, c0 + 32, length, i_k, n2, gc2, be2, col, sk, sv, DK, BC)
@@ -255,7 +330,7 @@ def chunk_gated_delta_rule_varlen(
     cu_seqlens: torch.Tensor,
     states: torch.Tensor,
     slots: torch.Tensor,
-    block_v: int = 32,
+    block_v: int = 16,
     max_len: int | None = None,
 ) -> torch.Tensor:
     """q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (log-decay, write strength);
@@ -280,30 +355,35 @@ def chunk_gated_delta_rule_varlen(
     w = torch.empty(t, hv, dk, device=q.device, dtype=v.dtype)
     u = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     gc = torch.empty(t, hv, device=q.device, dtype=torch.float32)
-    block_c = min(64, dk, dv)
-    chunks = triton.cdiv(max_len or t, 64)
-    _wy_kernel[(chunks, hv, bsz)](
-        k, v, g, beta, w, u, gc, cu_seqlens,
-        k.stride(0), v.stride(0), g.stride(0), w.stride(0), u.stride(0),
-        RATIO=hv // hk, DK=dk, DV=dv, BC=block_c, PRECISION=precision, num_warps=4,
-    )  # fmt: skip
-    # first chunk of each sequence in the per-chunk state buffer (device-side: no sync)
+    kinv = torch.empty(t, hv, device=q.device, dtype=torch.float32)
+    # first chunk of each sequence in the per-chunk buffers (device-side: no sync)
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     first_chunk = torch.zeros(bsz, dtype=torch.int32, device=q.device)
     first_chunk[1:] = torch.cumsum(triton.cdiv(lengths, 64), 0)[:-1].to(torch.int32)
-    h = torch.empty(t // 64 + bsz, hv, dk, dv, device=q.device, dtype=v.dtype)
+    chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)
+    mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
+    _blocks_kernel[(chunks, hv, bsz)](
+        k, g, beta, mats, gc, kinv, cu_seqlens, first_chunk, k.stride(0), g.stride(0),
+        RATIO=hv // hk, DK=dk, PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    _solve_kernel[(chunks, hv, bsz)](
+        k, v, beta, mats, gc, kinv, w, u, cu_seqlens, first_chunk,
+        k.stride(0), v.stride(0), g.stride(0), w.stride(0), u.stride(0),
+        RATIO=hv // hk, DK=dk, DV=dv, BC=min(32, dk, dv), PRECISION=precision, num_warps=4,
+    )  # fmt: skip
+    h = torch.empty(chunk_slots, hv, dk, dv, device=q.device, dtype=v.dtype)
     block_v = min(block_v, dv)
     _state_kernel[(dv // block_v, hv, bsz)](
         k, w, u, gc, h, states, slots, cu_seqlens, first_chunk,
         k.stride(0), w.stride(0), u.stride(0), gc.stride(0), h.stride(0), states.stride(0),
         states.stride(1),
-        RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, PRECISION=precision, num_warps=4,
+        RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, PRECISION=precision, num_warps=8,
     )  # fmt: skip
     o = torch.empty(t, hv, dv, device=q.device, dtype=torch.float32)
     out_v = min(64, dv)
     _output_kernel[(chunks * (dv // out_v), hv, bsz)](
         q, k, u, gc, h, o, cu_seqlens, first_chunk,
         q.stride(0), u.stride(0), gc.stride(0), h.stride(0), o.stride(0),
-        RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, PRECISION=precision, num_warps=4,
+        RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, PRECISION=precision, num_warps=8,
     )  # fmt: skip
     return o
