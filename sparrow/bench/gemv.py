@@ -51,15 +51,16 @@ def bench_shape(n: int, k: int, configs) -> dict:
         ),
         "configs": {},
     }
-    for bn, bk, nw, ns in configs:
+    for bn, bk, nw, ns, unpack in configs:
+        name = f"bn{bn}_bk{bk}_w{nw}_s{ns}_{unpack}"
+        kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns, "unpack": unpack}
         try:
-            y = quant_gemv(x, *copies[0], spec, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            y = quant_gemv(x, *copies[0], spec, **kw)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns}
             t = graph_time_us([functools.partial(quant_gemv, x, *q, spec, **kw) for q in copies])
-            result["configs"][f"bn{bn}_bk{bk}_w{nw}_s{ns}"] = {"us": t, "rel_err": err}
+            result["configs"][name] = {"us": t, "rel_err": err}
         except Exception as e:  # a config the compiler rejects (registers, shared memory)
-            result["configs"][f"bn{bn}_bk{bk}_w{nw}_s{ns}"] = {"error": str(e)[:200]}
+            result["configs"][name] = {"error": str(e)[:200]}
     ok = {c: r for c, r in result["configs"].items() if "us" in r}
     best = min(ok, key=lambda c: ok[c]["us"])
     result["best"] = best
@@ -73,9 +74,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="bench-out/gemv.json")
     p.add_argument("--quick", action="store_true", help="a few configs only")
     args = p.parse_args(argv)
-    configs = list(itertools.product([2, 4, 8, 16, 32], [256, 512, 1024], [2, 4, 8], [2, 4]))
-    if args.quick:
-        configs = [(8, 512, 4, 2), (16, 512, 4, 4)]
+    configs = list(itertools.product([2, 4, 8, 16, 32], [256, 512, 1024], [2, 4, 8], [2, 4],
+                                     ["magic", "mantissa"]))  # fmt: skip
+    if args.quick:  # the shipped defaults, both ways of unpacking codes
+        configs = [(8, 512, 2, 2, u) for u in ("magic", "mantissa")]
+        configs += [(4, 1024, 2, 2, u) for u in ("magic", "mantissa")]
     report = {"gpu": torch.cuda.get_device_name(), "shapes": {}}
     print(f"{'shape':<28}{'floor us':>10}{'ours us':>10}{'frac bw':>9}{'bf16 us':>10}"
           f"{'deq+mm us':>11}  best config")  # fmt: skip

@@ -22,11 +22,12 @@ def _case(m, n, k, spec, dtype, device):
 CPU_SHAPES = [(1, 37, 192, 4), (3, 16, 64, 4), (8, 5, 320, 8), (2, 1, 128, 8), (1, 64, 512, 4)]
 
 
+@pytest.mark.parametrize("unpack", ["magic", "mantissa"])
 @pytest.mark.parametrize("m, n, k, bits", CPU_SHAPES)
-def test_gemv_matches_reference(m, n, k, bits):
+def test_gemv_matches_reference(m, n, k, bits, unpack):
     spec = QuantSpec(bits, 64)
     x, packed, scales, biases = _case(m, n, k, spec, torch.float16, "cpu")
-    y = quant_gemv(x.float(), packed, scales.float(), biases.float(), spec)
+    y = quant_gemv(x.float(), packed, scales.float(), biases.float(), spec, unpack=unpack)
     expected = quant_matmul(x.float(), packed, scales, biases, spec)
     assert rel_err(y, expected) < 1e-5
 
@@ -41,11 +42,12 @@ def test_gemv_rejects_bad_shapes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("unpack", ["magic", "mantissa"])
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n, k", [(8192, 2048), (2048, 4096), (248320, 2048), (32, 2048)])
-def test_gemv_real_sizes_gpu(m, n, k):
+def test_gemv_real_sizes_gpu(m, n, k, unpack):
     spec = QuantSpec(4, 64)
     x, packed, scales, biases = _case(m, n, k, spec, torch.bfloat16, "cuda")
-    y = quant_gemv(x, packed, scales, biases, spec)
+    y = quant_gemv(x, packed, scales, biases, spec, unpack=unpack)
     expected = quant_matmul(x, packed, scales, biases, spec)
     assert rel_err(y, expected) < 1e-2  # bf16 output rounding

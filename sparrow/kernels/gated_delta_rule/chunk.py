@@ -6,17 +6,19 @@ start and S0 the incoming state, the delta rule's writes u solve
     (I + A) u = beta * (v - exp(G) k S0),  A[t, s] = beta_t exp(G_t - G_s) k_t.k_s  (s < t)
 
 so u = U - W S0 with U = (I + A)^-1 (beta v) and W = (I + A)^-1 (beta exp(G) k), which do not
-depend on the state. Three kernels, only the middle one sequential:
+depend on the state. Four kernels, only the third sequential:
 
-1. `_wy_kernel`, parallel over every chunk of every sequence and head: U and W, by block
-   forward substitution over four 16-row sub-blocks (the diagonal 16x16 blocks inverted
-   exactly by forward substitution), 64 columns of [W | U] at a time. One program per
-   (chunk, head).
-2. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
+1. `_blocks_kernel`, one program per (chunk, head), all in parallel: G, the k row norms and
+   the ten 16x16 blocks of the solve over four 16-row sub-blocks (off-diagonal blocks of A;
+   diagonal blocks inverted exactly by forward substitution).
+2. `_solve_kernel`, same grid: U and W by block forward substitution, 32 columns of [W | U]
+   at a time. (One kernel doing both spilled 1.7 KB of registers at sm_90; split, neither
+   spills: ptxas via tests/kernels/sm90_cases.py.)
+3. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
    BV columns of the state), the state S [Dk, BV] in registers the whole way: it stores each
    chunk's incoming state, then  u = U - W S  (in place of U)  and
    S = exp(G_last) S + (k * exp(G_last - G))^T u.  Two small dots per chunk.
-3. `_output_kernel`, parallel again:  o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u.
+4. `_output_kernel`, parallel again:  o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u.
 
 L2-norm and scale of q/k are fused in. W, U, u and the per-chunk states are stored in the
 activation dtype (bf16 in the model: half the traffic; fp32 in the exactness tests). Dots use

@@ -19,12 +19,19 @@ from sparrow.quant.affine import QuantSpec
 @triton.jit
 def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):  # fmt: skip
+              BLOCK_K: tl.constexpr, MANTISSA: tl.constexpr = False):  # fmt: skip
     """sum_k W[o_n, k] x[k] for one activation row x (K contiguous values): fp32 [BLOCK_N].
 
     Works on whole 32-bit words: for code slot j of every word, the codes are
     (w >> BITS*j) & mask and meet x[word * PER_WORD + j]; the scale and bias of a word's
-    group are loaded per word (cached), so there are no reshapes."""
+    group are loaded per word (cached), so there are no reshapes.
+
+    Code to float without an int->float convert, two ways: `magic` (default) ORs q into the
+    mantissa of 2^23 and subtracts 2^23 (shift, LOP3, FADD, FFMA per code); MANTISSA moves q
+    to the top mantissa bits of 1.0, v = 1 + q / 2^BITS, and corrects once per word with
+    sum x (shift, LOP3, FFMA per code). The second saves the FADD (sm_90 SASS: 90 -> 26
+    FADD in the kernel) but not yet measured on the GPU: `python -m sparrow.bench.gemv`
+    times both."""
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER_WORD
     WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
@@ -43,12 +50,23 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
         p_x = x_ptr + (w0 + o_w) * PER_WORD
         for j in tl.static_range(PER_WORD):
             b_x = tl.load(p_x + j, mask=m_w, other=0.0).to(tl.float32)
-            # code -> float without an int->float convert: 2^23 + q has q in its mantissa.
-            b_q = ((b_w >> (BITS * j)) & ((1 << BITS) - 1)) | 0x4B000000
-            b_q = b_q.to(tl.float32, bitcast=True) - 8388608.0
-            b_qx += b_q * b_x[None, :]
+            if MANTISSA:
+                shift = (23 - BITS) - BITS * j  # code j to bits 23 - BITS .. 22
+                if shift >= 0:
+                    b_q = b_w << shift
+                else:
+                    b_q = b_w >> -shift
+                b_q = (b_q & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000
+                b_qx += b_q.to(tl.float32, bitcast=True) * b_x[None, :]
+            else:
+                b_q = ((b_w >> (BITS * j)) & ((1 << BITS) - 1)) | 0x4B000000
+                b_qx += (b_q.to(tl.float32, bitcast=True) - 8388608.0) * b_x[None, :]
             b_xs += b_x
-        b_acc += b_s * b_qx + b_b * b_xs[None, :]
+        if MANTISSA:  # sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x
+            b_sf = b_s * (1 << BITS)
+            b_acc += b_sf * b_qx + (b_b - b_sf) * b_xs[None, :]
+        else:
+            b_acc += b_s * b_qx + b_b * b_xs[None, :]
     return tl.sum(b_acc, axis=1)
 
 
@@ -58,14 +76,14 @@ def _gemv_kernel(
     N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MANTISSA: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of activation row i_m."""
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     b_y = gemv_rows(x_ptr + i_m * stride_xm, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn,
-                    stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K)  # fmt: skip
+                    stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, MANTISSA)  # fmt: skip
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
@@ -79,7 +97,8 @@ def default_blocks(n: int, k: int) -> tuple[int, int]:
     return (4, 1024) if n <= 4096 and k >= 4096 else (8, 512)
 
 
-def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_warps, num_stages):
+def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_warps, num_stages,
+            unpack):  # fmt: skip
     m, k = x.shape
     n = packed.shape[0]
     if m > MAX_ROWS:
@@ -98,7 +117,7 @@ def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_wa
         x, packed.view(torch.int32), scales, biases, y,
         n, k, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages,
+        MANTISSA=unpack == "mantissa", num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
 
@@ -113,9 +132,13 @@ def quant_gemv(
     block_k: int | None = None,
     num_warps: int = 2,
     num_stages: int = 2,
+    unpack: str = "magic",
 ) -> torch.Tensor:
     """x: [M <= 8, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales, biases:
-    [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation)."""
+    [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation). unpack: "magic" or
+    "mantissa" (see `gemv_rows`)."""
+    if unpack not in ("magic", "mantissa"):
+        raise ValueError(f"unpack {unpack!r}: expected 'magic' or 'mantissa'")
     bn, bk = default_blocks(packed.shape[0], x.shape[-1])
     return _launch(x, packed, scales, biases, spec, block_n or bn, block_k or bk, num_warps,
-                   num_stages)  # fmt: skip
+                   num_stages, unpack)  # fmt: skip
