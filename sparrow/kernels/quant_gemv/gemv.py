@@ -1,8 +1,9 @@
 """Fused-dequant GEMV for a few activation rows (decode): y[M, N] = x[M, K] @ W[N, K]^T,
 W group-affine 4- or 8-bit (MLX layout), never materialised in memory.
 
-Row-parallel: each program owns BLOCK_N output rows of one activation row and walks K. Per
-word of codes (all in one group),
+Row-parallel: each program owns BLOCK_N output rows and walks K, for one activation row
+(decode at batch 1) or for all of them (2..8 rows: each word of codes is unpacked once for
+every row instead of once per row). Per word of codes (all in one group),
     sum_k (s q_k + b) x_k = s * sum_k q_k x_k + b * sum_k x_k,
 so the codes meet x in one multiply-add each and scale/bias are applied once per word.
 """
@@ -71,6 +72,59 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
 
 @triton.jit
+def gemv_multi_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn,
+                    stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """`gemv_rows` for M <= ROWS activation rows at once: each word of codes is unpacked
+    once and meets every row (a program per row would unpack it M times). Returns fp32
+    [ROWS, BLOCK_N]."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER_WORD
+    WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
+    o_w = tl.arange(0, WORDS)
+    o_m = tl.arange(0, ROWS)
+    n_words = K // PER_WORD
+    b_acc = tl.zeros([ROWS, BLOCK_N, WORDS], dtype=tl.float32)
+    for w0 in range(0, n_words, WORDS):
+        m_w = (w0 + o_w) < n_words
+        m_nw = m_n[:, None] & m_w[None, :]
+        b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + (w0 + o_w)[None, :], mask=m_nw, other=0)
+        o_s = o_n[:, None] * stride_sn + ((w0 + o_w) // WORDS_PER_GROUP)[None, :]
+        b_s = tl.load(s_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
+        b_b = tl.load(b_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
+        b_qx = tl.zeros([ROWS, BLOCK_N, WORDS], dtype=tl.float32)
+        b_xs = tl.zeros([ROWS, WORDS], dtype=tl.float32)
+        p_x = x_ptr + o_m[:, None] * stride_xm + ((w0 + o_w) * PER_WORD)[None, :]
+        m_x = (o_m < M)[:, None] & m_w[None, :]
+        for j in tl.static_range(PER_WORD):
+            b_x = tl.load(p_x + j, mask=m_x, other=0.0).to(tl.float32)  # [ROWS, WORDS]
+            b_q = ((b_w >> (BITS * j)) & ((1 << BITS) - 1)) | 0x4B000000
+            b_q = b_q.to(tl.float32, bitcast=True) - 8388608.0  # [BLOCK_N, WORDS]
+            b_qx += b_q[None, :, :] * b_x[:, None, :]
+            b_xs += b_x
+        b_acc += b_s[None, :, :] * b_qx + b_b[None, :, :] * b_xs[:, None, :]
+    return tl.sum(b_acc, axis=2)
+
+
+@triton.jit
+def _gemv_multi_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    BITS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_N outputs of all M activation rows."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_y = gemv_multi_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn,
+                          stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, ROWS)  # fmt: skip
+    o_m = tl.arange(0, ROWS)
+    p_y = y_ptr + o_m[:, None] * stride_ym + o_n[None, :]
+    tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=(o_m < M)[:, None] & m_n[None, :])
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
     N, K,
@@ -113,6 +167,15 @@ def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_wa
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     block_k = max(block_k, spec.group_size)
+    if m > 1 and unpack == "magic":  # all rows in one program: codes unpacked once
+        rows = triton.next_power_of_2(m)
+        _gemv_multi_kernel[(triton.cdiv(n, block_n),)](
+            x, packed.view(torch.int32), scales, biases, y,
+            m, n, k, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
+            BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+            ROWS=rows, num_warps=4 if rows == 8 else num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return y
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
         x, packed.view(torch.int32), scales, biases, y,
         n, k, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
