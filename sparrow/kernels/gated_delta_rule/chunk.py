@@ -89,6 +89,11 @@ def _store_rows(ptr, row0, length, col, stride_t, x):
 
 
 @triton.jit
+def _length(cu_ptr, i_b):
+    return tl.load(cu_ptr + i_b + 1) - tl.load(cu_ptr + i_b)
+
+
+@triton.jit
 def _mat_offsets():
     o = tl.arange(0, 16)
     return o[:, None] * 16 + o[None, :]
@@ -102,9 +107,7 @@ def _blocks_kernel(
     """Per (chunk, head): G, the inverse k norms, and the ten 16x16 blocks of the solve
     (inverted diagonal blocks t_i, off-diagonal blocks a_ij of A) into `mats`."""
     i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c0 = i_c * 64
-    start = tl.load(cu_ptr + i_b)
-    length = tl.load(cu_ptr + i_b + 1) - start
+    c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
     if c0 >= length:
         return
     i_k = i_h // RATIO
@@ -195,9 +198,7 @@ def _solve_kernel(
     """Per (chunk, head): [W | U] by block forward substitution, BC columns at a time."""
     NCOL: tl.constexpr = (DK + DV) // BC
     i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c0 = i_c * 64
-    start = tl.load(cu_ptr + i_b)
-    length = tl.load(cu_ptr + i_b + 1) - start
+    c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
     if c0 >= length:
         return
     i_k = i_h // RATIO

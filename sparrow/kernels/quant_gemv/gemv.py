@@ -18,6 +18,19 @@ from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
+def _words(w_ptr, s_ptr, b_ptr, o_n, m_n, o_w, n_words, stride_wn, stride_sn,
+           WORDS_PER_GROUP: tl.constexpr):  # fmt: skip
+    """Words o_w of rows o_n and each word's group scale and bias (fp32)."""
+    m_w = o_w < n_words
+    m_nw = m_n[:, None] & m_w[None, :]
+    b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + o_w[None, :], mask=m_nw, other=0)
+    o_s = o_n[:, None] * stride_sn + (o_w // WORDS_PER_GROUP)[None, :]
+    b_s = tl.load(s_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
+    b_b = tl.load(b_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
+    return m_w, b_w, b_s, b_b
+
+
+@triton.jit
 def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, MANTISSA: tl.constexpr = False):  # fmt: skip
@@ -40,12 +53,8 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
     n_words = K // PER_WORD
     b_acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
     for w0 in range(0, n_words, WORDS):
-        m_w = (w0 + o_w) < n_words
-        m_nw = m_n[:, None] & m_w[None, :]
-        b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + (w0 + o_w)[None, :], mask=m_nw, other=0)
-        o_s = o_n[:, None] * stride_sn + ((w0 + o_w) // WORDS_PER_GROUP)[None, :]
-        b_s = tl.load(s_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
-        b_b = tl.load(b_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
+        m_w, b_w, b_s, b_b = _words(w_ptr, s_ptr, b_ptr, o_n, m_n, w0 + o_w, n_words, stride_wn,
+                                    stride_sn, WORDS_PER_GROUP)  # fmt: skip
         b_qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         b_xs = tl.zeros([WORDS], dtype=tl.float32)
         p_x = x_ptr + (w0 + o_w) * PER_WORD
@@ -86,12 +95,8 @@ def gemv_multi_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, b_ptr, o_n, m_n, K, strid
     n_words = K // PER_WORD
     b_acc = tl.zeros([ROWS, BLOCK_N, WORDS], dtype=tl.float32)
     for w0 in range(0, n_words, WORDS):
-        m_w = (w0 + o_w) < n_words
-        m_nw = m_n[:, None] & m_w[None, :]
-        b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + (w0 + o_w)[None, :], mask=m_nw, other=0)
-        o_s = o_n[:, None] * stride_sn + ((w0 + o_w) // WORDS_PER_GROUP)[None, :]
-        b_s = tl.load(s_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
-        b_b = tl.load(b_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
+        m_w, b_w, b_s, b_b = _words(w_ptr, s_ptr, b_ptr, o_n, m_n, w0 + o_w, n_words, stride_wn,
+                                    stride_sn, WORDS_PER_GROUP)  # fmt: skip
         b_qx = tl.zeros([ROWS, BLOCK_N, WORDS], dtype=tl.float32)
         b_xs = tl.zeros([ROWS, WORDS], dtype=tl.float32)
         p_x = x_ptr + o_m[:, None] * stride_xm + ((w0 + o_w) * PER_WORD)[None, :]
