@@ -12,8 +12,9 @@ Quantised parameters sit beside each other: `<module>.weight` (packed int32 word
 `gate_up_proj_scales` / `gate_up_proj_biases` (and the same for `down_proj`).
 
 Forward passes: the reference path dequantises, then runs a float matmul; with the Triton
-backend, linear layers on up to 8 rows (decode) run the fused-dequant GEMV instead, and the
-routed experts run GPU routing + grouped fused-dequant GEMMs.
+backend, linear layers on up to 8 rows (decode) run the fused-dequant GEMV instead, on more
+rows a one-pass dequantisation kernel then the matmul, and the routed experts run GPU
+routing + grouped fused-dequant GEMMs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 
 from sparrow.config import QuantConfig
 from sparrow.kernels import use_triton
+from sparrow.kernels.dequant.dequant import dequantize as dequantize_kernel
 from sparrow.kernels.moe_gemm.grouped_gemm import moe_experts
 from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
 from sparrow.layers.moe import Experts
@@ -65,6 +67,9 @@ class QuantizedLinear(nn.Module):
         if use_triton(x) and rows.shape[0] <= MAX_ROWS:
             y = quant_gemv(rows, self.weight, self.scales, self.biases, self.spec)
             return y.reshape(*x.shape[:-1], self.out_features)
+        if use_triton(x):  # more rows: one-pass dequantisation, then one GEMM
+            w = dequantize_kernel(self.weight, self.scales, self.biases, self.spec, x.dtype)
+            return F.linear(x, w)
         return F.linear(x, self.dequantized_weight(x.dtype))
 
 

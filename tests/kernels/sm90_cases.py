@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 
 from sparrow.kernels.attention import paged
 from sparrow.kernels.causal_conv1d import conv
+from sparrow.kernels.dequant import dequant
 from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
 from sparrow.kernels.moe_gemm import grouped_gemm
 from sparrow.kernels.moe_routing import routing
@@ -82,6 +83,8 @@ CASES = {
     "quant_gemv_8_rows": (gemv._gemv_multi_kernel, {"*": "bf16", "w_ptr": "i32"},
                           {"BITS": 4, "GROUP": 64, "BLOCK_N": 8, "BLOCK_K": 512, "ROWS": 8},
                           {"num_warps": 2, "num_stages": 2}),
+    "dequant": (dequant._dequant_kernel, {"*": "bf16", "w_ptr": "i32"},
+                {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256}, {"num_warps": 4}),
     "moe_gemv": (grouped_gemm._moe_gemv_kernel, {"*": "bf16", "w_ptr": "i32", "c_ptr": "fp32",
                                                  "rw_ptr": "fp32", "ids_ptr": "i32"},
                  {"TOP_K": 8, "GATED": False, "APPLY_WEIGHT": True, "BITS": 4, "GROUP": 64,
