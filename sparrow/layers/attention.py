@@ -42,12 +42,11 @@ class GatedAttention(Projections, nn.Module):
         """x: [T, hidden] (the step's new tokens); cos, sin: [T, rotary]; kv_cache: this
         layer's paged K and V [num_blocks, block_size, Hkv, D], written here, then read."""
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = self.project("qkv", x)
+        q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm.with_rope(q, cos, sin)
-        k = self.k_norm.with_rope(
-            self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin
-        )
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = self.k_norm.with_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
