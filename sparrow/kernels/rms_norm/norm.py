@@ -14,9 +14,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _normed(b_x, w_ptr, o_d, m_d, eps, D: tl.constexpr):
-    b_w = tl.load(w_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
-    return b_x * tl.rsqrt(tl.sum(b_x * b_x) / D + eps) * (1.0 + b_w)
+def _inv_rms(b_x, eps, D: tl.constexpr):
+    """1 / rms of a whole row b_x (fp32; masked entries 0)."""
+    return tl.rsqrt(tl.sum(b_x * b_x) / D + eps)
+
+
+@triton.jit
+def _scaled(b_x, inv_rms, w_ptr, o_d, m_d):
+    """Values b_x at dims o_d, normalised: b_x / rms * (1 + w[o_d])."""
+    return b_x * inv_rms * (1.0 + tl.load(w_ptr + o_d, mask=m_d, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -29,7 +35,8 @@ def _add_norm_kernel(x_ptr, r_ptr, s_ptr, y_ptr, w_ptr, eps, HAS_RESIDUAL: tl.co
     if HAS_RESIDUAL:
         b_x = b_x + tl.load(r_ptr + row + o_d, mask=m_d, other=0.0)  # rounded like torch
         tl.store(s_ptr + row + o_d, b_x, mask=m_d)
-    b_y = _normed(b_x.to(tl.float32), w_ptr, o_d, m_d, eps, D)
+    b_x = b_x.to(tl.float32)
+    b_y = _scaled(b_x, _inv_rms(b_x, eps, D), w_ptr, o_d, m_d)
     tl.store(y_ptr + row + o_d, b_y.to(y_ptr.dtype.element_ty), mask=m_d)
 
 
@@ -57,25 +64,19 @@ def _launch(x, residual, weight, eps):
 
 
 @triton.jit
-def _normed_partner(b_p, b_x, w_ptr, partner, m_r, eps, D: tl.constexpr):
-    """Normed values at the partner dims: the row's rms comes from the whole row b_x."""
-    b_w = tl.load(w_ptr + partner, mask=m_r, other=0.0).to(tl.float32)
-    return b_p * tl.rsqrt(tl.sum(b_x * b_x) / D + eps) * (1.0 + b_w)
-
-
-@triton.jit
 def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, eps, stride_xt, stride_xh,
                       stride_ct, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr):  # fmt: skip
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = tl.arange(0, D)
     b_x = tl.load(x_ptr + i_t * stride_xt + i_h * stride_xh + o_d).to(tl.float32)
-    b_n = _normed(b_x, w_ptr, o_d, o_d < D, eps, D).to(y_ptr.dtype.element_ty).to(tl.float32)
+    inv_rms = _inv_rms(b_x, eps, D)
+    b_n = _scaled(b_x, inv_rms, w_ptr, o_d, o_d < D).to(y_ptr.dtype.element_ty).to(tl.float32)
     # the rotation partner of dim d < R: d + R/2 (first half, negated) or d - R/2
     half: tl.constexpr = R // 2
     partner = tl.where(o_d < half, o_d + half, o_d - half)
     m_r = o_d < R
     b_p = tl.load(x_ptr + i_t * stride_xt + i_h * stride_xh + partner, mask=m_r, other=0.0)
-    b_p = _normed_partner(b_p.to(tl.float32), b_x, w_ptr, partner, m_r, eps, D)
+    b_p = _scaled(b_p.to(tl.float32), inv_rms, w_ptr, partner, m_r)
     b_p = b_p.to(y_ptr.dtype.element_ty).to(tl.float32)
     b_cos = tl.load(cos_ptr + i_t * stride_ct + o_d, mask=m_r, other=1.0).to(tl.float32)
     b_sin = tl.load(sin_ptr + i_t * stride_ct + o_d, mask=m_r, other=0.0).to(tl.float32)
