@@ -90,19 +90,13 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
         state = torch.randn(batch, HV, D, D, generator=gen, device="cuda") * 0.1
         layers.append((mixed, ab, z, conv, state))
 
-    def ours(mixed, ab, z, conv, state):  # the layer's decode path: two kernels
-        qkv = causal_conv1d_varlen(mixed, cu, conv, slots, conv_w)
-        return fused_recurrent_step(qkv, ab[0], ab[1], a_log, dt_bias, state, slots, HK,
-                                    norm=(norm.weight, z, norm.eps))  # fmt: skip
-
-    def ours_split(mixed, ab, z, conv, state):  # variant: BV-split step + a norm kernel
+    def ours(mixed, ab, z, conv, state):  # the layer's decode path: three kernels
         qkv = causal_conv1d_varlen(mixed, cu, conv, slots, conv_w)
         o = fused_recurrent_step(qkv, ab[0], ab[1], a_log, dt_bias, state, slots, HK)
         return gated_rms_norm(o, z, norm.weight, norm.eps)
 
     def step_only(mixed, ab, z, conv, state):
-        return fused_recurrent_step(mixed, ab[0], ab[1], a_log, dt_bias, state, slots, HK,
-                                    norm=(norm.weight, z, norm.eps))  # fmt: skip
+        return fused_recurrent_step(mixed, ab[0], ab[1], a_log, dt_bias, state, slots, HK)
 
     fla_calls = []
     for mixed, ab, _, _, state in layers:
@@ -118,7 +112,6 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
     state_bytes = batch * HV * D * D * 4 * 2
     row = {"batch": batch}
     row["ours_graph_us"] = graph_time_us([lambda x=x: ours(*x) for x in layers])
-    row["ours_split_graph_us"] = graph_time_us([lambda x=x: ours_split(*x) for x in layers])
     row["ours_step_only_graph_us"] = graph_time_us([lambda x=x: step_only(*x) for x in layers])
     row["conv_only_graph_us"] = graph_time_us(
         [lambda x=x: causal_conv1d_varlen(x[0], cu, x[3], slots, conv_w) for x in layers]
@@ -151,11 +144,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['o_rel_err_vs_fla']:>10.1e}  "
               + ", ".join(f"{k['kernel'][:14]} {k['us']:.0f}us"
                           for k in r["ours_kernels"]))  # fmt: skip
-    print(f"{'decode batch':>14}{'ours graph us':>15}{'TB/s':>7}{'split us':>10}{'step us':>9}"
+    print(f"{'decode batch':>14}{'ours graph us':>15}{'TB/s':>7}{'step us':>9}"
           f"{'conv us':>9}{'fla graph us':>14}{'fla eager us':>14}")  # fmt: skip
     for r in decode:
         print(f"{r['batch']:>14}{r['ours_graph_us']:>15.2f}{r['ours_graph_state_tb_s']:>7.2f}"
-              f"{r['ours_split_graph_us']:>10.2f}{r['ours_step_only_graph_us']:>9.2f}"
+              f"{r['ours_step_only_graph_us']:>9.2f}"
               f"{r['conv_only_graph_us']:>9.2f}"
               f"{r['fla_graph_us']:>14.2f}{r['fla_eager_us']:>14.2f}")  # fmt: skip
     report = {"gpu": torch.cuda.get_device_name(), "shapes": f"Hk={HK} Hv={HV} D={D}",
