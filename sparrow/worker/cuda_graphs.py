@@ -83,18 +83,16 @@ class DecodeGraphs:
              state_slots + [self.cache.pad_slot] * pad],
             dtype=torch.long,
         )  # fmt: skip
-        host = host.pin_memory() if torch.cuda.is_available() else host
-        dev = host.to(self.input_ids.device, non_blocking=True)
+        dev = host.pin_memory().to(self.input_ids.device, non_blocking=True)
         self.input_ids[:size].copy_(dev[0])
         self.positions[:size].copy_(dev[1])
         self.context_lens[:size].copy_(dev[2])
         self.slot_mapping[:size].copy_(dev[3])
         self.state_slots[:size].copy_(dev[4])
-        width = max(len(t) for t in block_tables)
-        tables = torch.full((size, width), self.cache.pad_block, dtype=torch.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        self.block_tables[:size, :width].copy_(tables, non_blocking=False)
+        width, pad_block = max(len(t) for t in block_tables), self.cache.pad_block
+        tables = [t + [pad_block] * (width - len(t)) for t in block_tables]
+        tables += [[pad_block] * width] * pad
+        self.block_tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32))
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]
