@@ -91,7 +91,7 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
         layers.append((mixed, ab, z, conv, state))
 
     def ours(mixed, ab, z, conv, state):  # the layer's decode path: three kernels
-        qkv = causal_conv1d_varlen(mixed, cu, conv, slots, conv_w)
+        qkv = causal_conv1d_varlen(mixed, cu, conv, slots, conv_w, max_len=1)
         o = fused_recurrent_step(qkv, ab[0], ab[1], a_log, dt_bias, state, slots, HK)
         return gated_rms_norm(o, z, norm.weight, norm.eps)
 
@@ -114,7 +114,7 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
     row["ours_graph_us"] = graph_time_us([lambda x=x: ours(*x) for x in layers])
     row["ours_step_only_graph_us"] = graph_time_us([lambda x=x: step_only(*x) for x in layers])
     row["conv_only_graph_us"] = graph_time_us(
-        [lambda x=x: causal_conv1d_varlen(x[0], cu, x[3], slots, conv_w) for x in layers]
+        [lambda x=x: causal_conv1d_varlen(x[0], cu, x[3], slots, conv_w, max_len=1) for x in layers]
     )
     row["fla_graph_us"] = graph_time_us(fla_calls)
     row["fla_eager_us"] = do_bench(fla_calls[0], return_mode="median") * 1e3

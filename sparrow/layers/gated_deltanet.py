@@ -100,7 +100,8 @@ class GatedDeltaNet(Projections, nn.Module):
         norm kernel: 11.9 vs 9.9 us per layer at batch 1, 149 vs 107 us at 64.)"""
         slots = meta.state_slots
         weight = self.conv1d.weight[:, 0]
-        qkv = causal_conv1d_varlen(mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight)
+        qkv = causal_conv1d_varlen(mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight,
+                                   max_len=meta.max_q_len)
         if meta.max_q_len == 1:
             o = fused_recurrent_step(qkv, a, b, self.A_log, self.dt_bias, state_pool, slots,
                                      self.num_k_heads)  # fmt: skip

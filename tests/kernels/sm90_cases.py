@@ -21,7 +21,7 @@ from sparrow.kernels.dequant import dequant
 from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
 from sparrow.kernels.moe_gemm import grouped_gemm
 from sparrow.kernels.moe_routing import routing
-from sparrow.kernels.quant_gemv import gemv
+from sparrow.kernels.quant_gemv import gemv, mma
 from sparrow.kernels.rms_norm import norm
 
 FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
@@ -71,25 +71,35 @@ CASES = {
                                                         "ml_ptr": "fp32"},
                            {"S": 64, "SP": 64, "D": 256, "HAS_GATE": True}, {"num_warps": 4}),
     "quant_gemv": (gemv._gemv_kernel, {"*": "bf16", "w_ptr": "i32"},
-                   {"BITS": 4, "GROUP": 64, "BLOCK_N": 8, "BLOCK_K": 512, "MANTISSA": False},
-                   {"num_warps": 2, "num_stages": 2}),
-    "quant_gemv_mantissa": (gemv._gemv_kernel, {"*": "bf16", "w_ptr": "i32"},
-                            {"BITS": 4, "GROUP": 64, "BLOCK_N": 8, "BLOCK_K": 512,
-                             "MANTISSA": True}, {"num_warps": 2, "num_stages": 2}),
-    "quant_gemv_8_rows": (gemv._gemv_multi_kernel, {"*": "bf16", "w_ptr": "i32"},
-                          {"BITS": 4, "GROUP": 64, "BLOCK_N": 8, "BLOCK_K": 512, "ROWS": 8},
-                          {"num_warps": 2, "num_stages": 2}),
+                   {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 1024, "PACKED": True},
+                   {"num_warps": 4, "num_stages": 2}),
+    "quant_gemv_8bit": (gemv._gemv_kernel, {"*": "bf16", "w_ptr": "i32"},
+                        {"BITS": 8, "GROUP": 64, "BLOCK_N": 4, "BLOCK_K": 1024, "PACKED": False},
+                        {"num_warps": 2, "num_stages": 2}),
+    "quant_mma": (mma._mma_kernel, {"*": "bf16", "w_ptr": "i32"},
+                  {"BITS": 4, "GROUP": 64, "BLOCK_N": 32, "BLOCK_K": 256, "PACKED": True,
+                   "PRECISION": "tf32"}, {"num_warps": 4, "num_stages": 3}),
+    "quant_mma_split": (mma._mma_split_kernel, {"*": "bf16", "w_ptr": "i32"},
+                        {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT": 4,
+                         "PACKED": True, "PRECISION": "tf32"}, {"num_warps": 4, "num_stages": 3}),
+    "quant_mma_8bit": (mma._mma_kernel, {"*": "bf16", "w_ptr": "i32"},
+                       {"BITS": 8, "GROUP": 64, "BLOCK_N": 32, "BLOCK_K": 256, "PACKED": False,
+                        "PRECISION": "tf32"}, {"num_warps": 4, "num_stages": 3}),
+    "dequant_8bit": (dequant._dequant_kernel, {"*": "bf16", "w_ptr": "i32"},
+                     {"BITS": 8, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256, "PACKED": False},
+                     {"num_warps": 4}),
     "dequant": (dequant._dequant_kernel, {"*": "bf16", "w_ptr": "i32"},
-                {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256}, {"num_warps": 4}),
+                {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256, "PACKED": True},
+                {"num_warps": 4}),
     "moe_gemv": (grouped_gemm._moe_gemv_kernel, {"*": "bf16", "w_ptr": "i32", "c_ptr": "fp32",
                                                  "rw_ptr": "fp32", "ids_ptr": "i32"},
                  {"TOP_K": 8, "GATED": False, "APPLY_WEIGHT": True, "BITS": 4, "GROUP": 64,
-                  "BLOCK_N": 8, "BLOCK_K": 512}, {"num_warps": 2}),
+                  "BLOCK_N": 16, "BLOCK_K": 1024, "PACKED": True}, {"num_warps": 4}),
     "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
                                                  "sorted_ptr": "i32", "block_expert_ptr": "i32",
                                                  "num_rows_ptr": "i32"},
                  {"TOP_K": 8, "GATED": True, "APPLY_WEIGHT": False, "BITS": 4, "GROUP": 64,
-                  "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64},
+                  "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "PACKED": True},
                  {"num_warps": 4, "num_stages": 3}),
     "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16", "p_ptr": "fp32"},
                     {"TOP_K": 8, "BLOCK": 1024}, {"num_warps": 4}),
@@ -114,9 +124,18 @@ def _signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]
     return sig
 
 
+def _aligned(fn, constexprs: dict) -> dict:
+    """Pointers and strides marked divisible by 16, as the JIT specialises them at launch
+    (tensors are 16-byte aligned and the model's strides are multiples of 16): without this
+    the compiler cannot vectorise loads and the cubin is not the one the GPU runs."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if name not in constexprs and (name.endswith("_ptr") or name.startswith("stride"))}
+
+
 def compile_case(name: str) -> dict:
     fn, pointers, constexprs, options = CASES[name]
-    src = ASTSource(fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs)
+    src = ASTSource(fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs,
+                    attrs=_aligned(fn, constexprs))
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it

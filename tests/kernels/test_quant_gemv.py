@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sparrow.kernels.quant_gemv.gemv import quant_gemv
+from sparrow.kernels.quant_gemv.mma import quant_mma
 from sparrow.kernels.quant_gemv.naive import quant_matmul
 from sparrow.quant.affine import QuantSpec, quantize
 from tests.conftest import rel_err
@@ -17,19 +18,33 @@ def _case(m, n, k, spec, dtype, device):
     return x, packed, scales, biases
 
 
-# Awkward on purpose: N not a multiple of the row block, K not a multiple of BLOCK_K (256),
-# one output row, 8-bit words.
-CPU_SHAPES = [(1, 37, 192, 4), (3, 16, 64, 4), (8, 5, 320, 8), (2, 1, 128, 8), (1, 64, 512, 4)]
+# Awkward on purpose: N not a multiple of the row block, K not a multiple of BLOCK_K (256)
+# nor of the split ranges, one output row, 8-bit words, 16 rows (the most the GEMV takes).
+CPU_SHAPES = [(1, 37, 192, 4), (3, 16, 64, 4), (8, 5, 320, 8), (2, 1, 128, 8), (1, 64, 512, 4),
+              (16, 33, 448, 4), (5, 70, 1024, 4)]  # fmt: skip
 
 
-@pytest.mark.parametrize("unpack", ["magic", "mantissa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, n, k, bits", CPU_SHAPES)
-def test_gemv_matches_reference(m, n, k, bits, unpack):
+def test_gemv_matches_reference(m, n, k, bits, dtype):
     spec = QuantSpec(bits, 64)
-    x, packed, scales, biases = _case(m, n, k, spec, torch.float16, "cpu")
-    y = quant_gemv(x.float(), packed, scales.float(), biases.float(), spec, unpack=unpack)
-    expected = quant_matmul(x.float(), packed, scales, biases, spec)
-    assert rel_err(y, expected) < 1e-5
+    x, packed, scales, biases = _case(m, n, k, spec, dtype, "cpu")
+    y = quant_gemv(x, packed, scales, biases, spec)
+    expected = quant_matmul(x.float(), packed, scales.float(), biases.float(), spec)
+    assert y.dtype == dtype
+    assert rel_err(y, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("config", [dict(split=1, block_n=16, num_warps=1),
+                                    dict(split=2, block_n=32, block_k=128, num_warps=2),
+                                    dict(split=4, block_n=16, num_warps=4)])  # fmt: skip
+def test_mma_configs_match_reference(config):
+    """Every code path of the few-rows kernel, whatever shape picks it by default."""
+    spec = QuantSpec(4, 64)
+    x, packed, scales, biases = _case(6, 40, 768, spec, torch.float16, "cpu")
+    y = quant_mma(x, packed, scales, biases, spec, **config)
+    expected = quant_matmul(x.float(), packed, scales.float(), biases.float(), spec)
+    assert rel_err(y, expected) < 2e-3
 
 
 def test_gemv_rejects_bad_shapes():
@@ -37,17 +52,18 @@ def test_gemv_rejects_bad_shapes():
     x, packed, scales, biases = _case(2, 8, 128, spec, torch.float32, "cpu")
     with pytest.raises(ValueError, match="does not fit"):
         quant_gemv(x[:, :64], packed, scales, biases, spec)
-    with pytest.raises(ValueError, match="at most 8 rows"):
-        quant_gemv(x.repeat(5, 1), packed, scales, biases, spec)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        quant_gemv(x.repeat(9, 1), packed, scales, biases, spec)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("unpack", ["magic", "mantissa"])
-@pytest.mark.parametrize("m", [1, 3, 8])
-@pytest.mark.parametrize("n, k", [(8192, 2048), (2048, 4096), (248320, 2048), (32, 2048)])
-def test_gemv_real_sizes_gpu(m, n, k, unpack):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n, k", [(12352, 2048), (2048, 4096), (248320, 2048), (32, 2048),
+                                  (2048, 512), (1024, 2048)])  # fmt: skip
+def test_gemv_real_sizes_gpu(m, n, k, dtype):
     spec = QuantSpec(4, 64)
-    x, packed, scales, biases = _case(m, n, k, spec, torch.bfloat16, "cuda")
-    y = quant_gemv(x, packed, scales, biases, spec, unpack=unpack)
+    x, packed, scales, biases = _case(m, n, k, spec, dtype, "cuda")
+    y = quant_gemv(x, packed, scales, biases, spec)
     expected = quant_matmul(x, packed, scales, biases, spec)
     assert rel_err(y, expected) < 1e-2  # bf16 output rounding

@@ -1,9 +1,13 @@
 """Depthwise causal conv1d + SiLU (the GDN short conv, kernel 4) over varlen batches, with
 conv states in a pool indexed by slot: prefill (many tokens per sequence) and decode (one).
 
-A program owns BLOCK_C channels of one sequence and walks its tokens in BLOCK_T steps; the
-K - 1 inputs before a token come from the same sequence or, before its start, from the
-sequence's conv state. The new state (the last K - 1 inputs) is written at the end.
+A program owns BLOCK_C channels of BLOCK_T tokens of one sequence (grid: channel blocks x
+sequences x token blocks of the longest sequence); the K - 1 inputs before a token come from
+the same sequence or, before its start, from the sequence's conv state. Only a sequence's
+first token block reads the old state, so that program also writes the new one (the last
+K - 1 inputs, from x, or from the old state for sequences shorter than K - 1) after its
+reads: no other program touches the slot. The first version walked each sequence's tokens in
+one program (64 programs at 4K tokens x 8192 channels): 743 us per layer on the H200.
 """
 
 from __future__ import annotations
@@ -19,41 +23,43 @@ def _conv_kernel(
     C, stride_xt, stride_ss, stride_sc,
     KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    i_c, i_b = tl.program_id(0), tl.program_id(1)
+    i_c, i_b, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + i_b)
     length = tl.load(cu_ptr + i_b + 1) - start
+    if i_t * BLOCK_T >= length:
+        return
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < C
     p_state = state_ptr + slot * stride_ss + o_c * stride_sc
-    o_t = tl.arange(0, BLOCK_T)
-    for t0 in range(0, length, BLOCK_T):
-        t = t0 + o_t
-        b_y = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(KW):
-            src = t - (KW - 1) + j  # input position inside the sequence; < 0: from the state
-            b_w = tl.load(w_ptr + o_c * KW + j, mask=m_c, other=0.0).to(tl.float32)
-            m_x = ((src >= 0) & (t < length))[:, None] & m_c[None, :]
-            b_x = tl.load(x_ptr + (start + src)[:, None] * stride_xt + o_c[None, :], mask=m_x,
-                          other=0.0).to(tl.float32)  # fmt: skip
-            m_s = ((src < 0) & (t < length))[:, None] & m_c[None, :]
-            b_s = tl.load(p_state[None, :] + (src + KW - 1)[:, None], mask=m_s,
-                          other=0.0).to(tl.float32)  # fmt: skip
-            b_y += (b_x + b_s) * b_w[None, :]
-        b_y = b_y / (1.0 + tl.exp(-b_y))
-        m_y = (t < length)[:, None] & m_c[None, :]
-        p_y = y_ptr + (start + t)[:, None] * stride_xt + o_c[None, :]
-        tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_y)
-    # New state: inputs at positions length - (KW - 1) .. length - 1, from x or the old state.
-    # All of the old state was read above (the loop ran at least once: length >= 1).
-    tl.debug_barrier()
-    for j in tl.static_range(KW - 1):
-        src = length - (KW - 1) + j + tl.zeros([BLOCK_C], dtype=tl.int32)  # per channel
-        b_x = tl.load(x_ptr + (start + src) * stride_xt + o_c, mask=m_c & (src >= 0), other=0.0)
-        # reads old index length + j > j: never one this loop has already overwritten
-        b_old = tl.load(p_state + (src + KW - 1), mask=m_c & (src < 0), other=0.0)
-        b_new = tl.where(src >= 0, b_x.to(tl.float32), b_old.to(tl.float32))
-        tl.store(p_state + j, b_new.to(state_ptr.dtype.element_ty), mask=m_c)
+    t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    b_y = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(KW):
+        src = t - (KW - 1) + j  # input position inside the sequence; < 0: from the state
+        b_w = tl.load(w_ptr + o_c * KW + j, mask=m_c, other=0.0).to(tl.float32)
+        m_x = ((src >= 0) & (t < length))[:, None] & m_c[None, :]
+        b_x = tl.load(x_ptr + (start + src)[:, None] * stride_xt + o_c[None, :], mask=m_x,
+                      other=0.0).to(tl.float32)  # fmt: skip
+        m_s = ((src < 0) & (t < length))[:, None] & m_c[None, :]
+        b_s = tl.load(p_state[None, :] + (src + KW - 1)[:, None], mask=m_s,
+                      other=0.0).to(tl.float32)  # fmt: skip
+        b_y += (b_x + b_s) * b_w[None, :]
+    b_y = b_y / (1.0 + tl.exp(-b_y))
+    m_y = (t < length)[:, None] & m_c[None, :]
+    p_y = y_ptr + (start + t)[:, None] * stride_xt + o_c[None, :]
+    tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_y)
+    if i_t == 0:
+        # New state: inputs at positions length - (KW - 1) .. length - 1, from x or the old
+        # state; this program has read all of the old state it needs above.
+        tl.debug_barrier()
+        for j in tl.static_range(KW - 1):
+            pos = length - (KW - 1) + j + tl.zeros([BLOCK_C], dtype=tl.int32)  # per channel
+            b_in = tl.load(x_ptr + (start + pos) * stride_xt + o_c, mask=m_c & (pos >= 0),
+                           other=0.0)  # fmt: skip
+            # reads old index length + j > j: never one this loop has already overwritten
+            b_old = tl.load(p_state + (pos + KW - 1), mask=m_c & (pos < 0), other=0.0)
+            b_new = tl.where(pos >= 0, b_in.to(tl.float32), b_old.to(tl.float32))
+            tl.store(p_state + j, b_new.to(state_ptr.dtype.element_ty), mask=m_c)
 
 
 def causal_conv1d_varlen(
@@ -62,11 +68,13 @@ def causal_conv1d_varlen(
     conv_states: torch.Tensor,
     slots: torch.Tensor,
     weight: torch.Tensor,
+    max_len: int | None = None,
     block_t: int = 16,
     block_c: int = 128,
 ) -> torch.Tensor:
     """x: [T, C] (sequences back to back, cu_seqlens [B + 1] int32, every length >= 1);
     conv_states: [S, C, K - 1] pool, updated in place at `slots` [B]; weight: [C, K].
+    max_len bounds the longest sequence (default T; known on the host, no device read).
     Returns silu(causal depthwise conv) [T, C] in x's dtype. Decode is the case of
     sequences of length 1."""
     t, c = x.shape
@@ -84,7 +92,7 @@ def causal_conv1d_varlen(
     # In-place reads of the old state and writes of the new one: the same program does both,
     # so a sequence's state is never read after another program overwrote it. Slots must be
     # distinct.
-    grid = (triton.cdiv(c, block_c), b)
+    grid = (triton.cdiv(c, block_c), b, triton.cdiv(max_len or t, block_t))
     _conv_kernel[grid](
         x, y, weight, conv_states, cu_seqlens, slots,
         c, x.stride(0), conv_states.stride(0), conv_states.stride(1),

@@ -10,31 +10,32 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.dequant.unpack import packed_unpack, unpack_codes
 from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, stride_sn, stride_yn,
                     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):  # fmt: skip
-    """Rows BLOCK_N x columns BLOCK_K (a whole number of groups) of the float matrix."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER_WORD
+                    BLOCK_K: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
+    """Rows BLOCK_N x columns BLOCK_K (a power-of-two number of groups) of the float matrix.
+    Words are loaded [BLOCK_N, GROUPS, words per group] with scales [BLOCK_N, GROUPS, 1]."""
+    WPG: tl.constexpr = GROUP * BITS // 32
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
     i_n, i_k = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = (o_n < N)[:, None]
-    o_w = i_k * WORDS + tl.arange(0, WORDS)
-    b_w = tl.load(w_ptr + o_n[:, None].to(tl.int64) * stride_wn + o_w[None, :], mask=m_n,
-                  other=0)  # fmt: skip
-    shifts = tl.arange(0, PER_WORD) * BITS
-    b_q = (b_w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-    b_q = tl.reshape(b_q, [BLOCK_N, BLOCK_K]).to(tl.float32)  # column = word * PER_WORD + j
+    m_n = (o_n < N)[:, None, None]
+    o_g = i_k * GROUPS + tl.arange(0, GROUPS)
+    o_w = o_g[:, None] * WPG + tl.arange(0, WPG)[None, :]
+    p_w = w_ptr + o_n[:, None, None].to(tl.int64) * stride_wn + o_w[None, :, :]
+    b_w = tl.load(p_w, mask=m_n, other=0)
+    o_s = o_n[:, None, None].to(tl.int64) * stride_sn + o_g[None, :, None]
+    b_s = tl.load(s_ptr + o_s, mask=m_n, other=0.0)
+    b_b = tl.load(b_ptr + o_s, mask=m_n, other=0.0)
+    b_v = tl.reshape(unpack_codes(b_w, b_s, b_b, BITS, PACKED), [BLOCK_N, BLOCK_K])
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    o_s = o_n[:, None].to(tl.int64) * stride_sn + (o_k // GROUP)[None, :]
-    b_s = tl.load(s_ptr + o_s, mask=m_n, other=0.0).to(tl.float32)
-    b_b = tl.load(b_ptr + o_s, mask=m_n, other=0.0).to(tl.float32)
     p_y = y_ptr + o_n[:, None].to(tl.int64) * stride_yn + o_k[None, :]
-    tl.store(p_y, (b_q * b_s + b_b).to(y_ptr.dtype.element_ty), mask=m_n)
+    tl.store(p_y, b_v.to(y_ptr.dtype.element_ty), mask=(o_n < N)[:, None])
 
 
 def dequantize(
@@ -54,11 +55,13 @@ def dequantize(
                          f"{list(scales.shape)} / biases {list(biases.shape)}")  # fmt: skip
     packed, scales, biases = (t.contiguous() for t in (packed.view(torch.int32), scales, biases))
     y = torch.empty(n, k, device=packed.device, dtype=dtype)
-    block_k = spec.group_size * max(1, 256 // spec.group_size)  # whole groups
-    while k % block_k:
-        block_k //= 2
+    groups = max(1, 256 // spec.group_size)  # a power of two dividing K's groups
+    while (k // spec.group_size) % groups:
+        groups //= 2
+    block_k = groups * spec.group_size
     _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
         packed, scales, biases, y, n, packed.stride(0), scales.stride(0), y.stride(0),
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+        PACKED=packed_unpack(scales.dtype, spec.bits, packed.device) and scales.dtype == dtype,
     )  # fmt: skip
     return y

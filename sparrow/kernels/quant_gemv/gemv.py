@@ -1,9 +1,9 @@
-"""Fused-dequant GEMV for a few activation rows (decode): y[M, N] = x[M, K] @ W[N, K]^T,
-W group-affine 4- or 8-bit (MLX layout), never materialised in memory.
+"""Fused-dequant GEMV for one activation row (decode at batch 1): y[M, N] = x[M, K] @ W[N, K]^T,
+W group-affine 4- or 8-bit (MLX layout), never materialised in memory. 2-16 rows go to the
+tensor-core kernel in `mma.py` (it unpacks each code once for all rows).
 
-Row-parallel: each program owns BLOCK_N output rows and walks K, for one activation row
-(decode at batch 1) or for all of them (2..8 rows: each word of codes is unpacked once for
-every row instead of once per row). Per word of codes (all in one group),
+Row-parallel: each program owns BLOCK_N output rows and walks K. Per word of codes (all in
+one group),
     sum_k (s q_k + b) x_k = s * sum_k q_k x_k + b * sum_k x_k,
 so the codes meet x in one multiply-add each and scale/bias are applied once per word.
 """
@@ -14,119 +14,91 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
 from sparrow.quant.affine import QuantSpec
+
+# code j of a word to the top mantissa bits (19-22) of 1.0: shift by 19 - 4j, then one LOP3
+# (mask | exponent; Triton's own `(t & m) | e` compiles to two).
+_MANTISSA_ASM = tl.constexpr("{\n.reg .b32 t;\n" + "".join(
+    f"{'shl' if 19 - 4 * j >= 0 else 'shr'}.b32 t, $8, {abs(19 - 4 * j)};\n"
+    f"lop3.b32 ${j}, t, 0x00780000, 0x3F800000, 0xEA;\n" for j in range(8)) + "}")
 
 
 @triton.jit
-def _words(w_ptr, s_ptr, b_ptr, o_n, m_n, o_w, n_words, stride_wn, stride_sn,
-           WORDS_PER_GROUP: tl.constexpr):  # fmt: skip
-    """Words o_w of rows o_n and each word's group scale and bias (fp32)."""
-    m_w = o_w < n_words
-    m_nw = m_n[:, None] & m_w[None, :]
-    b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + o_w[None, :], mask=m_nw, other=0)
-    o_s = o_n[:, None] * stride_sn + (o_w // WORDS_PER_GROUP)[None, :]
-    b_s = tl.load(s_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
-    b_b = tl.load(b_ptr + o_s, mask=m_nw, other=0.0).to(tl.float32)
-    return m_w, b_w, b_s, b_b
+def _code_floats(b_w, j: tl.constexpr, BITS: tl.constexpr):
+    """Code j of every word as the float 1 + q / 2^BITS (q in the top mantissa bits of 1.0:
+    no int->float convert)."""
+    shift: tl.constexpr = (23 - BITS) - BITS * j  # code j to bits 23 - BITS .. 22
+    if shift >= 0:
+        b_q = b_w << shift
+    else:
+        b_q = b_w >> -shift
+    b_q = (b_q & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000
+    return b_q.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _slot(b_qx, b_xs, v, p_x, j: tl.constexpr):
+    """Code slot j: v [BLOCK_N, GROUPS, WPG] meets x[word * PER_WORD + j] ([GROUPS, WPG],
+    loaded once per thread for all its rows)."""
+    b_x = tl.load(p_x + j).to(tl.float32)
+    return b_qx + v * b_x[None, :, :], b_xs + b_x
+
+
+@triton.jit
+def _codes_dot_x(b_w, p_x, BITS: tl.constexpr, PACKED: tl.constexpr):
+    """sum_j v_j x[word * PER_WORD + j] per word ([BLOCK_N, GROUPS, WPG]) and sum_j x
+    ([GROUPS, WPG]), v_j = 1 + q_j / 2^BITS."""
+    b_qx = tl.zeros(b_w.shape, dtype=tl.float32)
+    b_xs = tl.zeros(p_x.shape, dtype=tl.float32)
+    if PACKED:  # 4-bit on the GPU: shift + LOP3 per code in PTX
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _MANTISSA_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b_w], (tl.float32,) * 8, True, 1)
+        b_qx, b_xs = _slot(b_qx, b_xs, v0, p_x, 0)
+        b_qx, b_xs = _slot(b_qx, b_xs, v1, p_x, 1)
+        b_qx, b_xs = _slot(b_qx, b_xs, v2, p_x, 2)
+        b_qx, b_xs = _slot(b_qx, b_xs, v3, p_x, 3)
+        b_qx, b_xs = _slot(b_qx, b_xs, v4, p_x, 4)
+        b_qx, b_xs = _slot(b_qx, b_xs, v5, p_x, 5)
+        b_qx, b_xs = _slot(b_qx, b_xs, v6, p_x, 6)
+        b_qx, b_xs = _slot(b_qx, b_xs, v7, p_x, 7)
+    else:
+        for j in tl.static_range(32 // BITS):
+            b_qx, b_xs = _slot(b_qx, b_xs, _code_floats(b_w, j, BITS), p_x, j)
+    return b_qx, b_xs
 
 
 @triton.jit
 def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, MANTISSA: tl.constexpr = False):  # fmt: skip
+              BLOCK_K: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
     """sum_k W[o_n, k] x[k] for one activation row x (K contiguous values): fp32 [BLOCK_N].
+    K % BLOCK_K == 0.
 
-    Works on whole 32-bit words: for code slot j of every word, the codes are
-    (w >> BITS*j) & mask and meet x[word * PER_WORD + j]; the scale and bias of a word's
-    group are loaded per word (cached), so there are no reshapes.
-
-    Code to float without an int->float convert, two ways: `magic` (default) ORs q into the
-    mantissa of 2^23 and subtracts 2^23 (shift, LOP3, FADD, FFMA per code); MANTISSA moves q
-    to the top mantissa bits of 1.0, v = 1 + q / 2^BITS, and corrects once per word with
-    sum x (shift, LOP3, FFMA per code). The second saves the FADD (sm_90 SASS: 90 -> 26
-    FADD in the kernel) but not yet measured on the GPU: `python -m sparrow.bench.gemv`
-    times both."""
+    Works on whole 32-bit words, as a [BLOCK_N, GROUPS, WPG] tile (WPG words per group);
+    scale and bias apply per group after the words of a group are summed. Code slot j of
+    every word meets x[word * PER_WORD + j]. Codes become floats v = 1 + q / 2^BITS (shift,
+    LOP3; FFMA with x) and the 1 is taken off once per word with sum x. PACKED: the 4-bit
+    unpacking in PTX (the GPU path)."""
     PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER_WORD
-    WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
-    o_w = tl.arange(0, WORDS)
-    n_words = K // PER_WORD
-    b_acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-    for w0 in range(0, n_words, WORDS):
-        m_w, b_w, b_s, b_b = _words(w_ptr, s_ptr, b_ptr, o_n, m_n, w0 + o_w, n_words, stride_wn,
-                                    stride_sn, WORDS_PER_GROUP)  # fmt: skip
-        b_qx = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
-        b_xs = tl.zeros([WORDS], dtype=tl.float32)
-        p_x = x_ptr + (w0 + o_w) * PER_WORD
-        for j in tl.static_range(PER_WORD):
-            b_x = tl.load(p_x + j, mask=m_w, other=0.0).to(tl.float32)
-            if MANTISSA:
-                shift = (23 - BITS) - BITS * j  # code j to bits 23 - BITS .. 22
-                if shift >= 0:
-                    b_q = b_w << shift
-                else:
-                    b_q = b_w >> -shift
-                b_q = (b_q & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000
-                b_qx += b_q.to(tl.float32, bitcast=True) * b_x[None, :]
-            else:
-                b_q = ((b_w >> (BITS * j)) & ((1 << BITS) - 1)) | 0x4B000000
-                b_qx += (b_q.to(tl.float32, bitcast=True) - 8388608.0) * b_x[None, :]
-            b_xs += b_x
-        if MANTISSA:  # sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x
-            b_sf = b_s * (1 << BITS)
-            b_acc += b_sf * b_qx + (b_b - b_sf) * b_xs[None, :]
-        else:
-            b_acc += b_s * b_qx + b_b * b_xs[None, :]
+    WPG: tl.constexpr = GROUP // PER_WORD
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    o_g = tl.arange(0, GROUPS)
+    o_v = tl.arange(0, WPG)
+    o_gw = o_g[:, None] * WPG + o_v[None, :]  # word within the block, [GROUPS, WPG]
+    b_acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    for g0 in range(0, K // GROUP, GROUPS):
+        p_w = w_ptr + o_n[:, None, None] * stride_wn + g0 * WPG + o_gw[None, :, :]
+        b_w = tl.load(p_w, mask=m_n[:, None, None], other=0)
+        b_qx, b_xs = _codes_dot_x(b_w, x_ptr + (g0 * WPG + o_gw) * PER_WORD, BITS, PACKED)
+        o_s = o_n[:, None] * stride_sn + g0 + o_g[None, :]
+        b_s = tl.load(s_ptr + o_s, mask=m_n[:, None], other=0.0).to(tl.float32)
+        b_b = tl.load(b_ptr + o_s, mask=m_n[:, None], other=0.0).to(tl.float32)
+        # per group: sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x; summing the
+        # words of a group first keeps the [BLOCK_N, GROUPS, WPG] tile in one layout
+        b_sf = b_s * (1 << BITS)
+        b_acc += b_sf * tl.sum(b_qx, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[None, :]
     return tl.sum(b_acc, axis=1)
-
-
-@triton.jit
-def gemv_multi_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn,
-                    stride_sn, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """`gemv_rows` for M <= ROWS activation rows at once: each word of codes is unpacked
-    once and meets every row (a program per row would unpack it M times). Returns fp32
-    [ROWS, BLOCK_N]."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER_WORD
-    WORDS_PER_GROUP: tl.constexpr = GROUP // PER_WORD
-    o_w = tl.arange(0, WORDS)
-    o_m = tl.arange(0, ROWS)
-    n_words = K // PER_WORD
-    b_acc = tl.zeros([ROWS, BLOCK_N, WORDS], dtype=tl.float32)
-    for w0 in range(0, n_words, WORDS):
-        m_w, b_w, b_s, b_b = _words(w_ptr, s_ptr, b_ptr, o_n, m_n, w0 + o_w, n_words, stride_wn,
-                                    stride_sn, WORDS_PER_GROUP)  # fmt: skip
-        b_qx = tl.zeros([ROWS, BLOCK_N, WORDS], dtype=tl.float32)
-        b_xs = tl.zeros([ROWS, WORDS], dtype=tl.float32)
-        p_x = x_ptr + o_m[:, None] * stride_xm + ((w0 + o_w) * PER_WORD)[None, :]
-        m_x = (o_m < M)[:, None] & m_w[None, :]
-        for j in tl.static_range(PER_WORD):
-            b_x = tl.load(p_x + j, mask=m_x, other=0.0).to(tl.float32)  # [ROWS, WORDS]
-            b_q = ((b_w >> (BITS * j)) & ((1 << BITS) - 1)) | 0x4B000000
-            b_q = b_q.to(tl.float32, bitcast=True) - 8388608.0  # [BLOCK_N, WORDS]
-            b_qx += b_q[None, :, :] * b_x[:, None, :]
-            b_xs += b_x
-        b_acc += b_s[None, :, :] * b_qx + b_b[None, :, :] * b_xs[:, None, :]
-    return tl.sum(b_acc, axis=2)
-
-
-@triton.jit
-def _gemv_multi_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    """One program: BLOCK_N outputs of all M activation rows."""
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    b_y = gemv_multi_rows(x_ptr, stride_xm, M, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn,
-                          stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, ROWS)  # fmt: skip
-    o_m = tl.arange(0, ROWS)
-    p_y = y_ptr + o_m[:, None] * stride_ym + o_n[None, :]
-    tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=(o_m < M)[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -135,29 +107,37 @@ def _gemv_kernel(
     N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MANTISSA: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of activation row i_m."""
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     b_y = gemv_rows(x_ptr + i_m * stride_xm, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn,
-                    stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, MANTISSA)  # fmt: skip
+                    stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
-MAX_ROWS = 8  # beyond this, prefill paths (dequantising GEMM) take over
+MAX_ROWS = MMA_ROWS  # beyond this, prefill paths (dequantising GEMM) take over
 
 
-def default_blocks(n: int, k: int) -> tuple[int, int]:
-    """(block_n, block_k) from the sweep in `python -m sparrow.bench.gemv` (H200, 2 warps
-    best everywhere): 8 x 512 for 2048 -> 8192 and the lm_head, 4 x 1024 for 4096 -> 2048
-    (fewer output rows need smaller row blocks to fill 132 SMs)."""
-    return (4, 1024) if n <= 4096 and k >= 4096 else (8, 512)
+def default_config(n: int, k: int) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) from `python -m sparrow.bench.gemv` on the H200 at one row
+    (2026-11-30): 16 x 1024 with 4 warps for 2048 -> 12352 (10.2 us), 2048 -> 9216 (9.0 us),
+    the lm_head (148 us) and 4096 -> 2048 (8.7 us); 4 x 1024 with 2 warps for small matrices
+    (2048 -> 1024: 4.3 us; the 8-bit router 2048 -> 257: 4.0 us)."""
+    return (16, 1024, 4) if n > 4096 or k >= 4096 else (4, 1024, 2)
 
 
-def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_warps, num_stages,
-            unpack):  # fmt: skip
+def fit_block_k(k: int, block_k: int, group: int) -> int:
+    """The largest power-of-two number of groups, at most block_k wide, that divides K."""
+    groups = max(1, block_k // group)
+    while (k // group) % groups:
+        groups //= 2
+    return groups * group
+
+
+def _check(x, packed, scales, biases, spec: QuantSpec) -> None:
     m, k = x.shape
     n = packed.shape[0]
     if m > MAX_ROWS:
@@ -169,23 +149,19 @@ def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_wa
         )
     if biases.shape != scales.shape or packed.dtype not in (torch.int32, torch.uint32):
         raise ValueError("biases must match scales; packed words must be int32/uint32")
+
+
+def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_warps, num_stages):
+    m, k = x.shape
+    n = packed.shape[0]
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_k = max(block_k, spec.group_size)
-    if m > 1 and unpack == "magic":  # all rows in one program: codes unpacked once
-        rows = triton.next_power_of_2(m)
-        _gemv_multi_kernel[(triton.cdiv(n, block_n),)](
-            x, packed.view(torch.int32), scales, biases, y,
-            m, n, k, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
-            BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
-            ROWS=rows, num_warps=4 if rows == 8 else num_warps, num_stages=num_stages,
-        )  # fmt: skip
-        return y
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
         x, packed.view(torch.int32), scales, biases, y,
         n, k, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
-        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
-        MANTISSA=unpack == "mantissa", num_warps=num_warps, num_stages=num_stages,
+        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
+        BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
 
@@ -198,15 +174,16 @@ def quant_gemv(
     spec: QuantSpec,
     block_n: int | None = None,
     block_k: int | None = None,
-    num_warps: int = 2,
+    num_warps: int | None = None,
     num_stages: int = 2,
-    unpack: str = "magic",
 ) -> torch.Tensor:
-    """x: [M <= 8, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales, biases:
-    [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation). unpack: "magic" or
-    "mantissa" (see `gemv_rows`)."""
-    if unpack not in ("magic", "mantissa"):
-        raise ValueError(f"unpack {unpack!r}: expected 'magic' or 'mantissa'")
-    bn, bk = default_blocks(packed.shape[0], x.shape[-1])
-    return _launch(x, packed, scales, biases, spec, block_n or bn, block_k or bk, num_warps,
-                   num_stages, unpack)  # fmt: skip
+    """x: [M <= 16, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales, biases:
+    [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation). One row runs the row
+    GEMV (block sizes and warps override `default_config`), 2-16 rows the tensor-core
+    kernel."""
+    _check(x, packed, scales, biases, spec)
+    if x.shape[0] > 1:
+        return quant_mma(x, packed, scales, biases, spec)
+    bn, bk, nw = default_config(packed.shape[0], x.shape[-1])
+    return _launch(x, packed, scales, biases, spec, block_n or bn, block_k or bk, num_warps or nw,
+                   num_stages)  # fmt: skip
