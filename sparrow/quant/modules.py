@@ -12,8 +12,9 @@ Quantised parameters sit beside each other: `<module>.weight` (packed int32 word
 `gate_up_proj_scales` / `gate_up_proj_biases` (and the same for `down_proj`).
 
 Forward passes: the reference path dequantises, then runs a float matmul; with the Triton
-backend, linear layers on up to 8 rows (decode) run the fused-dequant GEMV instead, on more
-rows a one-pass dequantisation kernel then the matmul, and the routed experts run GPU
+backend, linear layers on up to 16 rows (decode) run the fused-dequant GEMV instead (one row:
+the row GEMV; 2-16: tensor cores), on more rows a one-pass dequantisation kernel then the
+matmul, and the routed experts run GPU
 routing + grouped fused-dequant GEMMs.
 """
 

@@ -66,13 +66,6 @@ def unpack_codes(words, scales, biases, BITS: tl.constexpr, PACKED: tl.constexpr
             c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
                 _FP16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, scales, biases],
                 (tl.float16,) * 8, True, 1)  # fmt: skip
-    elif BITS == 8:
-        s = scales.to(tl.float32)
-        b = biases.to(tl.float32)
-        c0 = _code(words, 0, BITS) * s + b
-        c1 = _code(words, 1, BITS) * s + b
-        c2 = _code(words, 2, BITS) * s + b
-        c3 = _code(words, 3, BITS) * s + b
     else:
         s = scales.to(tl.float32)
         b = biases.to(tl.float32)
@@ -80,10 +73,11 @@ def unpack_codes(words, scales, biases, BITS: tl.constexpr, PACKED: tl.constexpr
         c1 = _code(words, 1, BITS) * s + b
         c2 = _code(words, 2, BITS) * s + b
         c3 = _code(words, 3, BITS) * s + b
-        c4 = _code(words, 4, BITS) * s + b
-        c5 = _code(words, 5, BITS) * s + b
-        c6 = _code(words, 6, BITS) * s + b
-        c7 = _code(words, 7, BITS) * s + b
+        if BITS == 4:
+            c4 = _code(words, 4, BITS) * s + b
+            c5 = _code(words, 5, BITS) * s + b
+            c6 = _code(words, 6, BITS) * s + b
+            c7 = _code(words, 7, BITS) * s + b
     # join appends its axis last (fastest): pair codes from the top index bit down
     if BITS == 8:
         values = tl.join(tl.join(c0, c2), tl.join(c1, c3))
