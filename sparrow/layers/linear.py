@@ -71,8 +71,13 @@ class Projections:
             fused = fuse_linears([self.get_submodule(n) for n in names])
             self.__dict__[f"_fused_{group}"] = fused
 
-    def project(self, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def fused(self, group: str) -> FusedLinears | None:
+        """The group's fused projection, if it was fused and its weights are still in place."""
         fused = self.__dict__.get(f"_fused_{group}")
-        if fused is not None and fused.intact():
+        return fused if fused is not None and fused.intact() else None
+
+    def project(self, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fused = self.fused(group)
+        if fused is not None:
             return fused(x)
         return tuple(self.get_submodule(n)(x) for n in self.FUSED[group])

@@ -33,6 +33,9 @@ class SwiGLU(Projections, nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.fused("gate_up")
+        if fused is not None and hasattr(fused.whole, "swiglu"):  # quantised: one kernel
+            return self.down_proj(fused.whole.swiglu(x))
         gate, up = self.project("gate_up", x)
         return self.down_proj(F.silu(gate) * up)
 

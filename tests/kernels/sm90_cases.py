@@ -28,6 +28,9 @@ FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
 
 # kernel, pointer dtypes (default first), constexprs, launch options: shapes of
 # Qwen3.6-35B-A3B in bf16 as the layers launch them.
+GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32"}
+GEMV = {"TOP_K": 1, "EXPERTS": False, "GATED": False, "APPLY_WEIGHT": False, "BITS": 4,
+        "GROUP": 64, "BLOCK_K": 1024, "PACKED": False}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128, "PRECISION": "tf32"}
 CASES = {
     "add_rms_norm": (norm._add_norm_kernel, {"*": "bf16"},
@@ -70,11 +73,12 @@ CASES = {
     "paged_decode_merge": (paged._decode_merge_kernel, {"*": "bf16", "acc_ptr": "fp32",
                                                         "ml_ptr": "fp32"},
                            {"S": 64, "SP": 64, "D": 256, "HAS_GATE": True}, {"num_warps": 4}),
-    "quant_gemv": (gemv._gemv_kernel, {"*": "bf16", "w_ptr": "i32"},
-                   {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 1024, "PACKED": True},
+    "quant_gemv": (gemv._gemv_kernel, GEMV_PTRS, GEMV | {"BLOCK_N": 16, "PACKED": True},
                    {"num_warps": 4, "num_stages": 2}),
-    "quant_gemv_8bit": (gemv._gemv_kernel, {"*": "bf16", "w_ptr": "i32"},
-                        {"BITS": 8, "GROUP": 64, "BLOCK_N": 4, "BLOCK_K": 1024, "PACKED": False},
+    "quant_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
+                         GEMV | {"GATED": True, "BLOCK_N": 4, "PACKED": True},
+                         {"num_warps": 2, "num_stages": 2}),
+    "quant_gemv_8bit": (gemv._gemv_kernel, GEMV_PTRS, GEMV | {"BITS": 8, "BLOCK_N": 4},
                         {"num_warps": 2, "num_stages": 2}),
     "quant_mma": (mma._mma_kernel, {"*": "bf16", "w_ptr": "i32"},
                   {"BITS": 4, "GROUP": 64, "BLOCK_N": 32, "BLOCK_K": 256, "PACKED": True,
@@ -91,10 +95,9 @@ CASES = {
     "dequant": (dequant._dequant_kernel, {"*": "bf16", "w_ptr": "i32"},
                 {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256, "PACKED": True},
                 {"num_warps": 4}),
-    "moe_gemv": (grouped_gemm._moe_gemv_kernel, {"*": "bf16", "w_ptr": "i32", "c_ptr": "fp32",
-                                                 "rw_ptr": "fp32", "ids_ptr": "i32"},
-                 {"TOP_K": 8, "GATED": False, "APPLY_WEIGHT": True, "BITS": 4, "GROUP": 64,
-                  "BLOCK_N": 16, "BLOCK_K": 1024, "PACKED": True}, {"num_warps": 4}),
+    "moe_gemv": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
+                 GEMV | {"TOP_K": 8, "EXPERTS": True, "APPLY_WEIGHT": True, "BLOCK_N": 16,
+                         "PACKED": True}, {"num_warps": 4}),
     "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
                                                  "sorted_ptr": "i32", "block_expert_ptr": "i32",
                                                  "num_rows_ptr": "i32"},

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sparrow.kernels.quant_gemv.gemv import quant_gemv
 from sparrow.kernels.quant_gemv.mma import quant_mma
@@ -47,6 +48,17 @@ def test_mma_configs_match_reference(config):
     assert rel_err(y, expected) < 2e-3
 
 
+@pytest.mark.parametrize("m, bits", [(1, 4), (1, 8), (3, 4)])
+def test_gated_gemv_matches_reference(m, bits):
+    """A fused gate_up [2I, K]: silu(gate) * up in the GEMV's epilogue (one row), else after."""
+    spec = QuantSpec(bits, 64)
+    x, packed, scales, biases = _case(m, 2 * 21, 192, spec, torch.float32, "cpu")
+    y = quant_gemv(x, packed, scales, biases, spec, gated=True)
+    full = quant_matmul(x, packed, scales, biases, spec)
+    assert y.shape == (m, 21)
+    assert rel_err(y, F.silu(full[:, :21]) * full[:, 21:]) < 1e-5
+
+
 def test_gemv_rejects_bad_shapes():
     spec = QuantSpec(4, 64)
     x, packed, scales, biases = _case(2, 8, 128, spec, torch.float32, "cpu")
@@ -67,3 +79,13 @@ def test_gemv_real_sizes_gpu(m, n, k, dtype):
     y = quant_gemv(x, packed, scales, biases, spec)
     expected = quant_matmul(x, packed, scales, biases, spec)
     assert rel_err(y, expected) < 1e-2  # bf16 output rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_gated_gemv_real_size_gpu(m):
+    spec = QuantSpec(4, 64)
+    x, packed, scales, biases = _case(m, 1024, 2048, spec, torch.bfloat16, "cuda")
+    y = quant_gemv(x, packed, scales, biases, spec, gated=True)
+    full = quant_matmul(x, packed, scales, biases, spec).float()
+    assert rel_err(y, F.silu(full[:, :512]) * full[:, 512:]) < 1e-2

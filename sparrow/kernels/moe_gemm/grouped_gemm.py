@@ -21,7 +21,7 @@ import triton.language as tl
 
 from sparrow.kernels.dequant.unpack import packed_unpack, unpack_codes
 from sparrow.kernels.moe_routing.routing import align, topk_route
-from sparrow.kernels.quant_gemv.gemv import fit_block_k, gemv_rows
+from sparrow.kernels.quant_gemv.gemv import launch_gemv
 from sparrow.quant.affine import QuantSpec
 
 
@@ -86,52 +86,11 @@ def _moe_gemm_kernel(
     tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
 
 
-@triton.jit
-def _moe_gemv_kernel(
-    a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr,
-    N, K,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
-    TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PACKED: tl.constexpr,
-):  # fmt: skip
-    """Decode: one program per (BLOCK_N outputs, assignment a = t * TOP_K + slot), the
-    expert's weight rows read once as packed codes (GEMV, no tensor cores, no padding)."""
-    i_n, i_a = tl.program_id(0), tl.program_id(1)
-    i_e = tl.load(ids_ptr + i_a).to(tl.int64)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    if GATED:
-        p_a = a_ptr + (i_a // TOP_K) * stride_am
-    else:
-        p_a = a_ptr + i_a * stride_am
-    w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
-    b_y = gemv_rows(p_a, w_e, s_e, b_e, o_n, m_n, K, stride_wn, stride_sn, BITS, GROUP,
-                    BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
-    if GATED:
-        b_u = gemv_rows(p_a, w_e, s_e, b_e, o_n + N, m_n, K, stride_wn, stride_sn, BITS, GROUP,
-                        BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
-        b_y = b_y / (1.0 + tl.exp(-b_y)) * b_u
-    if APPLY_WEIGHT:
-        b_y *= tl.load(rw_ptr + i_a)
-    tl.store(c_ptr + i_a * stride_cm + o_n, b_y.to(c_ptr.dtype.element_ty), mask=m_n)
-
-
-def _launch_gemv(a, w, c, rw, ids, n, top_k, gated, spec, block_n=16, block_k=1024,
-                 num_warps=4):  # fmt: skip
+def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec):
     """16 x 1024 blocks, 4 warps: the best of 7 for the whole MoE layer on the H200 (38 us at 1
     token, 118 at 8; 4 x 1024 with 2 warps: 48 / 199; 8 x 512: 42 / 140)."""
-    packed, scales, biases = w
-    _moe_gemv_kernel[(triton.cdiv(n, block_n), c.shape[0])](
-        a, packed.view(torch.int32), scales, biases, c, rw, ids,
-        n, a.shape[1],
-        a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
-        c.stride(0),
-        TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None,
-        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
-        BLOCK_K=fit_block_k(a.shape[1], block_k, spec.group_size),
-        PACKED=a.is_cuda and spec.bits == 4, num_warps=num_warps,
-    )  # fmt: skip
+    launch_gemv(a, w, c, spec, block_n=16, block_k=1024, num_warps=4, gated=gated, ids=ids,
+                rw=rw, top_k=top_k)  # fmt: skip
 
 
 def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
@@ -228,8 +187,8 @@ def moe_experts(
     h = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
     partial = torch.empty(t * top_k, d, device=x.device, dtype=torch.float32)
     if t <= GEMV_TOKENS and tiles is None:
-        _launch_gemv(x, gate_up, h, None, ids, inter, top_k, True, spec)
-        _launch_gemv(h, down, partial, weights, ids, d, top_k, False, spec)
+        _launch_gemv(x, gate_up, h, None, ids, top_k, True, spec)
+        _launch_gemv(h, down, partial, weights, ids, top_k, False, spec)
         return _combine(partial, shared, top_k).to(x.dtype)
     tiles = tiles or tiles_for(t * top_k, e)
     routing = align(ids, e, tiles.block_m)

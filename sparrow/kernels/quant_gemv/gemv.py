@@ -11,6 +11,7 @@ so the codes meet x in one multiply-add each and scale/bias are applied once per
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -103,19 +104,60 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr,
     N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+    TOP_K: tl.constexpr, EXPERTS: tl.constexpr, GATED: tl.constexpr,
+    APPLY_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_N outputs of activation row i_m."""
+    """One program: BLOCK_N outputs of output row i_m.
+
+    Plain: y[i_m] = x[i_m] @ W^T. GATED: W's rows N..2N are the up projection of rows 0..N
+    (a fused gate_up) and y = silu(x W[:N]^T) * (x W[N:]^T), x read by token i_m // TOP_K.
+    EXPERTS: W is a stack of experts [E, ...] and row i_m = t * TOP_K + slot (an assignment)
+    reads expert ids[i_m]; APPLY_WEIGHT scales it by its routing weight rw[i_m]."""
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    b_y = gemv_rows(x_ptr + i_m * stride_xm, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn,
-                    stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
+    if EXPERTS:
+        i_e = tl.load(ids_ptr + i_m).to(tl.int64)
+        w_ptr = w_ptr + i_e * stride_we
+        s_ptr, b_ptr = s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
+    if GATED:
+        p_x = x_ptr + (i_m // TOP_K) * stride_xm
+    else:
+        p_x = x_ptr + i_m * stride_xm
+    b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS, GROUP,
+                    BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
+    if GATED:
+        b_u = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n + N, m_n, K, stride_wn, stride_sn, BITS,
+                        GROUP, BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
+        b_y = b_y / (1.0 + tl.exp(-b_y)) * b_u
+    if APPLY_WEIGHT:
+        b_y *= tl.load(rw_ptr + i_m)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
+
+
+def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
+                num_stages: int = 2, gated: bool = False, ids=None, rw=None,
+                top_k: int = 1):  # fmt: skip
+    """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
+    biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
+    stacks of those [E, ...]. rw [R]: routing weights to apply."""
+    packed, scales, biases = w
+    n, k = y.shape[1], x.shape[1]
+    experts = ids is not None
+    _gemv_kernel[(triton.cdiv(n, block_n), y.shape[0])](
+        x, packed.view(torch.int32), scales, biases, y, rw, ids,
+        n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),
+        scales.stride(0) if experts else 0, scales.stride(-2), y.stride(0),
+        TOP_K=top_k, EXPERTS=experts, GATED=gated, APPLY_WEIGHT=rw is not None,
+        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
+        BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return y
 
 
 MAX_ROWS = MMA_ROWS  # beyond this, prefill paths (dequantising GEMM) take over
@@ -151,21 +193,6 @@ def _check(x, packed, scales, biases, spec: QuantSpec) -> None:
         raise ValueError("biases must match scales; packed words must be int32/uint32")
 
 
-def _launch(x, packed, scales, biases, spec: QuantSpec, block_n, block_k, num_warps, num_stages):
-    m, k = x.shape
-    n = packed.shape[0]
-    x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _gemv_kernel[(triton.cdiv(n, block_n), m)](
-        x, packed.view(torch.int32), scales, biases, y,
-        n, k, x.stride(0), packed.stride(0), scales.stride(0), y.stride(0),
-        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
-        BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
-    return y
-
-
 def quant_gemv(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -176,14 +203,20 @@ def quant_gemv(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x: [M <= 16, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales, biases:
     [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation). One row runs the row
     GEMV (block sizes and warps override `default_config`), 2-16 rows the tensor-core
-    kernel."""
+    kernel. gated: the rows are a fused gate_up [2I, K]; returns silu(gate) * up [M, I] (in
+    the kernel at one row)."""
     _check(x, packed, scales, biases, spec)
+    n = packed.shape[0]
     if x.shape[0] > 1:
-        return quant_mma(x, packed, scales, biases, spec)
-    bn, bk, nw = default_config(packed.shape[0], x.shape[-1])
-    return _launch(x, packed, scales, biases, spec, block_n or bn, block_k or bk, num_warps or nw,
-                   num_stages)  # fmt: skip
+        y = quant_mma(x, packed, scales, biases, spec)
+        return F.silu(y[:, : n // 2]) * y[:, n // 2 :] if gated else y
+    bn, bk, nw = default_config(n // 2 if gated else n, x.shape[-1])
+    x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
+    y = torch.empty(1, n // 2 if gated else n, device=x.device, dtype=x.dtype)
+    return launch_gemv(x, (packed, scales, biases), y, spec, block_n or bn, block_k or bk,
+                       num_warps or nw, num_stages, gated=gated)  # fmt: skip
