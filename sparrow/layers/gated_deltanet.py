@@ -10,7 +10,11 @@ from sparrow.config import ModelConfig
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
 from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
-from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step, gated_rms_norm
+from sparrow.kernels.gated_delta_rule.fused_recurrent import (
+    fused_recurrent_step,
+    gated_rms_norm,
+    gdn_gates,
+)
 from sparrow.kernels.gated_delta_rule.naive import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -106,7 +110,7 @@ class GatedDeltaNet(Projections, nn.Module):
             o = fused_recurrent_step(qkv, a, b, self.A_log, self.dt_bias, state_pool, slots,
                                      self.num_k_heads)  # fmt: skip
             return gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
-        o = chunk_gated_delta_rule_varlen(*self._split_heads(qkv), self._decay(a),
-                                          b.sigmoid().float(), meta.cu_seqlens, state_pool,
-                                          slots, max_len=meta.max_q_len)  # fmt: skip
-        return self.norm(o.to(mixed_qkv.dtype), z)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        o = chunk_gated_delta_rule_varlen(*self._split_heads(qkv), g, beta, meta.cu_seqlens,
+                                          state_pool, slots, max_len=meta.max_q_len)  # fmt: skip
+        return gated_rms_norm(o, z, self.norm.weight, self.norm.eps)

@@ -69,6 +69,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache row (block * block_size + offset) per token
     state_slots: torch.Tensor  # [B] int32, recurrent-state slot per sequence
     max_q_len: int
+    prefix_free: bool = False  # every sequence starts at position 0 (no cached prefix; host)
 
 
 def build_metadata(
@@ -108,4 +109,5 @@ def build_metadata(
         slot_mapping=as_tensor(slot_mapping, torch.long),
         state_slots=as_tensor(state_slots, torch.int32),
         max_q_len=max(seq_lens),
+        prefix_free=not any(computed),
     )

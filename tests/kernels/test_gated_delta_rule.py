@@ -4,7 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step, gated_rms_norm
+from sparrow.kernels.gated_delta_rule.fused_recurrent import (
+    fused_recurrent_step,
+    gated_rms_norm,
+    gdn_gates,
+)
 from sparrow.kernels.gated_delta_rule.naive import recurrent_gated_delta_rule
 from tests.conftest import rel_err
 
@@ -48,6 +52,19 @@ def test_step_matches_reference(device, bsz, hk, hv, dk, dv):
     o = fused_recurrent_step(qkv, a, b, a_log, dt_bias, states, slots, hk, block_v=16)
     assert rel_err(o.cpu(), expected) < 1e-5
     assert rel_err(states.cpu(), ref_states) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t, hv", [(1, 4), (37, 32), (300, 3)])
+def test_gates_kernel_matches_torch(device, t, hv):
+    """Prefill gates in one kernel vs the layer's PyTorch expression, softplus past 20 too."""
+    gen = torch.Generator().manual_seed(t)
+    ab = (torch.randn(t, 2 * hv, generator=gen) * 12).to(device)  # a and b: views, one stride
+    a, b = ab[:, :hv], ab[:, hv:]
+    a_log, dt_bias = torch.randn(hv, generator=gen).to(device), torch.randn(hv, generator=gen)
+    g, beta = gdn_gates(a, b, a_log, dt_bias.to(device))
+    expected = -a_log.cpu().exp() * F.softplus(a.cpu() + dt_bias)
+    assert rel_err(g.cpu(), expected) < 1e-5 and rel_err(beta.cpu(), b.cpu().sigmoid()) < 1e-6
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -146,6 +163,22 @@ def test_chunk_two_pieces_equal_one():
              for a, b in ((0, 70), (70, 150))]  # fmt: skip
     assert rel_err(torch.cat(parts), whole) < 1e-5
     assert rel_err(states, whole_states) < 1e-5
+
+
+def test_chunk_reads_views_of_the_conv_output():
+    """q, k, v as the layer passes them (views into one [T, 2 Hk Dk + Hv Dv] row each): the
+    same output and states as contiguous copies."""
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+
+    q, k, v, g, beta, cu, states, slots = _chunk_case([5, 70], 2, 4, 16, 32, "cpu")
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    parts = zip(qkv.split((32, 32, 128), dim=1), (2, 2, 4), (16, 16, 32), strict=True)
+    views = [x.unflatten(1, (h, d)) for x, h, d in parts]
+    copy_states = states.clone()
+    o_views = chunk_gated_delta_rule_varlen(*views, g, beta, cu, states, slots)
+    o_copies = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, copy_states, slots)
+    assert views[0].stride(0) == 192 and torch.equal(o_views, o_copies)
+    assert torch.equal(states, copy_states)
 
 
 @pytest.mark.gpu

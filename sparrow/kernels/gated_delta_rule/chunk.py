@@ -350,8 +350,12 @@ def chunk_gated_delta_rule_varlen(
         )
     if states.shape[1:] != (hv, dk, dv) or states.dtype != torch.float32:
         raise ValueError(f"states {list(states.shape)} must be fp32 [S, {hv}, {dk}, {dv}]")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    g, beta = g.float(), beta.float()
+    # q, k, v may be views of the conv output (rows of 2 Hk Dk + Hv Dv): the kernels take a
+    # token stride (q and k share one) and need each row's heads packed
+    rows_packed = all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (q, k, v))
+    if not rows_packed or q.stride(0) != k.stride(0):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
     bsz = cu_seqlens.numel() - 1
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # W and U in the activation dtype (bf16 in the model), the cumulative decay in fp32

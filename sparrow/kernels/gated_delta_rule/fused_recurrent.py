@@ -18,6 +18,15 @@ import triton.language as tl
 
 
 @triton.jit
+def decay_and_beta(a, b, a_log, dt_bias):
+    """Log-decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b),
+    fp32 (softplus linear above 20, as torch's)."""
+    x = a.to(tl.float32) + dt_bias.to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    return -tl.exp(a_log.to(tl.float32)) * softplus, tl.sigmoid(b.to(tl.float32))
+
+
+@triton.jit
 def _recurrent_step_kernel(
     qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
     stride_qkv, stride_ab, stride_ss, stride_sh, stride_o,
@@ -33,12 +42,10 @@ def _recurrent_step_kernel(
     b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v).to(tl.float32)
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-    x = tl.load(a_ptr + i_b * stride_ab + i_h).to(tl.float32) + tl.load(dtb_ptr + i_h).to(
-        tl.float32
-    )
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-    decay = tl.exp(-tl.exp(tl.load(alog_ptr + i_h).to(tl.float32)) * softplus)
-    beta = tl.sigmoid(tl.load(b_ptr + i_b * stride_ab + i_h).to(tl.float32))
+    g, beta = decay_and_beta(tl.load(a_ptr + i_b * stride_ab + i_h),
+                             tl.load(b_ptr + i_b * stride_ab + i_h), tl.load(alog_ptr + i_h),
+                             tl.load(dtb_ptr + i_h))  # fmt: skip
+    decay = tl.exp(g)
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
     p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
     b_s = tl.load(p_s) * decay  # [DK, BV] fp32
@@ -83,6 +90,35 @@ def fused_recurrent_step(
         key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v,
     )  # fmt: skip
     return o
+
+
+@triton.jit
+def _gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, H, stride_ab,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """g and beta [T, H] fp32 for a prefill chunk (the decode step computes its own)."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < T * H
+    i_t, i_h = o // H, o % H
+    g, beta = decay_and_beta(tl.load(a_ptr + i_t * stride_ab + i_h, mask=m, other=0.0),
+                             tl.load(b_ptr + i_t * stride_ab + i_h, mask=m, other=0.0),
+                             tl.load(alog_ptr + i_h, mask=m, other=0.0),
+                             tl.load(dtb_ptr + i_h, mask=m, other=0.0))  # fmt: skip
+    tl.store(g_ptr + o, g, mask=m)
+    tl.store(beta_ptr + o, beta, mask=m)
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """a, b: [T, Hv] (projections, same strides); a_log, dt_bias: [Hv] -> (g, beta) [T, Hv]
+    fp32 in one kernel (the PyTorch expression is six)."""
+    t, h = a.shape
+    if b.shape != a.shape or b.stride() != a.stride() or a.stride(1) != 1:
+        a, b = a.contiguous(), b.contiguous()
+    g = torch.empty(t, h, device=a.device, dtype=torch.float32)
+    beta = torch.empty_like(g)
+    if t:
+        _gates_kernel[(triton.cdiv(t * h, 1024),)](a, b, a_log, dt_bias, g, beta, t, h,
+                                                   a.stride(0), BLOCK=1024)  # fmt: skip
+    return g, beta
 
 
 @triton.jit
