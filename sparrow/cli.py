@@ -68,6 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     device, dtype = _device_and_dtype(args)
     llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True,
               load_format=args.load_format)  # fmt: skip
+    if device.startswith("cuda"):
+        llm.warmup()  # first requests do not wait for kernels to compile
     name = args.served_model_name or (Path(args.model).name if args.model else "default")
     app = build_app(AsyncEngine(llm, max_waiting=args.max_waiting), name, args.api_key,
                     args.max_body_bytes)  # fmt: skip

@@ -96,6 +96,17 @@ class LLM:
               f"({blocks * per_block / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
         return dataclasses.replace(base, num_blocks=blocks)
 
+    def warmup(self, lengths: tuple[int, ...] = (256, 1024, 4096), batch: int = 5) -> None:
+        """Compile the kernels for prefill shapes before serving: one prompt of each length
+        (the expert GEMM's row tiles depend on tokens per expert) and `batch` short prompts
+        together (the paged attention path), one output token each. Decode shapes are
+        compiled when the CUDA graphs are captured."""
+        limit = self.scheduler.config.max_model_len - 1
+        prompts = [[0] * min(n, limit) for n in lengths] + [[0] * min(64, limit)] * batch
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        for group in [[p] for p in prompts[: len(lengths)]] + [prompts[len(lengths):]]:
+            self.generate(group, params)
+
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """A validated request (not queued yet): ValueError if it can never run."""
         if isinstance(prompt, str) and self.tokenizer is None:

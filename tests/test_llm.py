@@ -74,3 +74,17 @@ def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the g
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
     assert [len(t) for t in outs[True]] == [12, 5, 9, 16, 7]
+
+
+def test_warmup_leaves_the_engine_idle(ckpt):
+    """Warm-up prompts run to completion and give back every block and slot; generation
+    afterwards is the same as on a fresh engine."""
+    llm = _engine(ckpt, max_model_len=40)
+    free_blocks, free_slots = llm.scheduler.kv.pool.num_free, llm.scheduler.slots.num_free
+    llm.warmup(lengths=(8, 100), batch=3)  # 100 is clamped to the model length
+    assert not llm.scheduler.has_unfinished()
+    assert llm.scheduler.kv.pool.num_free == free_blocks
+    assert llm.scheduler.slots.num_free == free_slots
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    fresh = _engine(ckpt, max_model_len=40).generate([PROMPTS[0][:20]], params)
+    assert llm.generate([PROMPTS[0][:20]], params)[0].token_ids == fresh[0].token_ids
