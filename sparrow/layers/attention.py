@@ -76,8 +76,7 @@ class GatedAttention(Projections, nn.Module):
         args = (k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.context_lens, self.scale)
         if use_triton(x) and self.kernel_fits and meta.max_q_len == 1:  # decode
             out = paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                         meta.context_lens, self.scale,
-                                         gate.contiguous())  # fmt: skip
+                                         meta.context_lens, self.scale, gate)  # fmt: skip
         elif use_triton(x) and meta.prefix_free and len(meta.seq_lens) <= PROMPTS_PER_SDPA:
             out = prompt_attention(q, k, v, meta.seq_lens, self.scale) * torch.sigmoid(gate)
         elif use_triton(x) and self.kernel_fits:

@@ -18,7 +18,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def _inputs(bsz, hk, hv, dk, dv, device, seed=0, pool=6):
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(bsz, 2 * hk * dk + hv * dv, generator=gen)
-    a, b = torch.randn(bsz, hv, generator=gen), torch.randn(bsz, hv, generator=gen)
+    ab = torch.randn(bsz, 2 * hv, generator=gen)
+    a, b = ab[:, :hv], ab[:, hv:]  # views of one projection, as the layer passes them
     a_log = torch.empty(hv).uniform_(0.01, 16, generator=gen).log()
     dt_bias = torch.rand(hv, generator=gen)
     states = torch.randn(pool, hv, dk, dv, generator=gen) * 0.1
@@ -75,7 +76,7 @@ def test_gated_norm_kernel_after_the_step(device):
     bsz, hk, hv, dk, dv = 3, 2, 4, 16, 32
     qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, hk, hv, dk, dv, device)
     gen = torch.Generator().manual_seed(1)
-    z = torch.randn(bsz, hv, dv, generator=gen).to(device)
+    z = torch.randn(bsz, hv + 1, dv, generator=gen).to(device)[:, 1:]  # rows strided
     norm = GatedRMSNorm(dv, 1e-6).to(device)
     norm.weight.data = torch.rand(dv, generator=gen).to(device) + 0.5
     o = fused_recurrent_step(qkv, a, b, a_log, dt_bias, states, slots, hk)

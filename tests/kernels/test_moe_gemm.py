@@ -73,8 +73,9 @@ def test_combine_with_shared_expert(t):
     e, k, d, inter = 8, 2, 128, 64
     gate_up, down = _weights(e, d, inter, spec, torch.float32, "cpu", seed=5)
     gen = torch.Generator().manual_seed(6)
-    x, logits = torch.randn(t, d, generator=gen), torch.randn(t, e, generator=gen)
-    shared, gate = torch.randn(t, d, generator=gen), torch.randn(t, 1, generator=gen)
+    x, fused = torch.randn(t, d, generator=gen), torch.randn(t, e + 1, generator=gen)
+    logits, gate = fused[:, :e], fused[:, e:]  # views of the fused router output, as in the layer
+    shared = torch.randn(t, d, generator=gen)
     out = moe_experts(x, logits, k, gate_up, down, spec, shared=(shared, gate))
     weights, ids = route(logits, k)
     routed = naive.moe_experts(x, weights, ids, gate_up, down, spec)

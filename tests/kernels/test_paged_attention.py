@@ -44,7 +44,10 @@ def _check(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, tol, with_gate=Tr
     )
     if splits is None:
         out = paged_attention(q, k_cache, v_cache, tables, cu, ctx, scale, gate)
-    else:  # the split-K decode kernel (one query per sequence)
+    else:  # the split-K decode kernel (one query per sequence); its gate as the layer
+        # passes it, a view of the q projection (rows [q | gate] per head)
+        if gate is not None:
+            gate = torch.cat([q, gate], dim=-1)[..., q.shape[-1]:]
         out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, gate, splits)
     assert rel_err(out.float(), expected) < tol
 

@@ -173,7 +173,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr, ml_ptr, gate_ptr, o_ptr, stride_ob, stride_oh, HQ,
+    acc_ptr, ml_ptr, gate_ptr, o_ptr, stride_ob, stride_oh, stride_gb, stride_gh, HQ,
     S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr,
 ):  # fmt: skip
     i_h, i_b = tl.program_id(0), tl.program_id(1)
@@ -189,7 +189,8 @@ def _decode_merge_kernel(
     b_o = tl.sum(b_acc * w[:, None], axis=0) / tl.sum(b_l * w, axis=0)
     p_o = i_b * stride_ob + i_h * stride_oh + o_d
     if HAS_GATE:
-        b_o = b_o * tl.sigmoid(tl.load(gate_ptr + p_o).to(tl.float32))
+        p_g = gate_ptr + i_b * stride_gb + i_h * stride_gh + o_d
+        b_o = b_o * tl.sigmoid(tl.load(p_g).to(tl.float32))
     tl.store(o_ptr + p_o, b_o.to(o_ptr.dtype.element_ty))
 
 
@@ -211,7 +212,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """One query per sequence (decode), split-K. q (and gate): [B, Hq, D]; the rest as in
+    """One query per sequence (decode), split-K. q (and gate): [B, Hq, D], gate with any
+    strides but unit stride on D (a view of the q projection); the rest as in
     `paged_attention` (every context length >= 1). Returns [B, Hq, D] in q's dtype."""
     bsz, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
@@ -219,8 +221,8 @@ def paged_decode_attention(
         raise ValueError(f"q {list(q.shape)} does not fit caches {list(k_cache.shape)}")
     if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("q and the caches need unit stride on D, the caches equal strides")
-    if gate is not None and (gate.shape != q.shape or gate.stride() != q.stride()):
-        raise ValueError("gate must have q's shape and strides")
+    if gate is not None and (gate.shape != q.shape or gate.stride(-1) != 1):
+        raise ValueError("gate must have q's shape and unit stride on D")
     g = hq // hkv
     splits = num_splits or decode_splits(bsz, hkv)
     acc = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float32)
@@ -234,9 +236,11 @@ def paged_decode_attention(
         BLOCK_N=min(block_n or min(64, 8192 // d), cache_block),  # D = 256: 32 keys, no spills
         CACHE_BLOCK=cache_block, PRECISION=precision,
     )  # fmt: skip
-    out = torch.empty_like(q)
+    out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
+    gate_strides = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
     _decode_merge_kernel[(hq, bsz)](
-        acc, ml, gate if gate is not None else q, out, q.stride(0), q.stride(1), hq,
+        acc, ml, gate if gate is not None else q, out, out.stride(0), out.stride(1),
+        *gate_strides, hq,
         S=splits, SP=max(2, splits), D=d, HAS_GATE=gate is not None,
     )  # fmt: skip
     return out

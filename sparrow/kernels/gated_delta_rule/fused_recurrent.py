@@ -80,7 +80,9 @@ def fused_recurrent_step(
         )
     if states.dtype != torch.float32 or not states.is_contiguous():
         raise ValueError("the state pool must be contiguous fp32")
-    qkv, a, b = qkv.contiguous(), a.contiguous(), b.contiguous()
+    qkv = qkv.contiguous()
+    if a.stride() != b.stride() or a.stride(1) != 1:  # views of one projection need no copy
+        a, b = a.contiguous(), b.contiguous()
     o = torch.empty(bsz, hv, dv, device=qkv.device, dtype=torch.float32)
     block_v = min(block_v, dv)
     grid = (dv // block_v, hv, bsz)
@@ -122,21 +124,25 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, D: tl.constexpr):
-    """One row of D values: y = w * rms_norm(o) * silu(z), rounding like the layer."""
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, stride_zt, D: tl.constexpr):
+    """One row (token i // H, head i % H) of D values: y = w * rms_norm(o) * silu(z),
+    rounding like the layer. z's heads are packed, its tokens stride_zt apart."""
     i = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, D)
     b_o = tl.load(o_ptr + i * D + o_d).to(y_ptr.dtype.element_ty).to(tl.float32)
     b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / D + eps)
     b_o = (b_o.to(y_ptr.dtype.element_ty) * tl.load(w_ptr + o_d)).to(tl.float32)
-    b_z = tl.load(z_ptr + i * D + o_d).to(tl.float32)
+    b_z = tl.load(z_ptr + (i // H) * stride_zt + (i % H) * D + o_d).to(tl.float32)
     tl.store(y_ptr + i * D + o_d, (b_o * (b_z / (1.0 + tl.exp(-b_z)))).to(y_ptr.dtype.element_ty))
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float):
-    """The GDN output norm as one kernel: o [..., D] (fp32), z [..., D] -> z's dtype."""
-    d = o.shape[-1]
-    o, z = o.contiguous(), z.contiguous()
+    """The GDN output norm as one kernel: o [T, H, D] (fp32), z [T, H, D] (a view of the
+    in-projection: heads packed, any token stride) -> [T, H, D] in z's dtype."""
+    t, h, d = o.shape
+    o = o.contiguous()
+    if z.stride(2) != 1 or z.stride(1) != d:
+        z = z.contiguous()
     y = torch.empty(z.shape, device=z.device, dtype=z.dtype)
-    _gated_norm_kernel[(o.numel() // d,)](o, z, weight, y, eps, D=d, num_warps=1)
+    _gated_norm_kernel[(t * h,)](o, z, weight, y, eps, h, z.stride(0), D=d, num_warps=1)
     return y

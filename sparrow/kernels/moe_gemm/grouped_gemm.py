@@ -116,15 +116,17 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
 
 
 @triton.jit
-def _combine_kernel(p_ptr, s_ptr, g_ptr, o_ptr, D, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_j partial[t, j] + sigmoid(gate[t]) * shared[t] (see naive.combine)."""
+def _combine_kernel(p_ptr, s_ptr, g_ptr, o_ptr, D, stride_g, TOP_K: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    """out[t] = sum_j partial[t, j] + sigmoid(gate[t]) * shared[t] (see naive.combine); gate
+    rows stride_g apart (a column of the fused router output)."""
     i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = i_d * BLOCK + tl.arange(0, BLOCK)
     m_d = o_d < D
     b_acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         b_acc += tl.load(p_ptr + (i_t * TOP_K + j) * D + o_d, mask=m_d, other=0.0)
-    b_g = tl.sigmoid(tl.load(g_ptr + i_t).to(tl.float32))
+    b_g = tl.sigmoid(tl.load(g_ptr + i_t * stride_g).to(tl.float32))
     b_s = tl.load(s_ptr + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(o_ptr + i_t * D + o_d, (b_acc + b_g * b_s).to(o_ptr.dtype.element_ty), mask=m_d)
 
@@ -134,10 +136,10 @@ def _combine(partial, shared, top_k):
     t, d = partial.shape[0] // top_k, partial.shape[1]
     if shared is None:
         return partial.view(t, top_k, d).sum(1)
-    out_shared, gate = (x.contiguous() for x in shared)
+    out_shared, gate = shared[0].contiguous(), shared[1]  # gate [T, 1]: any row stride
     out = torch.empty_like(out_shared)
-    _combine_kernel[(t, triton.cdiv(d, 1024))](partial, out_shared, gate, out, d, TOP_K=top_k,
-                                               BLOCK=1024)  # fmt: skip
+    _combine_kernel[(t, triton.cdiv(d, 1024))](partial, out_shared, gate, out, d, gate.stride(0),
+                                               TOP_K=top_k, BLOCK=1024)  # fmt: skip
     return out
 
 

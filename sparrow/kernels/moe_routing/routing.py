@@ -83,7 +83,8 @@ def topk_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     t, e = logits.shape
     if not 0 < k <= e:
         raise ValueError(f"top-k {k} out of range for {e} experts")
-    logits = logits.contiguous()
+    if logits.stride(1) != 1:  # rows may be strided (a view of the fused router output)
+        logits = logits.contiguous()
     weights = torch.empty(t, k, device=logits.device, dtype=torch.float32)
     ids = torch.empty(t, k, device=logits.device, dtype=torch.int32)
     if t:
