@@ -11,7 +11,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def _case(lengths, c, device, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(sum(lengths), c, generator=gen).to(device, dtype)
+    # rows strided, as the layer passes them (a view of the fused in-projection)
+    x = torch.randn(sum(lengths), c + 5, generator=gen).to(device, dtype)[:, 5:]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     states = torch.randn(len(lengths) + 3, c, 3, generator=gen).to(device, dtype)
     slots = torch.randperm(len(lengths) + 3, generator=gen)[: len(lengths)].to(torch.int32)

@@ -20,7 +20,7 @@ import triton.language as tl
 @triton.jit
 def _conv_kernel(
     x_ptr, y_ptr, w_ptr, state_ptr, cu_ptr, slot_ptr,
-    C, stride_xt, stride_ss, stride_sc,
+    C, stride_xt, stride_yt, stride_ss, stride_sc,
     KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     i_c, i_b, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -46,7 +46,7 @@ def _conv_kernel(
         b_y += (b_x + b_s) * b_w[None, :]
     b_y = b_y / (1.0 + tl.exp(-b_y))
     m_y = (t < length)[:, None] & m_c[None, :]
-    p_y = y_ptr + (start + t)[:, None] * stride_xt + o_c[None, :]
+    p_y = y_ptr + (start + t)[:, None] * stride_yt + o_c[None, :]
     tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_y)
     if i_t == 0:
         # New state: inputs at positions length - (KW - 1) .. length - 1, from x or the old
@@ -84,8 +84,10 @@ def causal_conv1d_varlen(
             f"x {list(x.shape)}, weight {list(weight.shape)}, conv_states "
             f"{list(conv_states.shape)}: expected weight [C, K] and states [S, C, K - 1]"
         )
-    x, weight = x.contiguous(), weight.contiguous()
-    y = torch.empty_like(x)
+    if x.stride(1) != 1:  # rows may be strided (a view of the fused in-projection)
+        x = x.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty(t, c, device=x.device, dtype=x.dtype)
     b = cu_seqlens.numel() - 1
     if t == 0 or b == 0:
         return y
@@ -95,7 +97,7 @@ def causal_conv1d_varlen(
     grid = (triton.cdiv(c, block_c), b, triton.cdiv(max_len or t, block_t))
     _conv_kernel[grid](
         x, y, weight, conv_states, cu_seqlens, slots,
-        c, x.stride(0), conv_states.stride(0), conv_states.stride(1),
+        c, x.stride(0), y.stride(0), conv_states.stride(0), conv_states.stride(1),
         KW=kw, BLOCK_T=block_t, BLOCK_C=block_c,
     )  # fmt: skip
     return y
