@@ -39,6 +39,11 @@ class SwiGLU(Projections, nn.Module):
         gate, up = self.project("gate_up", x)
         return self.down_proj(F.silu(gate) * up)
 
+    def projections(self) -> tuple[nn.Module, nn.Module] | None:
+        """(gate_up, down) as two modules when gate and up are fused, else None."""
+        fused = self.fused("gate_up")
+        return (fused.whole, self.down_proj) if fused is not None else None
+
 
 class Experts(nn.Module):
     """Routed experts stored fused, as HF keeps them in memory:
@@ -54,12 +59,13 @@ class Experts(nn.Module):
         return self.gate_up_proj[e], self.down_proj[e]
 
     def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                      shared: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
-        """Route (softmax top-k) and run the experts: [T, hidden] -> [T, hidden]. With
-        shared = (shared expert output, its gate logit [T, 1]), add sigmoid(gate) * output."""
+                      shared: SwiGLU | None = None,
+                      shared_gate: torch.Tensor | None = None):  # fmt: skip
+        """Route (softmax top-k) and run the experts: [T, hidden] -> [T, hidden]. With a
+        shared expert and its gate logit [T, 1], add sigmoid(gate) * shared(x)."""
         weights, ids = route(router_logits, top_k)
         out = self(x, weights, ids)
-        return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
+        return out if shared is None else out + torch.sigmoid(shared_gate) * shared(x)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, ids: [T, k]. Reference: loops over the experts that
@@ -120,5 +126,5 @@ class SparseMoE(Projections, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         router_logits, shared_gate = self.project("gates", x)
-        shared = (self.shared_expert(x), shared_gate)
-        return self.experts.route_and_run(x, router_logits, self.top_k, shared)
+        return self.experts.route_and_run(x, router_logits, self.top_k, self.shared_expert,
+                                          shared_gate)  # fmt: skip

@@ -29,7 +29,7 @@ from torch import nn
 from sparrow.config import QuantConfig
 from sparrow.kernels import use_triton
 from sparrow.kernels.dequant.dequant import dequantize as dequantize_kernel
-from sparrow.kernels.moe_gemm.grouped_gemm import moe_experts
+from sparrow.kernels.moe_gemm.grouped_gemm import GEMV_TOKENS, Shared, moe_experts
 from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
 from sparrow.layers.moe import Experts
 from sparrow.quant.affine import QuantSpec, dequantize, quantize
@@ -113,17 +113,40 @@ class QuantizedExperts(Experts):
             _packed_params(self, name, shape, spec, dtype)
 
     def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                      shared: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+                      shared: nn.Module | None = None,
+                      shared_gate: torch.Tensor | None = None):  # fmt: skip
         """With the Triton backend: GPU routing + grouped fused-dequant GEMMs and the combine
-        with the shared expert in one kernel, no host sync."""
+        with the shared expert in one kernel, no host sync. At decode sizes a shared expert
+        quantised like one routed expert runs inside the experts' GEMVs (one more assignment
+        per token) instead of as its own layers."""
         if not use_triton(x):
-            return super().route_and_run(x, router_logits, top_k, shared)
+            return super().route_and_run(x, router_logits, top_k, shared, shared_gate)
+        rows = x.reshape(-1, x.shape[-1])
+        side = None
+        if shared is not None:
+            weights = self._like_an_expert(shared) if rows.shape[0] <= GEMV_TOKENS else None
+            side = Shared(shared_gate, output=None if weights else shared(x), weights=weights)
         return moe_experts(
-            x.reshape(-1, x.shape[-1]), router_logits, top_k,
+            rows, router_logits, top_k,
             (self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
             (self.down_proj, self.down_proj_scales, self.down_proj_biases), self.spec,
-            shared=shared,
+            shared=side,
         )  # fmt: skip
+
+    def _like_an_expert(self, shared: nn.Module) -> tuple[tuple, tuple] | None:
+        """The shared expert's packed (gate_up, down) if they match one routed expert's
+        format and shapes, else None."""
+        mods = shared.projections() if hasattr(shared, "projections") else None
+        if mods is None or not all(isinstance(m, QuantizedLinear) for m in mods):
+            return None
+        packed = tuple((m.weight, m.scales, m.biases) for m in mods)
+        mine = ((self.gate_up_proj, self.gate_up_proj_scales),
+                (self.down_proj, self.down_proj_scales))  # fmt: skip
+        for m, (w, s, _), (ew, es) in zip(mods, packed, mine, strict=True):
+            if m.spec != self.spec or w.shape != ew.shape[1:] or s.shape != es.shape[1:] \
+                    or s.dtype != es.dtype:  # fmt: skip
+                return None
+        return packed
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.gate_up_proj_scales.dtype

@@ -28,9 +28,10 @@ FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
 
 # kernel, pointer dtypes (default first), constexprs, launch options: shapes of
 # Qwen3.6-35B-A3B in bf16 as the layers launch them.
-GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32"}
-GEMV = {"TOP_K": 1, "EXPERTS": False, "GATED": False, "APPLY_WEIGHT": False, "BITS": 4,
-        "GROUP": 64, "BLOCK_K": 1024, "PACKED": False}
+GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
+             "sw_ptr": "i32"}
+GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
+        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128, "PRECISION": "tf32"}
 CASES = {
     "add_rms_norm": (norm._add_norm_kernel, {"*": "bf16"},
@@ -99,8 +100,8 @@ CASES = {
                 {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256, "PACKED": True},
                 {"num_warps": 4}),
     "moe_gemv": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
-                 GEMV | {"TOP_K": 8, "EXPERTS": True, "APPLY_WEIGHT": True, "BLOCK_N": 16,
-                         "PACKED": True}, {"num_warps": 4}),
+                 GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "APPLY_WEIGHT": True,
+                         "BLOCK_N": 16, "PACKED": True}, {"num_warps": 4}),
     "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
                                                  "sorted_ptr": "i32", "block_expert_ptr": "i32",
                                                  "num_rows_ptr": "i32"},
@@ -108,9 +109,9 @@ CASES = {
                   "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "PACKED": True},
                  {"num_warps": 4, "num_stages": 3}),
     "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16", "p_ptr": "fp32"},
-                    {"TOP_K": 8, "BLOCK": 1024}, {"num_warps": 4}),
+                    {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024}, {"num_warps": 4}),
     "topk_route": (routing._topk_kernel, {"*": "bf16", "w_ptr": "fp32", "ids_ptr": "i32"},
-                   {"K": 8, "BLOCK_E": 256}, {"num_warps": 4}),
+                   {"K": 8, "SHARED": True, "BLOCK_E": 256}, {"num_warps": 4}),
     "align_count": (routing._count_kernel, {"*": "i32"}, {"BLOCK": 1024}, {"num_warps": 4}),
     "align_scan": (routing._scan_kernel, {"*": "i32"},
                    {"BLOCK_M": 64, "BLOCK_E": 256, "BLOCK_B": 64}, {"num_warps": 4}),

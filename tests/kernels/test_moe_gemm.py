@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparrow.kernels.moe_gemm import naive
-from sparrow.kernels.moe_gemm.grouped_gemm import GemmTiles, moe_experts
+from sparrow.kernels.moe_gemm.grouped_gemm import GemmTiles, Shared, moe_experts
 from sparrow.layers.moe import route
 from sparrow.quant.affine import QuantSpec, quantize
 from tests.conftest import rel_err
@@ -68,7 +68,7 @@ def test_real_sizes_gpu(t):
 
 @pytest.mark.parametrize("t", [2, 17])  # GEMV and grouped GEMM paths
 def test_combine_with_shared_expert(t):
-    """shared=(output, gate logit): the layer's output in the combine kernel."""
+    """The shared expert's output and gate logit: the layer's output in the combine kernel."""
     spec = QuantSpec(4, 64)
     e, k, d, inter = 8, 2, 128, 64
     gate_up, down = _weights(e, d, inter, spec, torch.float32, "cpu", seed=5)
@@ -76,7 +76,28 @@ def test_combine_with_shared_expert(t):
     x, fused = torch.randn(t, d, generator=gen), torch.randn(t, e + 1, generator=gen)
     logits, gate = fused[:, :e], fused[:, e:]  # views of the fused router output, as in the layer
     shared = torch.randn(t, d, generator=gen)
-    out = moe_experts(x, logits, k, gate_up, down, spec, shared=(shared, gate))
+    out = moe_experts(x, logits, k, gate_up, down, spec, shared=Shared(gate, output=shared))
     weights, ids = route(logits, k)
     routed = naive.moe_experts(x, weights, ids, gate_up, down, spec)
+    assert rel_err(out, routed + torch.sigmoid(gate) * shared) < 1e-5
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_shared_expert_as_one_more_assignment(t):
+    """GEMV path: the shared expert's weights run as a (k + 1)-th assignment per token."""
+    spec = QuantSpec(4, 64)
+    e, k, d, inter = 8, 2, 128, 64
+    gate_up, down = _weights(e, d, inter, spec, torch.float32, "cpu", seed=7)
+    s_gate_up, s_down = (tuple(x[0] for x in w) for w in _weights(1, d, inter, spec,
+                                                                   torch.float32, "cpu", seed=8))
+    gen = torch.Generator().manual_seed(9)
+    x, fused = torch.randn(t, d, generator=gen), torch.randn(t, e + 1, generator=gen)
+    logits, gate = fused[:, :e], fused[:, e:]
+    out = moe_experts(x, logits, k, gate_up, down, spec,
+                      shared=Shared(gate, weights=(s_gate_up, s_down)))  # fmt: skip
+    weights, ids = route(logits, k)
+    routed = naive.moe_experts(x, weights, ids, gate_up, down, spec)
+    one = torch.ones(t, 1)
+    shared = naive.moe_experts(x, one, torch.zeros(t, 1, dtype=torch.long),
+                               *(tuple(p[None] for p in w) for w in (s_gate_up, s_down)), spec)
     assert rel_err(out, routed + torch.sigmoid(gate) * shared) < 1e-5

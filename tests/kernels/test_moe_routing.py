@@ -21,6 +21,18 @@ def test_topk_route(device, t, e, k):
     torch.testing.assert_close(weights.cpu(), ref_w.float().cpu(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_route_with_a_shared_column(device):
+    fused = torch.randn(5, 17, generator=torch.Generator().manual_seed(4)).to(device)
+    logits, gate = fused[:, :16], fused[:, 16:]
+    weights, ids = topk_route(logits, 4, shared_gate=gate)
+    ref_w, ref_ids = naive.route(logits, 4)
+    assert weights.shape == ids.shape == (5, 5)
+    assert torch.equal(ids[:, :4].long().cpu(), ref_ids.cpu()) and (ids[:, 4] == 0).all()
+    torch.testing.assert_close(weights[:, :4].cpu(), ref_w.float().cpu(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weights[:, 4:].cpu(), gate.sigmoid().cpu(), rtol=1e-6, atol=0)
+
+
 def _check_align(ids, num_experts, block_m):
     got = align(ids, num_experts, block_m)
     want = naive.align(ids.cpu(), num_experts, block_m)

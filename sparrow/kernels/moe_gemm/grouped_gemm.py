@@ -86,11 +86,11 @@ def _moe_gemm_kernel(
     tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
 
 
-def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec):
+def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None):
     """16 x 1024 blocks, 4 warps: the best of 7 for the whole MoE layer on the H200 (38 us at 1
     token, 118 at 8; 4 x 1024 with 2 warps: 48 / 199; 8 x 512: 42 / 140)."""
     launch_gemv(a, w, c, spec, block_n=16, block_k=1024, num_warps=4, gated=gated, ids=ids,
-                rw=rw, top_k=top_k)  # fmt: skip
+                rw=rw, top_k=top_k, shared_w=shared_w)  # fmt: skip
 
 
 def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
@@ -117,30 +117,45 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
 
 @triton.jit
 def _combine_kernel(p_ptr, s_ptr, g_ptr, o_ptr, D, stride_g, TOP_K: tl.constexpr,
-                    BLOCK: tl.constexpr):  # fmt: skip
-    """out[t] = sum_j partial[t, j] + sigmoid(gate[t]) * shared[t] (see naive.combine); gate
-    rows stride_g apart (a column of the fused router output)."""
+                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """out[t] = sum_j partial[t, j] (+ sigmoid(gate[t]) * shared[t]) (see naive.combine);
+    gate rows stride_g apart (a column of the fused router output)."""
     i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = i_d * BLOCK + tl.arange(0, BLOCK)
     m_d = o_d < D
     b_acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         b_acc += tl.load(p_ptr + (i_t * TOP_K + j) * D + o_d, mask=m_d, other=0.0)
-    b_g = tl.sigmoid(tl.load(g_ptr + i_t * stride_g).to(tl.float32))
-    b_s = tl.load(s_ptr + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-    tl.store(o_ptr + i_t * D + o_d, (b_acc + b_g * b_s).to(o_ptr.dtype.element_ty), mask=m_d)
+    if HAS_SHARED:
+        b_g = tl.sigmoid(tl.load(g_ptr + i_t * stride_g).to(tl.float32))
+        b_acc += b_g * tl.load(s_ptr + i_t * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    tl.store(o_ptr + i_t * D + o_d, b_acc.to(o_ptr.dtype.element_ty), mask=m_d)
 
 
-def _combine(partial, shared, top_k):
-    """Sum the k weighted expert rows of each token; add the gated shared expert if given."""
+def _combine(partial, top_k, out_dtype, shared: Shared | None = None):
+    """Sum the k weighted expert rows of each token; add the gated shared expert's output if
+    given."""
     t, d = partial.shape[0] // top_k, partial.shape[1]
-    if shared is None:
-        return partial.view(t, top_k, d).sum(1)
-    out_shared, gate = shared[0].contiguous(), shared[1]  # gate [T, 1]: any row stride
-    out = torch.empty_like(out_shared)
-    _combine_kernel[(t, triton.cdiv(d, 1024))](partial, out_shared, gate, out, d, gate.stride(0),
-                                               TOP_K=top_k, BLOCK=1024)  # fmt: skip
+    out = torch.empty(t, d, device=partial.device, dtype=out_dtype)
+    if shared is not None:
+        s, g = shared.output.contiguous(), shared.gate  # gate [T, 1]: any row stride
+    else:
+        s, g = partial, partial
+    _combine_kernel[(t, triton.cdiv(d, 1024))](partial, s, g, out, d, g.stride(0),
+                                               TOP_K=top_k, HAS_SHARED=shared is not None,
+                                               BLOCK=1024)  # fmt: skip
     return out
+
+
+@dataclass
+class Shared:
+    """The shared expert of a MoE layer: its gate logit [T, 1] and its output [T, D], or (GEMV
+    path) its weights `gate_up`, `down` (packed triples shaped like one routed expert's): then
+    it runs as one more assignment per token, weight sigmoid(gate), in the experts' kernels."""
+
+    gate: torch.Tensor
+    output: torch.Tensor | None = None
+    weights: tuple[tuple, tuple] | None = None
 
 
 GEMV_TOKENS = 8  # up to this many tokens, each assignment runs as a GEMV (decode)
@@ -173,27 +188,39 @@ def moe_experts(
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     spec: QuantSpec,
     tiles: GemmTiles | None = None,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared: Shared | None = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer, all on the GPU with no host sync. Up to GEMV_TOKENS
     tokens (unless tiles are given) take the GEMV path, else the grouped GEMM.
     x: [T, D]; router_logits: [T, E]; gate_up: (packed [E, 2I, D*bits/32], scales, biases
-    [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]; with
-    shared = (shared expert output [T, D], its gate logit [T, 1]) the layer's combined output
-    (`naive.combine`), in one kernel."""
+    [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]; with a
+    shared expert, the layer's output (`naive.combine`): its output added in the combine
+    kernel, or on the GEMV path its weights run as a (top_k + 1)-th assignment."""
     t, d = x.shape
     e, two_i = gate_up[0].shape[:2]
     inter = two_i // 2
     x = x.contiguous()
+    gemv = t <= GEMV_TOKENS and tiles is None
+    if gemv and shared is not None and shared.weights is not None:
+        weights, ids = topk_route(router_logits, top_k, shared.gate)
+        slots = top_k + 1
+        h = torch.empty(t * slots, inter, device=x.device, dtype=x.dtype)
+        partial = torch.empty(t * slots, d, device=x.device, dtype=torch.float32)
+        shared_gate_up, shared_down = shared.weights
+        _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up)
+        _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down)
+        return _combine(partial, slots, x.dtype)
+    if shared is not None and shared.output is None:
+        raise ValueError("the grouped GEMM path needs the shared expert's output")
     weights, ids = topk_route(router_logits, top_k)
     h = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
     partial = torch.empty(t * top_k, d, device=x.device, dtype=torch.float32)
-    if t <= GEMV_TOKENS and tiles is None:
+    if gemv:
         _launch_gemv(x, gate_up, h, None, ids, top_k, True, spec)
         _launch_gemv(h, down, partial, weights, ids, top_k, False, spec)
-        return _combine(partial, shared, top_k).to(x.dtype)
+        return _combine(partial, top_k, x.dtype, shared)
     tiles = tiles or tiles_for(t * top_k, e)
     routing = align(ids, e, tiles.block_m)
     _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, tiles)
     _launch(h, down, partial, weights.reshape(-1), routing, d, top_k, False, spec, tiles)
-    return _combine(partial, shared, top_k).to(x.dtype)
+    return _combine(partial, top_k, x.dtype, shared)

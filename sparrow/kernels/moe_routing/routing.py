@@ -17,9 +17,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t,
-                 K: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
-    """One token per program: softmax over E, then K rounds of argmax-and-mask."""
+def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g,
+                 K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """One token per program: softmax over E, then K rounds of argmax-and-mask. SHARED: a
+    (K + 1)-th column, weight sigmoid(gate[t]) and id 0, for a shared expert run as one more
+    assignment."""
     i_t = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     b_l = tl.load(logits_ptr + i_t * stride_t + o_e, mask=o_e < E, other=-float("inf"))
@@ -31,13 +33,17 @@ def _topk_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t,
         best = tl.max(b_p, axis=0)
         # lowest index among ties, like torch.topk on distinct values
         idx = tl.min(tl.where(b_p == best, o_e, BLOCK_E), axis=0)
-        tl.store(w_ptr + i_t * K + i, best)
-        tl.store(ids_ptr + i_t * K + i, idx)
+        tl.store(w_ptr + i_t * (K + SHARED) + i, best)
+        tl.store(ids_ptr + i_t * (K + SHARED) + i, idx)
         total += best
         b_p = tl.where(o_e == idx, -1.0, b_p)
     o_k = tl.arange(0, K)
-    b_w = tl.load(w_ptr + i_t * K + o_k)
-    tl.store(w_ptr + i_t * K + o_k, b_w / total)
+    b_w = tl.load(w_ptr + i_t * (K + SHARED) + o_k)
+    tl.store(w_ptr + i_t * (K + SHARED) + o_k, b_w / total)
+    if SHARED:
+        b_g = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
+        tl.store(w_ptr + i_t * (K + 1) + K, tl.sigmoid(b_g))
+        tl.store(ids_ptr + i_t * (K + 1) + K, 0)
 
 
 @triton.jit
@@ -78,17 +84,24 @@ def _scatter_kernel(ids_ptr, offsets_ptr, cursor_ptr, sorted_ptr, n, BLOCK: tl.c
     tl.store(sorted_ptr + base + rank, o, mask=m)
 
 
-def topk_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [T, E] -> (weights [T, k] fp32 summing to 1, ids [T, k] int32)."""
+def topk_route(
+    logits: torch.Tensor, k: int, shared_gate: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] -> (weights [T, k] fp32 summing to 1, ids [T, k] int32). With
+    shared_gate [T, 1] (logits), one more column: weight sigmoid(gate), id 0 (a placeholder:
+    the shared expert's weights are not among the E)."""
     t, e = logits.shape
     if not 0 < k <= e:
         raise ValueError(f"top-k {k} out of range for {e} experts")
     if logits.stride(1) != 1:  # rows may be strided (a view of the fused router output)
         logits = logits.contiguous()
-    weights = torch.empty(t, k, device=logits.device, dtype=torch.float32)
-    ids = torch.empty(t, k, device=logits.device, dtype=torch.int32)
+    cols = k + (shared_gate is not None)
+    weights = torch.empty(t, cols, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(t, cols, device=logits.device, dtype=torch.int32)
     if t:
-        _topk_kernel[(t,)](logits, weights, ids, e, logits.stride(0), K=k,
+        gate = shared_gate if shared_gate is not None else logits
+        _topk_kernel[(t,)](logits, weights, ids, gate, e, logits.stride(0), gate.stride(0), K=k,
+                           SHARED=shared_gate is not None,
                            BLOCK_E=triton.next_power_of_2(e))  # fmt: skip
     return weights, ids
 

@@ -104,10 +104,10 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr, sw_ptr, ss_ptr, sb_ptr,
     N, K,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    TOP_K: tl.constexpr, EXPERTS: tl.constexpr, GATED: tl.constexpr,
+    TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
     APPLY_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
@@ -116,7 +116,9 @@ def _gemv_kernel(
     Plain: y[i_m] = x[i_m] @ W^T. GATED: W's rows N..2N are the up projection of rows 0..N
     (a fused gate_up) and y = silu(x W[:N]^T) * (x W[N:]^T), x read by token i_m // TOP_K.
     EXPERTS: W is a stack of experts [E, ...] and row i_m = t * TOP_K + slot (an assignment)
-    reads expert ids[i_m]; APPLY_WEIGHT scales it by its routing weight rw[i_m]."""
+    reads expert ids[i_m]; SHARED: the last slot of each token reads the shared expert's
+    weights (sw, ss, sb: one expert's shape) instead; APPLY_WEIGHT scales a row by its
+    routing weight rw[i_m]."""
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -124,6 +126,9 @@ def _gemv_kernel(
         i_e = tl.load(ids_ptr + i_m).to(tl.int64)
         w_ptr = w_ptr + i_e * stride_we
         s_ptr, b_ptr = s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
+        if SHARED:
+            if i_m % TOP_K == TOP_K - 1:
+                w_ptr, s_ptr, b_ptr = sw_ptr, ss_ptr, sb_ptr
     if GATED:
         p_x = x_ptr + (i_m // TOP_K) * stride_xm
     else:
@@ -140,19 +145,25 @@ def _gemv_kernel(
 
 
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
-                num_stages: int = 2, gated: bool = False, ids=None, rw=None,
-                top_k: int = 1):  # fmt: skip
+                num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
+                shared_w=None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
-    stacks of those [E, ...]. rw [R]: routing weights to apply."""
+    stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
+    weights for the last of each token's top_k slots."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
+    if shared_w is not None and (shared_w[0].stride(0) != packed.stride(-2)
+                                 or shared_w[1].stride(0) != scales.stride(-2)):  # fmt: skip
+        raise ValueError("the shared expert's rows must be laid out like a routed expert's")
+    sw = (shared_w[0].view(torch.int32), *shared_w[1:]) if shared_w is not None else (None,) * 3
     _gemv_kernel[(triton.cdiv(n, block_n), y.shape[0])](
-        x, packed.view(torch.int32), scales, biases, y, rw, ids,
+        x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
         n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),
         scales.stride(0) if experts else 0, scales.stride(-2), y.stride(0),
-        TOP_K=top_k, EXPERTS=experts, GATED=gated, APPLY_WEIGHT=rw is not None,
+        TOP_K=top_k, EXPERTS=experts, SHARED=shared_w is not None, GATED=gated,
+        APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
         BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
         num_warps=num_warps, num_stages=num_stages,
