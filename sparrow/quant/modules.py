@@ -202,4 +202,7 @@ def quantized_copy(
     for name, _ in twin.named_parameters():
         state.setdefault(name, float_params.get(name))
     twin.load_state_dict(state, strict=True, assign=True)
+    for m in twin.modules():  # as the loader leaves a model: projections of one input fused
+        if hasattr(m, "fuse_projections"):
+            m.fuse_projections()
     return twin
