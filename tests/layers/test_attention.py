@@ -1,6 +1,7 @@
 """Whole-prompt attention through SDPA (the fast path for steps with no cached prefix)
 against the per-sequence reference, GQA and prompts back to back."""
 
+import pytest
 import torch
 
 from sparrow.kernels.attention.naive import causal_attention
@@ -20,3 +21,19 @@ def test_prompt_attention_matches_reference():
                           for a, b in zip(bounds[:-1], bounds[1:], strict=True)])  # fmt: skip
     assert out.shape == q.shape
     assert rel_err(out, expected) < 1e-5
+
+
+@pytest.mark.gpu
+def test_prompt_attention_real_size_gpu():
+    """bf16 at the model's head shape (16 q heads, 2 KV heads, D 256), one 4K prompt and a
+    short one: FlashAttention through SDPA against the fp32 reference."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    seq_lens = [4096, 77]
+    t = sum(seq_lens)
+    q = torch.randn(t, 16, 256, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(t, 2, 256, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    out = prompt_attention(q, k, v, seq_lens, 256**-0.5)
+    expected = torch.cat([causal_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(),
+                                           256**-0.5)
+                          for a, b in ((0, 4096), (4096, t))])  # fmt: skip
+    assert rel_err(out, expected) < 2e-2
