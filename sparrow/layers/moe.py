@@ -34,15 +34,15 @@ class SwiGLU(Projections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused("gate_up")
-        if fused is not None and hasattr(fused.whole, "swiglu"):  # quantised: one kernel
-            return self.down_proj(fused.whole.swiglu(x))
+        if fused is not None and not fused.pad and hasattr(fused.whole, "swiglu"):
+            return self.down_proj(fused.whole.swiglu(x))  # quantised: one kernel
         gate, up = self.project("gate_up", x)
         return self.down_proj(F.silu(gate) * up)
 
     def projections(self) -> tuple[nn.Module, nn.Module] | None:
         """(gate_up, down) as two modules when gate and up are fused, else None."""
         fused = self.fused("gate_up")
-        return (fused.whole, self.down_proj) if fused is not None else None
+        return (fused.whole, self.down_proj) if fused is not None and not fused.pad else None
 
 
 class Experts(nn.Module):

@@ -18,8 +18,27 @@ def test_fused_outputs_equal_separate_ones():
     fused = fuse_linears(mods)
     for out, ref, m in zip(fused(x), expected, mods, strict=True):
         assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(m(x), ref, atol=1e-6)
-    # the modules' weights are views of the fused weight
+    # the modules' weights are views of the fused weight, padded with zero rows to 48 outputs
     assert mods[1].weight.data_ptr() == fused.whole.weight.data_ptr() + 32 * 64 * 4
+    assert fused.whole.out_features == 48 and fused.pad == 7
+    assert not fused.whole.weight[41:].any()
+
+
+def test_quantized_fusion_with_padding():
+    """Odd total widths (the router + shared gate: 257) are padded in the packed format too."""
+    spec = QuantSpec(8, 64)
+    torch.manual_seed(1)
+    mods = [QuantizedLinear(64, n, spec, torch.float32) for n in (9, 1)]
+    for m in mods:
+        m.weight.copy_(torch.randint(-2**31, 2**31 - 1, m.weight.shape, dtype=torch.int32))
+        m.scales.copy_(torch.rand(m.scales.shape) * 0.01)
+        m.biases.copy_(torch.randn(m.biases.shape) * 0.1)
+    x = torch.randn(2, 64)
+    expected = [m(x) for m in mods]
+    fused = fuse_linears(mods)
+    assert fused.whole.weight.shape[0] == 16
+    for out, ref in zip(fused(x), expected, strict=True):
+        assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
 
 
 def test_mixed_formats_are_not_fused():
