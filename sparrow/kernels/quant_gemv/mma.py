@@ -8,11 +8,11 @@ are expanded once for all rows, and the multiply-adds leave the ALUs for the ten
 The split variant gives each of SPLIT warps its own K range (independent accumulators,
 summed at the end) for matrices with few rows, where row blocks alone leave SMs idle.
 
-Measured on the H200 at 8 rows (`scratch`-free sweep: `python -m sparrow.bench.gemv`):
-2048 -> 12352 24 us (the row-at-a-time GEMV: 58 us), lm_head 350 us (1,082 us),
-4096 -> 2048 12 us with SPLIT 4 (40 us). At one row the row GEMV stays faster (15 vs 25 us):
-the tile's round trip through shared memory to the MMA layout costs latency a single row
-does not amortise.
+Measured on the H200 at 8 rows (`python -m sparrow.bench.gemv --rows 8`, 2026-11-30):
+2048 -> 12352 19.7 us (the row GEMV it replaced, unpacking per row: 58 us), lm_head 320 us
+(1,083), 4096 -> 2048 13.2 us with SPLIT 4 (39.5). At one row the row GEMV stays faster
+(2048 -> 12352: 24.6 us here against 14.7, now 10.2): each K step waits on the tile's round
+trip through shared memory and a chain of dependent MMAs that one row cannot hide.
 """
 
 from __future__ import annotations
