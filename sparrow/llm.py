@@ -102,10 +102,10 @@ class LLM:
         together (the paged attention path), one output token each. Decode shapes are
         compiled when the CUDA graphs are captured."""
         limit = self.scheduler.config.max_model_len - 1
-        prompts = [[0] * min(n, limit) for n in lengths] + [[0] * min(64, limit)] * batch
+        groups = [[[0] * min(n, limit)] for n in lengths] + [[[0] * min(64, limit)] * batch]
         params = SamplingParams(max_tokens=1, ignore_eos=True)
-        for group in [[p] for p in prompts[: len(lengths)]] + [prompts[len(lengths):]]:
-            self.generate(group, params)
+        for prompts in groups:
+            self.generate(prompts, params)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         """A validated request (not queued yet): ValueError if it can never run."""

@@ -66,6 +66,13 @@ def fuse_linears(modules: list[nn.Module]) -> FusedLinears | None:
     return FusedLinears(whole, sizes, modules)
 
 
+def fuse_all(model: nn.Module) -> None:
+    """Fuse the projection groups of every layer of a loaded model (or of one layer)."""
+    for module in model.modules():
+        if isinstance(module, Projections):
+            module.fuse_projections()
+
+
 class Projections:
     """Mixin for a layer with projections of one input: `fuse_projections` (called once the
     weights are loaded) fuses the groups listed in `FUSED`; `project` runs a group, fused

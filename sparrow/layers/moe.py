@@ -33,14 +33,15 @@ class SwiGLU(Projections, nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused("gate_up")
-        if fused is not None and not fused.pad and hasattr(fused.whole, "swiglu"):
-            return self.down_proj(fused.whole.swiglu(x))  # quantised: one kernel
+        mods = self.projections()
+        if mods is not None and hasattr(mods[0], "swiglu"):  # quantised: one kernel
+            return self.down_proj(mods[0].swiglu(x))
         gate, up = self.project("gate_up", x)
         return self.down_proj(F.silu(gate) * up)
 
     def projections(self) -> tuple[nn.Module, nn.Module] | None:
-        """(gate_up, down) as two modules when gate and up are fused, else None."""
+        """(gate_up, down) as two modules when gate and up are fused (without padding rows:
+        the halves are gate and up), else None."""
         fused = self.fused("gate_up")
         return (fused.whole, self.down_proj) if fused is not None and not fused.pad else None
 

@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from sparrow.config import ModelConfig, QuantConfig, load_model_config
+from sparrow.layers.linear import fuse_all
 from sparrow.loader.writer import INDEX_FILE
 from sparrow.models import get_architecture
 from sparrow.quant.affine import QuantSpec, quantize
@@ -159,9 +160,7 @@ class WeightAssembler:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(f"{where}: missing tensors: {', '.join(missing[:5])}{more}")
         self.model.load_state_dict(self.tensors, strict=True, assign=True)
-        for module in self.model.modules():  # one matmul per group of projections
-            if hasattr(module, "fuse_projections"):
-                module.fuse_projections()
+        fuse_all(self.model)  # one matmul per group of projections
         return self.model
 
     def _describe_missing(self, param: str) -> str:

@@ -14,8 +14,7 @@ Quantised parameters sit beside each other: `<module>.weight` (packed int32 word
 Forward passes: the reference path dequantises, then runs a float matmul; with the Triton
 backend, linear layers on up to 16 rows (decode) run the fused-dequant GEMV instead (one row:
 the row GEMV; 2-16: tensor cores), on more rows a one-pass dequantisation kernel then the
-matmul, and the routed experts run GPU
-routing + grouped fused-dequant GEMMs.
+matmul, and the routed experts run GPU routing + grouped fused-dequant GEMMs.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from sparrow.kernels import use_triton
 from sparrow.kernels.dequant.dequant import dequantize as dequantize_kernel
 from sparrow.kernels.moe_gemm.grouped_gemm import GEMV_TOKENS, Shared, moe_experts
 from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
+from sparrow.layers.linear import fuse_all
 from sparrow.layers.moe import Experts
 from sparrow.quant.affine import QuantSpec, dequantize, quantize
 
@@ -202,7 +202,5 @@ def quantized_copy(
     for name, _ in twin.named_parameters():
         state.setdefault(name, float_params.get(name))
     twin.load_state_dict(state, strict=True, assign=True)
-    for m in twin.modules():  # as the loader leaves a model: projections of one input fused
-        if hasattr(m, "fuse_projections"):
-            m.fuse_projections()
+    fuse_all(twin)  # as the loader leaves a model: projections of one input fused
     return twin

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.dequant.unpack import packed_unpack, unpack_codes
+from sparrow.kernels.dequant.unpack import fit_block_k, packed_unpack, unpack_codes
 from sparrow.quant.affine import QuantSpec
 
 
@@ -55,10 +55,7 @@ def dequantize(
                          f"{list(scales.shape)} / biases {list(biases.shape)}")  # fmt: skip
     packed, scales, biases = (t.contiguous() for t in (packed.view(torch.int32), scales, biases))
     y = torch.empty(n, k, device=packed.device, dtype=dtype)
-    groups = max(1, 256 // spec.group_size)  # a power of two dividing K's groups
-    while (k // spec.group_size) % groups:
-        groups //= 2
-    block_k = groups * spec.group_size
+    block_k = fit_block_k(k, 256, spec.group_size)
     _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
         packed, scales, biases, y, n, packed.stride(0), scales.stride(0), y.stride(0),
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,

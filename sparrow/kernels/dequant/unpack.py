@@ -44,6 +44,14 @@ _BF16_ASM = tl.constexpr(_packed_asm("fma.rn.bf16x2", 0x3F80, 0xC300, 0x4300))
 _FP16_ASM = tl.constexpr(_packed_asm("fma.rn.f16x2", 0x3C00, 0xE400, 0x6400))
 
 
+def fit_block_k(k: int, block_k: int, group: int) -> int:
+    """The largest power-of-two number of groups, at most block_k wide, that divides K."""
+    groups = max(1, block_k // group)
+    while (k // group) % groups:
+        groups //= 2
+    return groups * group
+
+
 def packed_unpack(dtype: torch.dtype, bits: int, device: torch.device) -> bool:
     """Whether kernels may take the packed PTX path for these weights and this device."""
     return device.type == "cuda" and bits == 4 and dtype in (torch.bfloat16, torch.float16)

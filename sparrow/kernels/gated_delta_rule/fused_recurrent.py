@@ -56,6 +56,14 @@ def _recurrent_step_kernel(
     tl.store(o_ptr + i_b * stride_o + i_h * DV + o_v, b_o)
 
 
+def _one_row_stride(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b [T, H] as the kernels read them: one row stride for both, heads packed. Views of
+    one projection pass as they are; anything else is copied."""
+    if b.shape == a.shape and b.stride() == a.stride() and a.stride(1) == 1:
+        return a, b
+    return a.contiguous(), b.contiguous()
+
+
 def fused_recurrent_step(
     qkv: torch.Tensor,
     a: torch.Tensor,
@@ -81,8 +89,7 @@ def fused_recurrent_step(
     if states.dtype != torch.float32 or not states.is_contiguous():
         raise ValueError("the state pool must be contiguous fp32")
     qkv = qkv.contiguous()
-    if a.stride() != b.stride() or a.stride(1) != 1:  # views of one projection need no copy
-        a, b = a.contiguous(), b.contiguous()
+    a, b = _one_row_stride(a, b)
     o = torch.empty(bsz, hv, dv, device=qkv.device, dtype=torch.float32)
     block_v = min(block_v, dv)
     grid = (dv // block_v, hv, bsz)
@@ -113,8 +120,7 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
     """a, b: [T, Hv] (projections, same strides); a_log, dt_bias: [Hv] -> (g, beta) [T, Hv]
     fp32 in one kernel (the PyTorch expression is six)."""
     t, h = a.shape
-    if b.shape != a.shape or b.stride() != a.stride() or a.stride(1) != 1:
-        a, b = a.contiguous(), b.contiguous()
+    a, b = _one_row_stride(a, b)
     g = torch.empty(t, h, device=a.device, dtype=torch.float32)
     beta = torch.empty_like(g)
     if t:

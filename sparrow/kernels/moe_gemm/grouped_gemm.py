@@ -201,24 +201,18 @@ def moe_experts(
     inter = two_i // 2
     x = x.contiguous()
     gemv = t <= GEMV_TOKENS and tiles is None
-    if gemv and shared is not None and shared.weights is not None:
-        weights, ids = topk_route(router_logits, top_k, shared.gate)
-        slots = top_k + 1
-        h = torch.empty(t * slots, inter, device=x.device, dtype=x.dtype)
-        partial = torch.empty(t * slots, d, device=x.device, dtype=torch.float32)
-        shared_gate_up, shared_down = shared.weights
+    fold = gemv and shared is not None and shared.weights is not None
+    if shared is not None and not fold and shared.output is None:
+        raise ValueError("the grouped GEMM path needs the shared expert's output")
+    weights, ids = topk_route(router_logits, top_k, shared.gate if fold else None)
+    slots = top_k + fold  # the folded shared expert is one more slot per token
+    h = torch.empty(t * slots, inter, device=x.device, dtype=x.dtype)
+    partial = torch.empty(t * slots, d, device=x.device, dtype=torch.float32)
+    if gemv:
+        shared_gate_up, shared_down = shared.weights if fold else (None, None)
         _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up)
         _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down)
-        return _combine(partial, slots, x.dtype)
-    if shared is not None and shared.output is None:
-        raise ValueError("the grouped GEMM path needs the shared expert's output")
-    weights, ids = topk_route(router_logits, top_k)
-    h = torch.empty(t * top_k, inter, device=x.device, dtype=x.dtype)
-    partial = torch.empty(t * top_k, d, device=x.device, dtype=torch.float32)
-    if gemv:
-        _launch_gemv(x, gate_up, h, None, ids, top_k, True, spec)
-        _launch_gemv(h, down, partial, weights, ids, top_k, False, spec)
-        return _combine(partial, top_k, x.dtype, shared)
+        return _combine(partial, slots, x.dtype, None if fold else shared)
     tiles = tiles or tiles_for(t * top_k, e)
     routing = align(ids, e, tiles.block_m)
     _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, tiles)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sparrow.kernels.dequant.unpack import fit_block_k
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
 from sparrow.quant.affine import QuantSpec
 
@@ -180,14 +181,6 @@ def default_config(n: int, k: int) -> tuple[int, int, int]:
     the lm_head (148 us) and 4096 -> 2048 (8.7 us); 4 x 1024 with 2 warps for small matrices
     (2048 -> 1024: 4.3 us; the 8-bit router 2048 -> 257: 4.0 us)."""
     return (16, 1024, 4) if n > 4096 or k >= 4096 else (4, 1024, 2)
-
-
-def fit_block_k(k: int, block_k: int, group: int) -> int:
-    """The largest power-of-two number of groups, at most block_k wide, that divides K."""
-    groups = max(1, block_k // group)
-    while (k // group) % groups:
-        groups //= 2
-    return groups * group
 
 
 def _check(x, packed, scales, biases, spec: QuantSpec) -> None:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.dequant.unpack import packed_unpack, unpack_codes
+from sparrow.kernels.dequant.unpack import fit_block_k, packed_unpack, unpack_codes
 from sparrow.quant.affine import QuantSpec
 
 MMA_ROWS = 16  # activation rows padded to the MMA's minimum N
@@ -135,15 +135,12 @@ def quant_mma(
     groups, split = k // spec.group_size, cfg["split"]
     while groups % split:
         split //= 2
-    block_groups = max(1, cfg["block_k"] // spec.group_size)  # a power of two
-    while (groups // split) % block_groups:
-        block_groups //= 2
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     args = (x, packed.view(torch.int32), scales, biases, y, m, n, k,
             x.stride(0), packed.stride(0), scales.stride(0), y.stride(0))  # fmt: skip
     meta = dict(BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=cfg["block_n"],
-                BLOCK_K=block_groups * spec.group_size,
+                BLOCK_K=fit_block_k(k // split, cfg["block_k"], spec.group_size),
                 PACKED=packed_unpack(scales.dtype, spec.bits, x.device),
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 means fp32
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
