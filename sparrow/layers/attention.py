@@ -24,16 +24,17 @@ PROMPTS_PER_SDPA = 4
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
                      scale: float) -> torch.Tensor:  # fmt: skip
     """Causal attention within each prompt of the step. q: [T, Hq, D]; k, v: [T, Hkv, D],
-    prompts back to back (seq_lens on the host). K/V heads are repeated to Hq first, which
-    keeps SDPA on its FlashAttention kernel. Returns [T, Hq, D]."""
+    prompts back to back (seq_lens on the host). K/V heads are repeated to Hq first and every
+    operand is 4-D [1, H, L, D]: SDPA's FlashAttention kernel takes only that (a 3-D call
+    falls back to the math path, fp32 scores in memory). Returns [T, Hq, D]."""
     rep = q.shape[1] // k.shape[1]
     outs = []
     for q_s, k_s, v_s in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens),
                              strict=True):  # fmt: skip
-        k_s, v_s = (x.repeat_interleave(rep, dim=1).transpose(0, 1) for x in (k_s, v_s))
-        o = F.scaled_dot_product_attention(q_s.transpose(0, 1), k_s, v_s, is_causal=True,
+        k_s, v_s = (x.repeat_interleave(rep, dim=1).transpose(0, 1)[None] for x in (k_s, v_s))
+        o = F.scaled_dot_product_attention(q_s.transpose(0, 1)[None], k_s, v_s, is_causal=True,
                                            scale=scale)  # fmt: skip
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
 

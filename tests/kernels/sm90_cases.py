@@ -32,7 +32,8 @@ GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
              "sw_ptr": "i32"}
 GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
         "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False}
-BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128, "PRECISION": "tf32"}
+BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
+TF32 = {"PRECISION": "tf32"}
 CASES = {
     "add_rms_norm": (norm._add_norm_kernel, {"*": "bf16"},
                      {"HAS_RESIDUAL": True, "D": 2048, "BLOCK": 2048}, {"num_warps": 4}),
@@ -53,15 +54,15 @@ CASES = {
                                           "mats_ptr": "fp32", "gc_ptr": "fp32",
                                           "kinv_ptr": "fp32", "cu_ptr": "i32",
                                           "chunk_ptr": "i32"},
-                   {"RATIO": 2, "DK": 128, "PRECISION": "tf32"}, {"num_warps": 4}),
+                   {"RATIO": 2, "DK": 128}, {"num_warps": 4}),
     "gdn_solve": (chunk._solve_kernel, {"*": "bf16", "b_ptr": "fp32", "mats_ptr": "fp32",
                                         "gc_ptr": "fp32", "kinv_ptr": "fp32", "cu_ptr": "i32",
                                         "chunk_ptr": "i32"},
-                  BF16_QKV | {"BC": 32}, {"num_warps": 4}),
+                  BF16_QKV | TF32 | {"BC": 32}, {"num_warps": 4}),
     "gdn_state": (chunk._state_kernel, {"*": "bf16", "gc_ptr": "fp32", "state_ptr": "fp32",
                                         "slot_ptr": "i32", "cu_ptr": "i32", "chunk_ptr": "i32"},
                   BF16_QKV | {"BV": 16}, {"num_warps": 8}),
-    "gdn_output": (chunk._output_kernel, {"*": "bf16", "gc_ptr": "fp32", "o_ptr": "fp32",
+    "gdn_output": (chunk._output_kernel, {"*": "bf16", "gc_ptr": "fp32",
                                           "cu_ptr": "i32", "chunk_ptr": "i32"},
                    BF16_QKV | {"BV": 64}, {"num_warps": 8}),
     "paged_prefill": (paged._paged_attn_kernel, {"*": "bf16", "tables_ptr": "i32",

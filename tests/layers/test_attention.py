@@ -26,13 +26,17 @@ def test_prompt_attention_matches_reference():
 @pytest.mark.gpu
 def test_prompt_attention_real_size_gpu():
     """bf16 at the model's head shape (16 q heads, 2 KV heads, D 256), one 4K prompt and a
-    short one: FlashAttention through SDPA against the fp32 reference."""
+    short one: FlashAttention through SDPA (pinned: a fallback to the math path fails here)
+    against the fp32 reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     seq_lens = [4096, 77]
     t = sum(seq_lens)
     q = torch.randn(t, 16, 256, device="cuda", generator=gen).bfloat16()
     k, v = (torch.randn(t, 2, 256, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    out = prompt_attention(q, k, v, seq_lens, 256**-0.5)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = prompt_attention(q, k, v, seq_lens, 256**-0.5)
     expected = torch.cat([causal_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(),
                                            256**-0.5)
                           for a, b in ((0, 4096), (4096, t))])  # fmt: skip

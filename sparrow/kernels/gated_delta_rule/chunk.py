@@ -22,8 +22,9 @@ depend on the state. Four kernels, only the third sequential:
 
 L2-norm and scale of q/k are fused in. W, U, u and the per-chunk states are stored in the
 activation dtype (bf16 in the model: half the traffic; fp32 in the exactness tests). Dots use
-tensor cores (tf32) for 16-bit inputs and exact fp32 (`ieee`) for fp32 inputs; the carried
-state and the decay math are fp32.
+tensor cores for 16-bit inputs (tf32 in the solve; the state and output dots round their
+operands to the stored dtype, as W, U and the chunk states already are) and exact fp32
+(`ieee`) for fp32 inputs; the carried state and the decay math are fp32.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ import triton.language as tl
 @triton.jit
 def _mm(a, b, PRECISION: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _mm_as(a, b, DT: tl.constexpr):
+    """a @ b with both operands rounded to the stored dtype DT (bf16 in the model: tensor
+    cores at full rate, fp32 accumulation; exact fp32 when DT is fp32)."""
+    if DT == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(DT), b.to(DT))
 
 
 @triton.jit
@@ -55,14 +65,17 @@ def _lower(strict: tl.constexpr):
 
 @triton.jit
 def _inverse_unit_lower(a):
-    """(I + a)^-1 for strictly lower triangular a [16, 16], by forward substitution."""
+    """(I + a)^-1 for strictly lower triangular a [16, 16]. a is nilpotent (a^16 = 0), so the
+    inverse is the series I - a + a^2 - ... - a^15 = (I - a)(I + a^2)(I + a^4)(I + a^8): six
+    exact fp32 products (row-by-row substitution needs a reduction across warps per row)."""
     o = tl.arange(0, 16)
-    inv = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-    for r in tl.static_range(1, 16):
-        a_r = tl.sum(tl.where(o[:, None] == r, a, 0.0), axis=0)  # row r of a
-        row = tl.where(o == r, 1.0, 0.0) - tl.sum(a_r[:, None] * inv, axis=0)
-        inv = tl.where(o[:, None] == r, row[None, :], inv)
-    return inv
+    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    a2 = tl.dot(a, a, input_precision="ieee")
+    a4 = tl.dot(a2, a2, input_precision="ieee")
+    a8 = tl.dot(a4, a4, input_precision="ieee")
+    inv = tl.dot(eye - a, eye + a2, input_precision="ieee")
+    inv = tl.dot(inv, eye + a4, input_precision="ieee")
+    return tl.dot(inv, eye + a8, input_precision="ieee")
 
 
 @triton.jit
@@ -102,7 +115,7 @@ def _mat_offsets():
 @triton.jit
 def _blocks_kernel(
     k_ptr, g_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, cu_ptr, chunk_ptr,
-    stride_kt, stride_gt, RATIO: tl.constexpr, DK: tl.constexpr, PRECISION: tl.constexpr,
+    stride_kt, stride_gt, RATIO: tl.constexpr, DK: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, head): G, the inverse k norms, and the ten 16x16 blocks of the solve
     (inverted diagonal blocks t_i, off-diagonal blocks a_ij of A) into `mats`."""
@@ -111,6 +124,7 @@ def _blocks_kernel(
     if c0 >= length:
         return
     i_k = i_h // RATIO
+    DT: tl.constexpr = k_ptr.dtype.element_ty  # k k^T in the stored dtype (`_mm_as`)
     BK: tl.constexpr = 32 if DK > 32 else DK
     k_seq = k_ptr + start * stride_kt + i_k * DK
     # the ten dot products of the four 16-row sub-blocks, BK columns of k at a time (whole
@@ -127,16 +141,16 @@ def _blocks_kernel(
         x3 = _cols(k_seq, c0 + 48, length, kb * BK, stride_kt, BK)
         ss0, ss1 = ss0 + tl.sum(x0 * x0, axis=1), ss1 + tl.sum(x1 * x1, axis=1)
         ss2, ss3 = ss2 + tl.sum(x2 * x2, axis=1), ss3 + tl.sum(x3 * x3, axis=1)
-        kk00 += _mm(x0, tl.trans(x0), PRECISION)
-        kk10 += _mm(x1, tl.trans(x0), PRECISION)
-        kk20 += _mm(x2, tl.trans(x0), PRECISION)
-        kk30 += _mm(x3, tl.trans(x0), PRECISION)
-        kk11 += _mm(x1, tl.trans(x1), PRECISION)
-        kk21 += _mm(x2, tl.trans(x1), PRECISION)
-        kk31 += _mm(x3, tl.trans(x1), PRECISION)
-        kk22 += _mm(x2, tl.trans(x2), PRECISION)
-        kk32 += _mm(x3, tl.trans(x2), PRECISION)
-        kk33 += _mm(x3, tl.trans(x3), PRECISION)
+        kk00 += _mm_as(x0, tl.trans(x0), DT)
+        kk10 += _mm_as(x1, tl.trans(x0), DT)
+        kk20 += _mm_as(x2, tl.trans(x0), DT)
+        kk30 += _mm_as(x3, tl.trans(x0), DT)
+        kk11 += _mm_as(x1, tl.trans(x1), DT)
+        kk21 += _mm_as(x2, tl.trans(x1), DT)
+        kk31 += _mm_as(x3, tl.trans(x1), DT)
+        kk22 += _mm_as(x2, tl.trans(x2), DT)
+        kk32 += _mm_as(x3, tl.trans(x2), DT)
+        kk33 += _mm_as(x3, tl.trans(x3), DT)
     n0, n1 = tl.rsqrt(ss0 + 1e-6), tl.rsqrt(ss1 + 1e-6)
     n2, n3 = tl.rsqrt(ss2 + 1e-6), tl.rsqrt(ss3 + 1e-6)
     g_seq, b_seq, sg = g_ptr + start * stride_gt, b_ptr + start * stride_gt, stride_gt
@@ -256,8 +270,8 @@ def _state_kernel(
     k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, state_ptr, slot_ptr, cu_ptr, chunk_ptr,
     stride_kt, stride_wt, stride_ut, stride_gt, stride_hc, stride_ss, stride_sh,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):  # fmt: skip
+    DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_k = i_h // RATIO
     start = tl.load(cu_ptr + i_b)
@@ -278,13 +292,13 @@ def _state_kernel(
                       mask=m_t[:, None], other=0.0)  # fmt: skip
         p_u = u_ptr + rows[:, None] * stride_ut + i_h * DV + o_v[None, :]
         b_u = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_u -= _mm(b_w.to(tl.float32), b_s, PRECISION)
+        b_u -= _mm_as(b_w, b_s, DT)
         tl.store(p_u, b_u.to(u_ptr.dtype.element_ty), mask=m_t[:, None])
         b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
         g_last = tl.load(gc_ptr + (start + tl.minimum(c0 + 63, length - 1)) * stride_gt + i_h)
         b_k = _norm_rows(k_ptr, rows, m_t, i_k * DK, stride_kt, 1.0, DK)
         b_kd = b_k * tl.exp(g_last - b_gc)[:, None]
-        b_s = tl.exp(g_last) * b_s + _mm(tl.trans(b_kd), b_u, PRECISION)
+        b_s = tl.exp(g_last) * b_s + _mm_as(tl.trans(b_kd), b_u, DT)
     tl.store(p_s, b_s)
 
 
@@ -293,8 +307,8 @@ def _output_kernel(
     q_ptr, k_ptr, u_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, chunk_ptr,
     stride_qt, stride_ut, stride_gt, stride_hc, stride_ot,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):  # fmt: skip
+    DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
     NV: tl.constexpr = DV // BV
     i_cv, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c0 = (i_cv // NV) * 64
@@ -318,10 +332,10 @@ def _output_kernel(
                   mask=m_t[:, None], other=0.0).to(tl.float32)  # fmt: skip
     causal = o_t[:, None] >= o_t[None, :]
     decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
-    b_qk = _mm(b_q, tl.trans(b_k), PRECISION) * decay
-    b_o = tl.exp(b_gc)[:, None] * _mm(b_q, b_h, PRECISION) + _mm(b_qk, b_u, PRECISION)
-    tl.store(o_ptr + rows[:, None] * stride_ot + i_h * DV + o_v[None, :], b_o,
-             mask=m_t[:, None])  # fmt: skip
+    b_qk = _mm_as(b_q, tl.trans(b_k), DT) * decay
+    b_o = tl.exp(b_gc)[:, None] * _mm_as(b_q, b_h, DT) + _mm_as(b_qk, b_u, DT)
+    tl.store(o_ptr + rows[:, None] * stride_ot + i_h * DV + o_v[None, :],
+             b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
 
 
 def chunk_gated_delta_rule_varlen(
@@ -340,7 +354,7 @@ def chunk_gated_delta_rule_varlen(
     sequences back to back (cu_seqlens [B + 1] int32); states: [S, Hv, Dk, Dv] fp32 pool, each
     sequence starts from states[slots[b]] and its final state is written back there.
     max_len bounds the longest sequence (default T; known on the host, no device read).
-    Returns o: [T, Hv, Dv] fp32. q/k are L2-normalised and q scaled by Dk^-0.5 here."""
+    Returns o: [T, Hv, Dv] in v's dtype. q/k are L2-normalised and q scaled by Dk^-0.5 here."""
     t, hk, dk = q.shape
     _, hv, dv = v.shape
     if k.shape != q.shape or g.shape != (t, hv) or beta.shape != (t, hv) or hv % hk:
@@ -371,7 +385,7 @@ def chunk_gated_delta_rule_varlen(
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
     _blocks_kernel[(chunks, hv, bsz)](
         k, g, beta, mats, gc, kinv, cu_seqlens, first_chunk, k.stride(0), g.stride(0),
-        RATIO=hv // hk, DK=dk, PRECISION=precision, num_warps=4,
+        RATIO=hv // hk, DK=dk, num_warps=4,
     )  # fmt: skip
     _solve_kernel[(chunks, hv, bsz)](
         k, v, beta, mats, gc, kinv, w, u, cu_seqlens, first_chunk,
@@ -384,13 +398,13 @@ def chunk_gated_delta_rule_varlen(
         k, w, u, gc, h, states, slots, cu_seqlens, first_chunk,
         k.stride(0), w.stride(0), u.stride(0), gc.stride(0), h.stride(0), states.stride(0),
         states.stride(1),
-        RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, PRECISION=precision, num_warps=8,
+        RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, num_warps=8,
     )  # fmt: skip
-    o = torch.empty(t, hv, dv, device=q.device, dtype=torch.float32)
+    o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     out_v = min(64, dv)
     _output_kernel[(chunks * (dv // out_v), hv, bsz)](
         q, k, u, gc, h, o, cu_seqlens, first_chunk,
         q.stride(0), u.stride(0), gc.stride(0), h.stride(0), o.stride(0),
-        RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, PRECISION=precision, num_warps=8,
+        RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=8,
     )  # fmt: skip
     return o
