@@ -109,7 +109,7 @@ CASES = {
                  {"TOP_K": 8, "GATED": True, "APPLY_WEIGHT": False, "BITS": 4, "GROUP": 64,
                   "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "PACKED": True},
                  {"num_warps": 4, "num_stages": 3}),
-    "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16", "p_ptr": "fp32"},
+    "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16"},
                     {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024}, {"num_warps": 4}),
     "topk_route": (routing._topk_kernel, {"*": "bf16", "w_ptr": "fp32", "ids_ptr": "i32"},
                    {"K": 8, "SHARED": True, "BLOCK_E": 256}, {"num_warps": 4}),
