@@ -21,7 +21,7 @@ from triton.testing import do_bench
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
-from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step, gated_rms_norm
 from sparrow.layers.norms import GatedRMSNorm
 
@@ -51,10 +51,10 @@ def bench_prefill(length: int, fla_chunk, gen) -> dict:
     slots = torch.zeros(1, dtype=torch.int32, device="cuda")
     pool = h0.clone()
 
-    def ours(block_v=32):
+    def ours(block_v=16):
         pool.copy_(h0)
         return chunk_gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], cu, pool, slots,
-                                             block_v=block_v)  # fmt: skip
+                                             tiles=ChunkTiles(state_bv=block_v))  # fmt: skip
 
     def fla():
         return fla_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True,

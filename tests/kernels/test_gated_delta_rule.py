@@ -146,7 +146,7 @@ def test_chunk_matches_reference(device, lengths):
     ref_states = states.clone().cpu()
     expected = _chunk_reference(*(x.cpu() for x in (q, k, v, g, beta, cu)), ref_states,
                                 slots.cpu())  # fmt: skip
-    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots, block_v=16)
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)
     assert rel_err(o.cpu(), expected) < 1e-4
     assert rel_err(states.cpu(), ref_states) < 1e-4
 

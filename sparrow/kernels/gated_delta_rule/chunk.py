@@ -29,6 +29,8 @@ operands to the stored dtype, as W, U and the chunk states already are) and exac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -338,6 +340,21 @@ def _output_kernel(
              b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ChunkTiles:
+    """Launch shapes of the four kernels: state columns per program of the sequential kernel
+    (state_bv), output columns per program (output_bv), [W | U] columns per solve step
+    (solve_bc), and warps."""
+
+    blocks_warps: int = 4
+    solve_bc: int = 32
+    solve_warps: int = 4
+    state_bv: int = 16
+    state_warps: int = 8
+    output_bv: int = 64
+    output_warps: int = 8
+
+
 def chunk_gated_delta_rule_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -347,8 +364,8 @@ def chunk_gated_delta_rule_varlen(
     cu_seqlens: torch.Tensor,
     states: torch.Tensor,
     slots: torch.Tensor,
-    block_v: int = 16,
     max_len: int | None = None,
+    tiles: ChunkTiles = ChunkTiles(),
 ) -> torch.Tensor:
     """q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (log-decay, write strength);
     sequences back to back (cu_seqlens [B + 1] int32); states: [S, Hv, Dk, Dv] fp32 pool, each
@@ -385,26 +402,27 @@ def chunk_gated_delta_rule_varlen(
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
     _blocks_kernel[(chunks, hv, bsz)](
         k, g, beta, mats, gc, kinv, cu_seqlens, first_chunk, k.stride(0), g.stride(0),
-        RATIO=hv // hk, DK=dk, num_warps=4,
+        RATIO=hv // hk, DK=dk, num_warps=tiles.blocks_warps,
     )  # fmt: skip
     _solve_kernel[(chunks, hv, bsz)](
         k, v, beta, mats, gc, kinv, w, u, cu_seqlens, first_chunk,
         k.stride(0), v.stride(0), g.stride(0), w.stride(0), u.stride(0),
-        RATIO=hv // hk, DK=dk, DV=dv, BC=min(32, dk, dv), PRECISION=precision, num_warps=4,
+        RATIO=hv // hk, DK=dk, DV=dv, BC=min(tiles.solve_bc, dk, dv), PRECISION=precision,
+        num_warps=tiles.solve_warps,
     )  # fmt: skip
     h = torch.empty(chunk_slots, hv, dk, dv, device=q.device, dtype=v.dtype)
-    block_v = min(block_v, dv)
+    block_v = min(tiles.state_bv, dv)
     _state_kernel[(dv // block_v, hv, bsz)](
         k, w, u, gc, h, states, slots, cu_seqlens, first_chunk,
         k.stride(0), w.stride(0), u.stride(0), gc.stride(0), h.stride(0), states.stride(0),
         states.stride(1),
-        RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, num_warps=8,
+        RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, num_warps=tiles.state_warps,
     )  # fmt: skip
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
-    out_v = min(64, dv)
+    out_v = min(tiles.output_bv, dv)
     _output_kernel[(chunks * (dv // out_v), hv, bsz)](
         q, k, u, gc, h, o, cu_seqlens, first_chunk,
         q.stride(0), u.stride(0), gc.stride(0), h.stride(0), o.stride(0),
-        RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=8,
+        RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=tiles.output_warps,
     )  # fmt: skip
     return o

@@ -21,25 +21,29 @@ def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g,
                  K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     """One token per program: softmax over E, then K rounds of argmax-and-mask. SHARED: a
     (K + 1)-th column, weight sigmoid(gate[t]) and id 0, for a shared expert run as one more
-    assignment."""
+    assignment. Each round is one max over int64 keys (the probability's bits, which order
+    like the values for p >= 0, above the reversed index: ties go to the lowest index, like
+    torch.topk on distinct values); one warp, so every reduction stays in shuffles."""
     i_t = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     b_l = tl.load(logits_ptr + i_t * stride_t + o_e, mask=o_e < E, other=-float("inf"))
     b_l = b_l.to(tl.float32)
     b_p = tl.exp(b_l - tl.max(b_l, axis=0))
     b_p = b_p / tl.sum(b_p, axis=0)
-    total = 0.0
-    for i in tl.static_range(K):
-        best = tl.max(b_p, axis=0)
-        # lowest index among ties, like torch.topk on distinct values
-        idx = tl.min(tl.where(b_p == best, o_e, BLOCK_E), axis=0)
-        tl.store(w_ptr + i_t * (K + SHARED) + i, best)
-        tl.store(ids_ptr + i_t * (K + SHARED) + i, idx)
-        total += best
-        b_p = tl.where(o_e == idx, -1.0, b_p)
+    low = (BLOCK_E - 1 - o_e).to(tl.int64)
+    b_key = (b_p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low
+    b_key = tl.where(o_e < E, b_key, -1)
     o_k = tl.arange(0, K)
-    b_w = tl.load(w_ptr + i_t * (K + SHARED) + o_k)
-    tl.store(w_ptr + i_t * (K + SHARED) + o_k, b_w / total)
+    b_w = tl.zeros([K], dtype=tl.float32)
+    b_i = tl.zeros([K], dtype=tl.int32)
+    for i in tl.static_range(K):
+        best = tl.max(b_key, axis=0)
+        idx = BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        b_w = tl.where(o_k == i, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), b_w)
+        b_i = tl.where(o_k == i, idx, b_i)
+        b_key = tl.where(o_e == idx, -1, b_key)
+    tl.store(w_ptr + i_t * (K + SHARED) + o_k, b_w / tl.sum(b_w, axis=0))
+    tl.store(ids_ptr + i_t * (K + SHARED) + o_k, b_i)
     if SHARED:
         b_g = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
         tl.store(w_ptr + i_t * (K + 1) + K, tl.sigmoid(b_g))
@@ -102,7 +106,7 @@ def topk_route(
         gate = shared_gate if shared_gate is not None else logits
         _topk_kernel[(t,)](logits, weights, ids, gate, e, logits.stride(0), gate.stride(0), K=k,
                            SHARED=shared_gate is not None,
-                           BLOCK_E=triton.next_power_of_2(e))  # fmt: skip
+                           BLOCK_E=triton.next_power_of_2(e), num_warps=1)  # fmt: skip
     return weights, ids
 
 
