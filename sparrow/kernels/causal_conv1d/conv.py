@@ -71,6 +71,7 @@ def causal_conv1d_varlen(
     max_len: int | None = None,
     block_t: int = 16,
     block_c: int = 128,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """x: [T, C] (sequences back to back, cu_seqlens [B + 1] int32, every length >= 1);
     conv_states: [S, C, K - 1] pool, updated in place at `slots` [B]; weight: [C, K].
@@ -98,6 +99,6 @@ def causal_conv1d_varlen(
     _conv_kernel[grid](
         x, y, weight, conv_states, cu_seqlens, slots,
         c, x.stride(0), y.stride(0), conv_states.stride(0), conv_states.stride(1),
-        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c,
+        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
     )  # fmt: skip
     return y
