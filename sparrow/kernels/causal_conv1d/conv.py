@@ -69,13 +69,15 @@ def causal_conv1d_varlen(
     slots: torch.Tensor,
     weight: torch.Tensor,
     max_len: int | None = None,
-    block_t: int = 16,
+    block_t: int | None = None,
     block_c: int = 128,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """x: [T, C] (sequences back to back, cu_seqlens [B + 1] int32, every length >= 1);
     conv_states: [S, C, K - 1] pool, updated in place at `slots` [B]; weight: [C, K].
     max_len bounds the longest sequence (default T; known on the host, no device read).
+    block_t: tokens per program, by default 16, or 1 when max_len is 1 (decode: in a CUDA
+    graph on the H200, 1.8 vs 2.7 us per layer at batch 1, 7.7 vs 32.4 us at batch 64).
     Returns silu(causal depthwise conv) [T, C] in x's dtype. Decode is the case of
     sequences of length 1."""
     t, c = x.shape
@@ -95,6 +97,7 @@ def causal_conv1d_varlen(
     # In-place reads of the old state and writes of the new one: the same program does both,
     # so a sequence's state is never read after another program overwrote it. Slots must be
     # distinct.
+    block_t = block_t or (1 if max_len == 1 else 16)
     grid = (triton.cdiv(c, block_c), b, triton.cdiv(max_len or t, block_t))
     _conv_kernel[grid](
         x, y, weight, conv_states, cu_seqlens, slots,
