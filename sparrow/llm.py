@@ -23,7 +23,7 @@ from sparrow.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
 from sparrow.loader.random_checkpoint import default_checkpoint, random_model
 from sparrow.loader.weights import load_checkpoint
 from sparrow.tokenizer import load_tokenizer
-from sparrow.worker.model_runner import ModelRunner
+from sparrow.worker.model_runner import LaunchedStep, ModelRunner
 
 
 @dataclass
@@ -74,6 +74,7 @@ class LLM:
         detokenize = self.tokenizer.decode if self.tokenizer else None
         self.scheduler = Scheduler(scheduler, detokenize=detokenize)
         self.runner = ModelRunner(self.model, scheduler, cuda_graphs=cuda_graphs)
+        self._in_flight: tuple[list[str], LaunchedStep] | None = None  # launched, not read
         self._ids = itertools.count()
         special = {self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")
                    } if self.tokenizer else set()  # fmt: skip
@@ -124,12 +125,21 @@ class LLM:
         return request
 
     def step(self) -> list[RequestOutput]:
+        """Plan and launch a step, then take the tokens of the step before it (one step in
+        flight: the host plans the next step while the device runs this one). Returns what
+        requests gained from that earlier step."""
         plan = self.scheduler.schedule()
-        sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
-        outputs = self.scheduler.update_from_output(plan, sampled)
+        launched = self.runner.execute(plan, self.scheduler.requests)
+        sampling = self.scheduler.commit(plan)
+        outputs = self._resolve(*self._in_flight) if self._in_flight else []
+        self._in_flight = (sampling, launched) if sampling else None
+        return outputs
+
+    def _resolve(self, sampling: list[str], launched: LaunchedStep) -> list[RequestOutput]:
+        outputs = self.scheduler.resolve(sampling, launched.tokens())
         for out in outputs:
-            if out.request_id in logprobs and out.new_token_ids:
-                out.logprobs = [logprobs[out.request_id]]
+            if out.request_id in launched.logprobs and out.new_token_ids:
+                out.logprobs = [launched.logprobs[out.request_id]]
             if out.finish_reason is not None:
                 self.runner.free(out.request_id)
         return outputs

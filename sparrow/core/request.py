@@ -30,15 +30,19 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""  # decoded output, kept by the caller when stop strings are used
     num_computed_tokens: int = 0  # tokens whose KV / state the model already holds
+    # sampled on the device, not yet read back: they follow output_token_ids (the runner
+    # feeds them from the device) and count in num_tokens
+    num_pending: int = 0
     finish_reason: FinishReason | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The tokens known on the host (num_pending more follow on the device)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def is_finished(self) -> bool:

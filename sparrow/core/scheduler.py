@@ -9,8 +9,13 @@ block and none is free, the newest running request is preempted: its blocks and 
 freed and it returns to the front of the queue to be recomputed later. Nothing is admitted
 that does not fit, so the worker never runs out of cache memory.
 
-The runner reports back the tokens it sampled (`update_from_output`); the scheduler appends
-them, applies the stop conditions and frees what finished requests held.
+After a step is launched, `commit` counts its tokens as computed and gives each request
+whose input is complete one pending token: sampled on the device, read back later. The next
+step can then be planned (and launched) before the host has the tokens: the runner feeds
+pending tokens from the device. `resolve` takes the tokens once read back: appends them,
+applies the stop conditions and frees what finished requests held. A request whose length
+limit the pending tokens reach is not planned again (it finishes on resolve); one that
+stops on a token computes one step more, discarded. `update_from_output` is the two at once.
 """
 
 from __future__ import annotations
@@ -111,8 +116,6 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
-        if request in self.waiting:
-            self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return True
 
@@ -131,6 +134,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending and self._length_reached(request, request.num_pending):
+                i += 1  # its last token is in flight: it finishes when that is resolved
+                continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.kv.allocate(request.request_id, request.num_computed_tokens + n):
                 out.num_scheduled_tokens[request.request_id] = n
@@ -145,6 +151,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted_ids
                and len(self.running) < self.config.max_num_seqs):  # fmt: skip
             request = self.waiting[0]
+            if request.num_pending:
+                break  # preempted with a token in flight: readmitted once it is resolved
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.slots.allocate(request.request_id) is None:
                 break
@@ -165,16 +173,33 @@ class Scheduler:
     def update_from_output(
         self, scheduled: SchedulerOutput, sampled: dict[str, list[int]]
     ) -> list[RequestOutput]:
-        """Take the runner's sampled tokens for a step (requests still inside their prompt
-        sample nothing). Returns what each request gained and whether it finished."""
-        outputs = []
+        """Commit a step and resolve it with the runner's sampled tokens at once (requests
+        still inside their prompt sample nothing)."""
+        return self.resolve(self.commit(scheduled), sampled)
+
+    def commit(self, scheduled: SchedulerOutput) -> list[str]:
+        """Count a launched step's tokens as computed. Returns the requests that sample a
+        token in it (their input is complete): each gets one pending token."""
+        sampling = []
         for rid, n in scheduled.num_scheduled_tokens.items():
             request = self.requests.get(rid)
             if request is None or request.is_finished or request.status is RequestStatus.WAITING:
                 continue  # aborted or preempted since the plan was made
             request.num_computed_tokens += n
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prompt chunk: no token yet
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_pending += 1
+                sampling.append(rid)
+        return sampling
+
+    def resolve(self, sampling: list[str], sampled: dict[str, list[int]]) -> list[RequestOutput]:
+        """Replace the oldest pending token of each of `sampling` (from `commit`) with what
+        was sampled. Returns what each request gained and whether it finished."""
+        outputs = []
+        for rid in sampling:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue  # finished meanwhile: its later tokens are discarded
+            request.num_pending -= 1
             new = []
             reason = None
             for token in sampled.get(rid, []):
@@ -202,11 +227,14 @@ class Scheduler:
                 if at >= 0:
                     request.output_text = request.output_text[:at]
                     return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if self._length_reached(request, 0):
             return FinishReason.LENGTH
         return None
+
+    def _length_reached(self, request: Request, pending: int) -> bool:
+        outputs = len(request.output_token_ids) + pending
+        total = len(request.prompt_token_ids) + outputs
+        return outputs >= request.params.max_tokens or total >= self.config.max_model_len
 
     def _release(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -223,6 +251,9 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self._release(request)
+        if request in self.waiting:  # preempted while a token was pending
+            self.waiting.remove(request)
+        request.num_pending = 0
         self._texts.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

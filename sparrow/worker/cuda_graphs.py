@@ -65,10 +65,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, tokens: list[int], positions: list[int], block_tables: list[list[int]],
-            state_slots: list[int]) -> torch.Tensor:  # fmt: skip
+            state_slots: list[int], device_tokens: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """One decode step for len(tokens) sequences: token b sits at positions[b] of the
-        sequence with that block table and slot. Returns fp32 logits [B, V] (a view of the
-        graph's output: read it before the next replay)."""
+        sequence with that block table and slot; a token < 0 is still on the device, in
+        device_tokens[slot]. Returns fp32 logits [B, V] (a view of the graph's output: read
+        it before the next replay)."""
         b = len(tokens)
         size = self.padded_size(b)
         pad = size - b
@@ -89,6 +90,9 @@ class DecodeGraphs:
         self.context_lens[:size].copy_(dev[2])
         self.slot_mapping[:size].copy_(dev[3])
         self.state_slots[:size].copy_(dev[4])
+        if min(tokens) < 0:
+            ids = self.input_ids[:size]
+            ids.copy_(torch.where(ids < 0, device_tokens[self.state_slots[:size]], ids))
         width, pad_block = max(len(t) for t in block_tables), self.cache.pad_block
         tables = [t + [pad_block] * (width - len(t)) for t in block_tables]
         tables += [[pad_block] * width] * pad

@@ -6,11 +6,17 @@ request it feeds the next `num_tokens` of its uncomputed tokens, batched back to
 samples a token for every request whose input is now complete. On a GPU, steps where every
 request brings exactly its one next token (decode) replay a captured CUDA graph
 (`cuda_graphs.DecodeGraphs`); prefill and mixed steps run eagerly.
+
+Sampled tokens stay on the device: each is written to `next_tokens[state slot]`, where the
+next step reads it if the host does not have it yet (a pending token, see the scheduler),
+and is copied to the host without waiting (`LaunchedStep.tokens` waits when asked). So the
+engine plans and launches step k + 1 while step k is still running.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +27,24 @@ from sparrow.worker.cache import ModelCache, build_metadata
 from sparrow.worker.cuda_graphs import DecodeGraphs
 from sparrow.worker.sampler import sample_rows, token_logprob
 
+PENDING = -1  # input token still on the device
+
+
+@dataclass
+class LaunchedStep:
+    """The tokens one step sampled, on their way to the host."""
+
+    request_ids: list[str]
+    host: torch.Tensor  # [len(request_ids)] long; pinned, filled by an async copy on a GPU
+    ready: torch.cuda.Event | None
+    logprobs: dict[str, TokenLogprob]
+
+    def tokens(self) -> dict[str, list[int]]:
+        """{request_id: [sampled token]}, waiting for the copy if it is not done."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return {rid: [t] for rid, t in zip(self.request_ids, self.host.tolist(), strict=True)}
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: SchedulerConfig, cuda_graphs: bool = True):
@@ -29,6 +53,9 @@ class ModelRunner:
         self.cache = ModelCache(model.cache_spec(), config.num_blocks, config.block_size,
                                 config.num_state_slots, model.device, model.dtype)  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
+        # the last token sampled for each state slot (and the padding slot)
+        self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
+                                       device=model.device)  # fmt: skip
         self.graphs = None
         if cuda_graphs and model.device.type == "cuda":
             max_blocks = -(-config.max_model_len // config.block_size)
@@ -39,44 +66,60 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(
-        self, plan: SchedulerOutput, requests: dict[str, Request]
-    ) -> tuple[dict[str, list[int]], dict[str, TokenLogprob]]:
-        """Returns ({request_id: [sampled token]}, {request_id: its logprobs}) for requests
-        that completed their input (logprobs only where the request asked)."""
+    def execute(self, plan: SchedulerOutput, requests: dict[str, Request]) -> LaunchedStep | None:
+        """Launch one step. Returns the sampled tokens of the requests that completed their
+        input (None if none did); logprobs where a request asked (read back at once)."""
         if not plan.num_scheduled_tokens:
-            return {}, {}
+            return None
         device = self.model.device
         if plan.new_request_ids:  # (re)started requests begin from zero recurrent state
             fresh = [plan.state_slots[rid] for rid in plan.new_request_ids]
             self.cache.reset_slots(torch.tensor(fresh, device=device))
         rids = list(plan.num_scheduled_tokens)
         computed = [requests[rid].num_computed_tokens for rid in rids]
-        tokens = [requests[rid].all_token_ids[c : c + plan.num_scheduled_tokens[rid]]
-                  for rid, c in zip(rids, computed, strict=True)]  # fmt: skip
+        tokens = []
+        for rid, c in zip(rids, computed, strict=True):
+            n = plan.num_scheduled_tokens[rid]
+            known = requests[rid].all_token_ids[c : c + n]
+            tokens.append(known + [PENDING] * (n - len(known)))
         done = [rid for rid, c, t in zip(rids, computed, tokens, strict=True)
                 if c + len(t) == requests[rid].num_tokens]  # fmt: skip
         tables, slots = [plan.block_tables[r] for r in rids], [plan.state_slots[r] for r in rids]
         is_decode = len(done) == len(rids) and all(len(t) == 1 for t in tokens)
         if is_decode and self.graphs is not None and self.graphs.padded_size(len(rids)):
-            logits = self.graphs.run([t[0] for t in tokens], computed, tables, slots)
+            logits = self.graphs.run([t[0] for t in tokens], computed, tables, slots,
+                                     self.next_tokens)  # fmt: skip
         else:
             meta = build_metadata(tokens, computed, tables, slots, self.cache.block_size, device)
-            hidden = self.model(meta, self.cache)
             ends = list(itertools.accumulate(meta.seq_lens))  # host side: no device sync
+            pending = [i for i, t in enumerate(tokens) if t[-1] == PENDING]
+            if pending:  # only a request's last token can be pending
+                rows = torch.tensor([ends[i] - 1 for i in pending], device=device)
+                meta.input_ids[rows] = self.next_tokens[
+                    torch.tensor([slots[i] for i in pending], device=device)]
+            hidden = self.model(meta, self.cache)
             finished = set(done)
             last = [ends[i] - 1 for i, rid in enumerate(rids) if rid in finished]
             if not last:
-                return {}, {}
+                return None
             logits = self.model.logits(hidden[last])
         params = [requests[rid].params for rid in done]
         gens = [self._generator(rid, p.seed) for rid, p in zip(done, params, strict=True)]
-        chosen = sample_rows(logits, params, gens)
-        sampled = {rid: [token] for rid, token in zip(done, chosen, strict=True)}
-        logprobs = {rid: token_logprob(logits[row], chosen[row], p.logprobs)
-                    for row, (rid, p) in enumerate(zip(done, params, strict=True))
-                    if p.logprobs is not None}  # fmt: skip
-        return sampled, logprobs
+        picked = sample_rows(logits, params, gens)
+        self.next_tokens[torch.tensor([plan.state_slots[r] for r in done], device=device)] = picked
+        logprobs = {}
+        if any(p.logprobs is not None for p in params):
+            chosen = picked.tolist()
+            logprobs = {rid: token_logprob(logits[row], chosen[row], p.logprobs)
+                        for row, (rid, p) in enumerate(zip(done, params, strict=True))
+                        if p.logprobs is not None}  # fmt: skip
+        if device.type != "cuda":
+            return LaunchedStep(done, picked, None, logprobs)
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+        host.copy_(picked, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(done, host, ready, logprobs)
 
     def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

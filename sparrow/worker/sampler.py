@@ -28,12 +28,12 @@ def sample(
 
 def sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
-) -> list[int]:
-    """logits: [B, V] fp32, row b sampled with params[b]. Greedy rows share one argmax; the
-    tokens come back to the host in one transfer."""
+) -> torch.Tensor:
+    """logits: [B, V] fp32, row b sampled with params[b] -> token ids [B] (long, on the
+    logits' device: nothing waits for them). Greedy rows share one argmax."""
     greedy = [b for b, p in enumerate(params) if p.temperature == 0]
     if len(greedy) == len(params):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     picked = torch.empty(len(params), dtype=torch.long, device=logits.device)
     if greedy:
         rows = torch.tensor(greedy, device=logits.device)
@@ -41,7 +41,7 @@ def sample_rows(
     for b, (p, gen) in enumerate(zip(params, gens, strict=True)):
         if p.temperature != 0:
             picked[b] = sample(logits[b : b + 1], p, gen)[0]
-    return picked.tolist()
+    return picked
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

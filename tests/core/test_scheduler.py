@@ -15,9 +15,11 @@ from sparrow.core.scheduler import Scheduler, SchedulerConfig
 VOCAB = 1000
 
 
-def token_at(request: Request) -> int:
-    """What the fake model samples after the request's current tokens."""
-    return (hash(request.request_id) * 31 + request.num_tokens * 7) % VOCAB
+def token_at(request: Request, position: int | None = None) -> int:
+    """What the fake model samples after the request's first `position` tokens (default: all
+    its current tokens)."""
+    position = request.num_tokens if position is None else position
+    return (hash(request.request_id) * 31 + position * 7) % VOCAB
 
 
 def run_step(scheduler: Scheduler):
@@ -186,3 +188,59 @@ def test_pools():
     slots = StateSlotPool(1)
     assert slots.allocate("a") == 0 and slots.allocate("b") is None
     assert kv_blocks_for_memory(1000, 100, 0.1) == 9
+
+
+def run_all_overlapped(scheduler: Scheduler, max_steps: int = 10_000):
+    """Like the engine with one step in flight: plan and launch step k (pending tokens come
+    from the device: the fake runner needs only positions), commit it, then resolve step
+    k - 1."""
+    in_flight, steps = None, 0
+    while scheduler.has_unfinished() or in_flight:
+        plan = scheduler.schedule()
+        sampled = {}
+        for rid, n in plan.num_scheduled_tokens.items():
+            request = scheduler.requests[rid]
+            end = request.num_computed_tokens + n
+            assert end <= request.num_tokens <= len(request.all_token_ids) + 1
+            if end == request.num_tokens:
+                sampled[rid] = [token_at(request, end)]
+        sampling = scheduler.commit(plan)
+        if in_flight:
+            scheduler.resolve(*in_flight)
+        in_flight = (sampling, sampled) if sampling else None
+        steps += 1
+        assert steps < max_steps
+
+
+def _workload(kind: str) -> tuple[Scheduler, list[Request]]:
+    detok = lambda ids: " ".join(map(str, ids))  # noqa: E731
+    if kind == "preemption":
+        config = SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=6)
+        requests = [make("old", 9, max_tokens=12), make("new", 5, max_tokens=12)]
+    elif kind == "stops":
+        config = SchedulerConfig(max_num_batched_tokens=32, block_size=16)
+        tokens = alone(make("t", 4, max_tokens=10))
+        requests = [make("s", 5, max_tokens=10, stop_token_ids=(token_at(make("s", 5)),)),
+                    make("t", 4, max_tokens=10, stop=(f" {tokens[2]}",)),
+                    make("u", 40, max_tokens=7), make("v", 3, max_tokens=1)]  # fmt: skip
+    else:
+        config = SchedulerConfig(max_num_batched_tokens=64, block_size=16, num_blocks=64)
+        requests = [make("a", 10, 8), make("b", 100, 4), make("c", 30, 4)]
+    scheduler = Scheduler(config, detokenize=detok)
+    for r in requests:
+        scheduler.add_request(r)
+    return scheduler, requests
+
+
+@pytest.mark.parametrize("kind", ["mix", "preemption", "stops"])
+def test_one_step_in_flight_gives_the_same_outputs(kind):
+    sync, expected = _workload(kind)
+    run_all(sync)
+    overlapped, requests = _workload(kind)
+    run_all_overlapped(overlapped)
+    for want, got in zip(expected, requests, strict=True):
+        assert got.output_token_ids == want.output_token_ids
+        assert got.finish_reason is want.finish_reason and got.num_pending == 0
+    config = overlapped.config
+    assert overlapped.kv.pool.num_free == config.num_blocks
+    assert overlapped.slots.num_free == config.num_state_slots
