@@ -39,6 +39,18 @@ class LaunchedStep:
     ready: torch.cuda.Event | None
     logprobs: dict[str, TokenLogprob]
 
+    @classmethod
+    def start(cls, request_ids: list[str], picked: torch.Tensor,
+              logprobs: dict[str, TokenLogprob]) -> LaunchedStep:  # fmt: skip
+        """Start copying the sampled tokens `picked` to the host; do not wait."""
+        if picked.device.type != "cuda":
+            return cls(request_ids, picked, None, logprobs)
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+        host.copy_(picked, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(request_ids, host, ready, logprobs)
+
     def tokens(self) -> dict[str, list[int]]:
         """{request_id: [sampled token]}, waiting for the copy if it is not done."""
         if self.ready is not None:
@@ -113,13 +125,7 @@ class ModelRunner:
             logprobs = {rid: token_logprob(logits[row], chosen[row], p.logprobs)
                         for row, (rid, p) in enumerate(zip(done, params, strict=True))
                         if p.logprobs is not None}  # fmt: skip
-        if device.type != "cuda":
-            return LaunchedStep(done, picked, None, logprobs)
-        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
-        host.copy_(picked, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedStep(done, host, ready, logprobs)
+        return LaunchedStep.start(done, picked, logprobs)
 
     def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
