@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow.kernels.gated_delta_rule.chunk import first_chunks
+
 
 @dataclass(frozen=True)
 class CacheSpec:
@@ -52,8 +54,18 @@ class ModelCache:
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Zero the recurrent states of requests that start (or restart) now."""
         for conv, state in zip(self.conv, self.state, strict=True):
-            conv[slots] = 0
-            state[slots] = 0
+            conv.index_fill_(0, slots, 0)  # (`conv[slots] = 0` copies the 0 over and syncs)
+            state.index_fill_(0, slots, 0)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device` without waiting for the device: on a GPU through
+    pinned memory and an async copy (`torch.tensor(..., device=cuda)` synchronises the
+    stream, which would wait for the step in flight)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -70,6 +82,7 @@ class StepMetadata:
     state_slots: torch.Tensor  # [B] int32, recurrent-state slot per sequence
     max_q_len: int
     prefix_free: bool = False  # every sequence starts at position 0 (no cached prefix; host)
+    chunk_starts: torch.Tensor | None = None  # [B] int32, GDN chunked prefill (`first_chunks`)
 
 
 def build_metadata(
@@ -95,7 +108,7 @@ def build_metadata(
         cu.append(cu[-1] + n)
 
     def as_tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
+        return to_device(values, dtype, device)
 
     return StepMetadata(
         input_ids=as_tensor([x for t in tokens for x in t], torch.long),
@@ -110,4 +123,5 @@ def build_metadata(
         state_slots=as_tensor(state_slots, torch.int32),
         max_q_len=max(seq_lens),
         prefix_free=not any(computed),
+        chunk_starts=as_tensor(first_chunks(seq_lens), torch.int32),
     )

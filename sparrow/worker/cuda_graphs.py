@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.worker.cache import ModelCache, StepMetadata
+from sparrow.worker.cache import ModelCache, StepMetadata, to_device
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -96,7 +96,8 @@ class DecodeGraphs:
         width, pad_block = max(len(t) for t in block_tables), self.cache.pad_block
         tables = [t + [pad_block] * (width - len(t)) for t in block_tables]
         tables += [[pad_block] * width] * pad
-        self.block_tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32))
+        dev_tables = to_device(tables, torch.int32, self.input_ids.device)
+        self.block_tables[:size, :width].copy_(dev_tables)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]

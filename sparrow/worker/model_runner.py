@@ -23,7 +23,7 @@ import torch
 from sparrow.core.request import Request
 from sparrow.core.sampling_params import TokenLogprob
 from sparrow.core.scheduler import SchedulerConfig, SchedulerOutput
-from sparrow.worker.cache import ModelCache, build_metadata
+from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs
 from sparrow.worker.sampler import sample_rows, token_logprob
 
@@ -86,7 +86,7 @@ class ModelRunner:
         device = self.model.device
         if plan.new_request_ids:  # (re)started requests begin from zero recurrent state
             fresh = [plan.state_slots[rid] for rid in plan.new_request_ids]
-            self.cache.reset_slots(torch.tensor(fresh, device=device))
+            self.cache.reset_slots(to_device(fresh, torch.long, device))
         rids = list(plan.num_scheduled_tokens)
         computed = [requests[rid].num_computed_tokens for rid in rids]
         tokens = []
@@ -106,19 +106,20 @@ class ModelRunner:
             ends = list(itertools.accumulate(meta.seq_lens))  # host side: no device sync
             pending = [i for i, t in enumerate(tokens) if t[-1] == PENDING]
             if pending:  # only a request's last token can be pending
-                rows = torch.tensor([ends[i] - 1 for i in pending], device=device)
+                rows = to_device([ends[i] - 1 for i in pending], torch.long, device)
                 meta.input_ids[rows] = self.next_tokens[
-                    torch.tensor([slots[i] for i in pending], device=device)]
+                    to_device([slots[i] for i in pending], torch.long, device)]
             hidden = self.model(meta, self.cache)
             finished = set(done)
             last = [ends[i] - 1 for i, rid in enumerate(rids) if rid in finished]
             if not last:
                 return None
-            logits = self.model.logits(hidden[last])
+            logits = self.model.logits(hidden[to_device(last, torch.long, device)])
         params = [requests[rid].params for rid in done]
         gens = [self._generator(rid, p.seed) for rid, p in zip(done, params, strict=True)]
         picked = sample_rows(logits, params, gens)
-        self.next_tokens[torch.tensor([plan.state_slots[r] for r in done], device=device)] = picked
+        done_slots = to_device([plan.state_slots[r] for r in done], torch.long, device)
+        self.next_tokens[done_slots] = picked
         logprobs = {}
         if any(p.logprobs is not None for p in params):
             chosen = picked.tolist()

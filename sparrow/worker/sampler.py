@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
+from sparrow.worker.cache import to_device
 
 
 def sample(
@@ -36,7 +37,7 @@ def sample_rows(
         return logits.argmax(dim=-1)
     picked = torch.empty(len(params), dtype=torch.long, device=logits.device)
     if greedy:
-        rows = torch.tensor(greedy, device=logits.device)
+        rows = to_device(greedy, torch.long, logits.device)
         picked[rows] = logits[rows].argmax(dim=-1)
     for b, (p, gen) in enumerate(zip(params, gens, strict=True)):
         if p.temperature != 0:

@@ -140,13 +140,18 @@ def _chunk_reference(q, k, v, g, beta, cu, states, slots):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lengths", [[1], [63], [64], [65], [130], [1, 64, 17, 100]])
 def test_chunk_matches_reference(device, lengths):
-    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+    """Several sequences: chunk starts given (as the model passes them), else computed."""
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen, first_chunks
 
     q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 2, 4, 16, 32, device)
     ref_states = states.clone().cpu()
     expected = _chunk_reference(*(x.cpu() for x in (q, k, v, g, beta, cu)), ref_states,
                                 slots.cpu())  # fmt: skip
-    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)
+    starts = None
+    if len(lengths) > 1:
+        assert first_chunks(lengths) == [0, 1, 2, 3]
+        starts = torch.tensor(first_chunks(lengths), dtype=torch.int32, device=device)
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots, chunk_starts=starts)
     assert rel_err(o.cpu(), expected) < 1e-4
     assert rel_err(states.cpu(), ref_states) < 1e-4
 

@@ -340,6 +340,18 @@ def _output_kernel(
              b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
 
 
+CHUNK = 64  # tokens per chunk
+
+
+def first_chunks(seq_lens: list[int]) -> list[int]:
+    """Where each sequence's chunks start in the per-chunk buffers (host side): the running
+    sum of ceil(length / CHUNK)."""
+    starts = [0]
+    for n in seq_lens[:-1]:
+        starts.append(starts[-1] + -(-n // CHUNK))
+    return starts
+
+
 @dataclass(frozen=True)
 class ChunkTiles:
     """Launch shapes of the four kernels: warps, [W | U] columns per solve step (solve_bc),
@@ -369,11 +381,14 @@ def chunk_gated_delta_rule_varlen(
     slots: torch.Tensor,
     max_len: int | None = None,
     tiles: ChunkTiles = ChunkTiles(),
+    chunk_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (log-decay, write strength);
     sequences back to back (cu_seqlens [B + 1] int32); states: [S, Hv, Dk, Dv] fp32 pool, each
     sequence starts from states[slots[b]] and its final state is written back there.
     max_len bounds the longest sequence (default T; known on the host, no device read).
+    chunk_starts: `first_chunks` of the sequence lengths as int32 [B] on the device (computed
+    here from cu_seqlens if not given: six small kernels, per layer).
     Returns o: [T, Hv, Dv] in v's dtype. q/k are L2-normalised and q scaled by Dk^-0.5 here."""
     t, hk, dk = q.shape
     _, hv, dv = v.shape
@@ -397,10 +412,11 @@ def chunk_gated_delta_rule_varlen(
     u = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     gc = torch.empty(t, hv, device=q.device, dtype=torch.float32)
     kinv = torch.empty(t, hv, device=q.device, dtype=torch.float32)
-    # first chunk of each sequence in the per-chunk buffers (device-side: no sync)
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    first_chunk = torch.zeros(bsz, dtype=torch.int32, device=q.device)
-    first_chunk[1:] = torch.cumsum(triton.cdiv(lengths, 64), 0)[:-1].to(torch.int32)
+    first_chunk = chunk_starts
+    if first_chunk is None:  # on the device: no sync
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        first_chunk = torch.zeros(bsz, dtype=torch.int32, device=q.device)
+        first_chunk[1:] = torch.cumsum(triton.cdiv(lengths, CHUNK), 0)[:-1].to(torch.int32)
     chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
     _blocks_kernel[(chunks, hv, bsz)](
