@@ -44,7 +44,7 @@ def _slot(b_qx, b_xs, v, p_x, j: tl.constexpr):
     """Code slot j: v [BLOCK_N, GROUPS, WPG] meets x[word * PER_WORD + j] ([GROUPS, WPG],
     loaded once per thread for all its rows)."""
     b_x = tl.load(p_x + j).to(tl.float32)
-    return b_qx + v * b_x[None, :, :], b_xs + b_x
+    return b_qx + v * b_x[:, None, :], b_xs + b_x
 
 
 @triton.jit
@@ -77,8 +77,12 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
     """sum_k W[o_n, k] x[k] for one activation row x (K contiguous values): fp32 [BLOCK_N].
     K % BLOCK_K == 0.
 
-    Works on whole 32-bit words, as a [BLOCK_N, GROUPS, WPG] tile (WPG words per group);
-    scale and bias apply per group after the words of a group are summed. Code slot j of
+    Works on whole 32-bit words, as a [GROUPS, BLOCK_N, WPG] tile (WPG words per group);
+    scale and bias apply per group after the words of a group are summed. The dim order
+    decides Triton's thread layout: with groups first, a warp's threads spread over groups
+    and the warps over rows, so a thread holds the same words of several rows and converts
+    each x once for all of them (rows first put one row per thread: 5.74 SASS instructions
+    per code at 16 x 1024 with 4 warps, 4.71 this way). Code slot j of
     every word meets x[word * PER_WORD + j]. Codes become floats v = 1 + q / 2^BITS (shift,
     LOP3; FFMA with x) and the 1 is taken off once per word with sum x. PACKED: the 4-bit
     unpacking in PTX (the GPU path)."""
@@ -88,19 +92,19 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
     o_g = tl.arange(0, GROUPS)
     o_v = tl.arange(0, WPG)
     o_gw = o_g[:, None] * WPG + o_v[None, :]  # word within the block, [GROUPS, WPG]
-    b_acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    b_acc = tl.zeros([GROUPS, BLOCK_N], dtype=tl.float32)
     for g0 in range(0, K // GROUP, GROUPS):
-        p_w = w_ptr + o_n[:, None, None] * stride_wn + g0 * WPG + o_gw[None, :, :]
-        b_w = tl.load(p_w, mask=m_n[:, None, None], other=0)
+        p_w = w_ptr + o_n[None, :, None] * stride_wn + g0 * WPG + o_gw[:, None, :]
+        b_w = tl.load(p_w, mask=m_n[None, :, None], other=0)
         b_qx, b_xs = _codes_dot_x(b_w, x_ptr + (g0 * WPG + o_gw) * PER_WORD, BITS, PACKED)
-        o_s = o_n[:, None] * stride_sn + g0 + o_g[None, :]
-        b_s = tl.load(s_ptr + o_s, mask=m_n[:, None], other=0.0).to(tl.float32)
-        b_b = tl.load(b_ptr + o_s, mask=m_n[:, None], other=0.0).to(tl.float32)
+        o_s = o_n[None, :] * stride_sn + g0 + o_g[:, None]
+        b_s = tl.load(s_ptr + o_s, mask=m_n[None, :], other=0.0).to(tl.float32)
+        b_b = tl.load(b_ptr + o_s, mask=m_n[None, :], other=0.0).to(tl.float32)
         # per group: sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x; summing the
-        # words of a group first keeps the [BLOCK_N, GROUPS, WPG] tile in one layout
+        # words of a group first keeps the [GROUPS, BLOCK_N, WPG] tile in one layout
         b_sf = b_s * (1 << BITS)
-        b_acc += b_sf * tl.sum(b_qx, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[None, :]
-    return tl.sum(b_acc, axis=1)
+        b_acc += b_sf * tl.sum(b_qx, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[:, None]
+    return tl.sum(b_acc, axis=0)
 
 
 @triton.jit
