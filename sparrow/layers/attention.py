@@ -69,11 +69,12 @@ class GatedAttention(Projections, nn.Module):
         q, k, v = self.project("qkv", x)
         q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm.with_rope(q, cos, sin)
-        k = self.k_norm.with_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        cache_rows = (k_cache.view(-1, self.num_kv_heads, self.head_dim),
+                      v_cache.view(-1, self.num_kv_heads, self.head_dim), meta.slot_mapping)
+        k = self.k_norm.with_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin,
+                                  cache=(v, *cache_rows))  # writes k and v to the cache
         args = (k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.context_lens, self.scale)
         if use_triton(x) and self.kernel_fits and meta.max_q_len == 1:  # decode
             out = paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,

@@ -36,11 +36,14 @@ class ZeroCenteredRMSNorm(nn.Module):
         ops = kernels if use_triton(x) else naive
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Per-head norm then partial RoPE: x [T, H, D] (a view of a projection is fine)."""
+    def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  cache: tuple | None = None) -> torch.Tensor:  # fmt: skip
+        """Per-head norm then partial RoPE: x [T, H, D] (a view of a projection is fine).
+        cache = (v, k_cache, v_cache, rows): also write the result and v there (see
+        `naive.rms_norm_rope`)."""
         fits = use_triton(x) and x.stride(-1) == 1 and x.shape[-1] & (x.shape[-1] - 1) == 0
         ops = kernels if fits else naive
-        return ops.rms_norm_rope(x, self.weight, self.eps, cos, sin)
+        return ops.rms_norm_rope(x, self.weight, self.eps, cos, sin, cache)
 
 
 class GatedRMSNorm(nn.Module):

@@ -37,8 +37,8 @@ TF32 = {"PRECISION": "tf32"}
 CASES = {
     "add_rms_norm": (norm._add_norm_kernel, {"*": "bf16"},
                      {"HAS_RESIDUAL": True, "D": 2048, "BLOCK": 2048}, {"num_warps": 4}),
-    "rms_norm_rope": (norm._norm_rope_kernel, {"*": "bf16"}, {"H": 16, "D": 256, "R": 64},
-                      {"num_warps": 1}),
+    "rms_norm_rope": (norm._norm_rope_kernel, {"*": "bf16", "rows_ptr": "i64"},
+                      {"H": 2, "D": 256, "R": 64, "TO_CACHE": True}, {"num_warps": 1}),
     "gated_rms_norm": (fused_recurrent._gated_norm_kernel, {"*": "bf16", "o_ptr": "fp32"},
                        {"D": 128}, {"num_warps": 1}),
     "gdn_decode_step": (fused_recurrent._recurrent_step_kernel,

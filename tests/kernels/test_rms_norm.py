@@ -45,3 +45,24 @@ def test_rms_norm_rope_on_a_strided_view(device, heads, dim, rot, dtype):
     out = kernels.rms_norm_rope(q, w, 1e-6, cos, sin)
     tol = 1e-6 if dtype == torch.float32 else 4e-3
     assert out.is_contiguous() and rel_err(out, naive.rms_norm_rope(q, w, 1e-6, cos, sin)) < tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_k_norm_rope_writes_k_and_v_to_the_cache(device, dtype):
+    """The attention layer's K/V step: k normed and rotated, k and v stored at cache rows
+    (out of order; v a strided view of the fused projection), other rows untouched."""
+    t, heads, dim, rot = 4, 2, 32, 16
+    proj = _rand(t, heads, 2 * dim, device=device, dtype=dtype)  # [k | v] per head
+    k, v = proj[..., :dim], proj[..., dim:]
+    w = _rand(dim, device=device, dtype=dtype, seed=3) * 0.1
+    angles = _rand(t, rot // 2, device=device, dtype=torch.float32, seed=4)
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((angles, angles), -1).sin().to(dtype)
+    rows = torch.tensor([9, 2, 5, 0], device=device)
+    caches = [torch.full((12, heads, dim), 7.0, device=device, dtype=dtype) for _ in range(4)]
+    out = kernels.rms_norm_rope(k, w, 1e-6, cos, sin, (v, caches[0], caches[1], rows))
+    ref = naive.rms_norm_rope(k, w, 1e-6, cos, sin, (v, caches[2], caches[3], rows))
+    tol = 1e-6 if dtype == torch.float32 else 4e-3
+    assert rel_err(out, ref) < tol and rel_err(caches[0], caches[2]) < tol
+    assert torch.equal(caches[1], caches[3])

@@ -25,7 +25,19 @@ def add_rms_norm(
 
 
 def rms_norm_rope(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Per-head q/k norm then partial RoPE. x: [T, H, D]; cos, sin: [T, R], R <= D."""
-    return apply_rotary(rms_norm(x, weight, eps), cos, sin)
+    """Per-head q/k norm then partial RoPE. x: [T, H, D]; cos, sin: [T, R], R <= D.
+    cache = (v [T, H, D], k_cache, v_cache [rows, H, D], rows [T]): also write the result
+    and v to the caches at rows (the attention layer's K/V step)."""
+    y = apply_rotary(rms_norm(x, weight, eps), cos, sin)
+    if cache is not None:
+        v, k_cache, v_cache, rows = cache
+        k_cache.index_copy_(0, rows, y)
+        v_cache.index_copy_(0, rows, v)
+    return y

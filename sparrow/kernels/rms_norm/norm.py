@@ -65,7 +65,11 @@ def _launch(x, residual, weight, eps):
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, eps, stride_xt, stride_xh,
-                      stride_ct, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr):  # fmt: skip
+                      stride_ct, v_ptr, kc_ptr, vc_ptr, rows_ptr, stride_vt,
+                      H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+                      TO_CACHE: tl.constexpr):  # fmt: skip
+    """One (token, head) row. TO_CACHE: also store it at cache row rows[token] and copy the
+    token's v row there (the K/V cache write of an attention layer)."""
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = tl.arange(0, D)
     b_x = tl.load(x_ptr + i_t * stride_xt + i_h * stride_xh + o_d).to(tl.float32)
@@ -83,21 +87,38 @@ def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, eps, stride_xt, str
     rotated = tl.where(o_d < half, -b_p, b_p)
     b_y = tl.where(m_r, b_n * b_cos + rotated * b_sin, b_n)
     tl.store(y_ptr + (i_t * H + i_h) * D + o_d, b_y.to(y_ptr.dtype.element_ty))
+    if TO_CACHE:
+        row = tl.load(rows_ptr + i_t).to(tl.int64)
+        tl.store(kc_ptr + (row * H + i_h) * D + o_d, b_y.to(kc_ptr.dtype.element_ty))
+        b_v = tl.load(v_ptr + i_t * stride_vt + i_h * D + o_d)
+        tl.store(vc_ptr + (row * H + i_h) * D + o_d, b_v.to(vc_ptr.dtype.element_ty))
 
 
 def rms_norm_rope(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Same contract as `naive.rms_norm_rope`; x [T, H, D] may be a strided view (unit stride
-    on D, D a power of two). Returns a contiguous [T, H, D]."""
+    """Same contract as `naive.rms_norm_rope`; x [T, H, D] and v may be strided views (unit
+    stride on D, D a power of two); the caches are contiguous. Returns a contiguous
+    [T, H, D]."""
     t, h, d = x.shape
     r = cos.shape[-1]
     if x.stride(-1) != 1 or d & (d - 1) or r > d or r % 2 or cos.shape != sin.shape:
         raise ValueError(f"x {list(x.shape)} (unit stride, D a power of two), cos/sin [T, R<=D]")
     y = torch.empty(t, h, d, device=x.device, dtype=x.dtype)
     cos, sin = cos.contiguous(), sin.contiguous()
+    v, k_cache, v_cache, rows = cache if cache is not None else (y, y, y, y)
+    if v.shape != x.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"v {list(v.shape)} must be shaped like x; the caches contiguous")
+    if v.stride(2) != 1 or v.stride(1) != d:
+        v = v.contiguous()  # the kernel takes a token stride only
     _norm_rope_kernel[(t, h)](
         x, y, weight, cos, sin, eps, x.stride(0), x.stride(1), cos.stride(0),
-        H=h, D=d, R=r, num_warps=1 if d <= 256 else 4,
+        v, k_cache, v_cache, rows, v.stride(0),
+        H=h, D=d, R=r, TO_CACHE=cache is not None, num_warps=1 if d <= 256 else 4,
     )  # fmt: skip
     return y
