@@ -40,33 +40,55 @@ def _code_floats(b_w, j: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _slot(b_qx, b_xs, v, p_x, j: tl.constexpr):
-    """Code slot j: v [BLOCK_N, GROUPS, WPG] meets x[word * PER_WORD + j] ([GROUPS, WPG],
-    loaded once per thread for all its rows)."""
-    b_x = tl.load(p_x + j).to(tl.float32)
-    return b_qx + v * b_x[:, None, :], b_xs + b_x
+def _x_slots8(b_x):
+    """x [G, W, 8] (the 8 values each word's codes meet) -> its 8 slots [G, W], in
+    registers (reshape and split: no shared-memory round trip)."""
+    e, o = tl.split(tl.reshape(b_x, [b_x.shape[0], b_x.shape[1], 2, 2, 2]))
+    ee, eo = tl.split(e)
+    oe, oo = tl.split(o)
+    x0, x4 = tl.split(ee)
+    x2, x6 = tl.split(eo)
+    x1, x5 = tl.split(oe)
+    x3, x7 = tl.split(oo)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _x_slots4(b_x):
+    """x [G, W, 4] -> its 4 slots [G, W] (8-bit words)."""
+    e, o = tl.split(tl.reshape(b_x, [b_x.shape[0], b_x.shape[1], 2, 2]))
+    x0, x2 = tl.split(e)
+    x1, x3 = tl.split(o)
+    return x0, x1, x2, x3
 
 
 @triton.jit
 def _codes_dot_x(b_w, p_x, BITS: tl.constexpr, PACKED: tl.constexpr):
-    """sum_j v_j x[word * PER_WORD + j] per word ([BLOCK_N, GROUPS, WPG]) and sum_j x
-    ([GROUPS, WPG]), v_j = 1 + q_j / 2^BITS."""
-    b_qx = tl.zeros(b_w.shape, dtype=tl.float32)
-    b_xs = tl.zeros(p_x.shape, dtype=tl.float32)
-    if PACKED:  # 4-bit on the GPU: shift + LOP3 per code in PTX
-        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _MANTISSA_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b_w], (tl.float32,) * 8, True, 1)
-        b_qx, b_xs = _slot(b_qx, b_xs, v0, p_x, 0)
-        b_qx, b_xs = _slot(b_qx, b_xs, v1, p_x, 1)
-        b_qx, b_xs = _slot(b_qx, b_xs, v2, p_x, 2)
-        b_qx, b_xs = _slot(b_qx, b_xs, v3, p_x, 3)
-        b_qx, b_xs = _slot(b_qx, b_xs, v4, p_x, 4)
-        b_qx, b_xs = _slot(b_qx, b_xs, v5, p_x, 5)
-        b_qx, b_xs = _slot(b_qx, b_xs, v6, p_x, 6)
-        b_qx, b_xs = _slot(b_qx, b_xs, v7, p_x, 7)
+    """sum_j v_j x[word * PER_WORD + j] per word ([GROUPS, BLOCK_N, WPG]) and sum_j x
+    ([GROUPS, WPG]), v_j = 1 + q_j / 2^BITS. The x of each word come in one vector load
+    (p_x: [GROUPS, WPG] word starts) and are split into slots in registers."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    b_x = tl.load(p_x[:, :, None] + tl.arange(0, PER_WORD)[None, None, :]).to(tl.float32)
+    b_xs = tl.sum(b_x, axis=2)
+    if PER_WORD == 8:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots8(b_x)
+        if PACKED:  # on the GPU: shift + LOP3 per code in PTX
+            v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+                _MANTISSA_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b_w], (tl.float32,) * 8, True, 1)
+        else:
+            v0, v1 = _code_floats(b_w, 0, BITS), _code_floats(b_w, 1, BITS)
+            v2, v3 = _code_floats(b_w, 2, BITS), _code_floats(b_w, 3, BITS)
+            v4, v5 = _code_floats(b_w, 4, BITS), _code_floats(b_w, 5, BITS)
+            v6, v7 = _code_floats(b_w, 6, BITS), _code_floats(b_w, 7, BITS)
+        b_qx = (v0 * x0[:, None, :] + v1 * x1[:, None, :] + v2 * x2[:, None, :]
+                + v3 * x3[:, None, :] + v4 * x4[:, None, :] + v5 * x5[:, None, :]
+                + v6 * x6[:, None, :] + v7 * x7[:, None, :])  # fmt: skip
     else:
-        for j in tl.static_range(32 // BITS):
-            b_qx, b_xs = _slot(b_qx, b_xs, _code_floats(b_w, j, BITS), p_x, j)
+        x0, x1, x2, x3 = _x_slots4(b_x)
+        b_qx = (_code_floats(b_w, 0, BITS) * x0[:, None, :]
+                + _code_floats(b_w, 1, BITS) * x1[:, None, :]
+                + _code_floats(b_w, 2, BITS) * x2[:, None, :]
+                + _code_floats(b_w, 3, BITS) * x3[:, None, :])  # fmt: skip
     return b_qx, b_xs
 
 
