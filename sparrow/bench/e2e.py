@@ -77,14 +77,27 @@ def decode_bytes_per_token(model: torch.nn.Module, context: int) -> float:
 @torch.inference_mode()
 def profile_step(llm: LLM, context: int, new_tokens: int) -> dict:
     """Profile one eager step of one sequence: `new_tokens` after `context` cached ones (a
-    decode step, or a prefill chunk from context 0): per-kernel CUDA time and count."""
+    decode step, or a prefill chunk from context 0): per-kernel CUDA time and count, and the
+    host's time to launch it (until the forward returns, no sync) against the step's wall
+    time: when the two are close, the host, not the GPU, sets the pace."""
     runner = llm.runner
     bs = runner.cache.block_size
     table = list(range(-(-(context + new_tokens) // bs)))
     meta = build_metadata([[1] * new_tokens], [context], [table], [0], bs, runner.model.device)
-    return kernel_profile(
-        lambda: runner.model.logits(runner.model(meta, runner.cache)[-1:]).argmax(-1)
-    )
+
+    def step():
+        return runner.model.logits(runner.model(meta, runner.cache)[-1:]).argmax(-1)
+
+    report = kernel_profile(step)
+    launch, wall = [], []
+    for _ in range(3):
+        t0 = _sync_time()
+        step()
+        launch.append(time.perf_counter() - t0)
+        wall.append(_sync_time() - t0)
+    report["host_launch_ms"] = statistics.median(launch) * 1e3
+    report["wall_ms"] = statistics.median(wall) * 1e3
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -204,7 +217,8 @@ def _print_table(report: dict, lengths: list[int]) -> None:
                       ("prefill_profile_4k", "prefill of 4K tokens")):  # fmt: skip
         for name, prof in report.get(key, {}).items():
             print(f"{name}: one eager {what}: {prof['kernels']} kernels, "
-                  f"{prof['kernel_time_us']:.0f} us of kernel time; top:")  # fmt: skip
+                  f"{prof['kernel_time_us']:.0f} us of kernel time, launched in "
+                  f"{prof['host_launch_ms']:.1f} ms, {prof['wall_ms']:.1f} ms wall; top:")
             for row in prof["top"][:12]:
                 print(f"    {row['us']:>9.1f} us  x{row['count']:<4} {row['kernel']}")
 
