@@ -76,15 +76,14 @@ class DecodeGraphs:
         bs = self.cache.block_size
         rows = [table[p // bs] * bs + p % bs
                 for table, p in zip(block_tables, positions, strict=True)]  # fmt: skip
-        host = torch.tensor(
+        dev = to_device(
             [tokens + [0] * pad,
              positions + [0] * pad,
              [p + 1 for p in positions] + [1] * pad,
              rows + [self.cache.pad_block * bs] * pad,
              state_slots + [self.cache.pad_slot] * pad],
-            dtype=torch.long,
+            torch.long, self.input_ids.device,
         )  # fmt: skip
-        dev = host.pin_memory().to(self.input_ids.device, non_blocking=True)
         self.input_ids[:size].copy_(dev[0])
         self.positions[:size].copy_(dev[1])
         self.context_lens[:size].copy_(dev[2])
