@@ -70,9 +70,12 @@ class Tokenizer:
         return self._backend.encode(text)
 
     def decode(self, ids: list[int]) -> str:
+        """Ids with no token (the model's vocabulary is padded past the tokenizer's) decode
+        to nothing, as in HF `tokenizers`: a model may sample one."""
         if self.kind == "tokenizers":
             return self._backend.decode(ids, skip_special_tokens=False)
-        return self._backend.decode(ids)
+        known = self._backend.decoder
+        return self._backend.decode([i for i in ids if i in known])
 
     def token_id(self, token: str) -> int | None:
         if self.kind == "tokenizers":

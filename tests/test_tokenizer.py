@@ -73,3 +73,11 @@ def test_checkpoint_template_wins(tmp_path):
     )
     tok = load_tokenizer(tmp_path)
     assert tok.apply_chat_template(CHAT[:2]) == "[system]You are terse.[user]Hi"
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(tokenizers):
+    """The model's vocabulary (248,320 rows) is padded past the tokenizer's; a sampled
+    padding id must not fail the request's detokenisation."""
+    for tok in tokenizers:
+        hello = tok.encode("Hello")
+        assert tok.decode(hello + [248227, 248319]) == "Hello"

@@ -202,11 +202,20 @@ MAX_ROWS = MMA_ROWS  # beyond this, prefill paths (dequantising GEMM) take over
 
 
 def default_config(n: int, k: int) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps) from `python -m sparrow.bench.gemv` on the H200 at one row
-    (2026-11-30): 16 x 1024 with 4 warps for 2048 -> 12352 (10.2 us), 2048 -> 9216 (9.0 us),
-    the lm_head (148 us) and 4096 -> 2048 (8.7 us); 4 x 1024 with 2 warps for small matrices
-    (2048 -> 1024: 4.3 us; the 8-bit router 2048 -> 257: 4.0 us)."""
-    return (16, 1024, 4) if n > 4096 or k >= 4096 else (4, 1024, 2)
+    """(block_n, block_k, num_warps) from the sweep of `python -m sparrow.bench.gemv` on the
+    H200 at one row (2026-11-30, tile order [groups, rows, words]): the lm_head 2048 -> 248320
+    32 x 512, 2 warps (89.6 us; 16 x 1024 x 4: 108.8); K >= 4096 (4096 -> 2048) 4 x 2048,
+    2 warps (6.0 us; 7.4); 2048 -> 12352 / 9216 16 x 1024, 4 warps (8.3 / 7.2 us); 2048 -> 1024
+    16 x 2048, 4 warps (3.4 us; 4.2); smaller matrices 4 x 1024, 2 warps."""
+    if n >= 65536:
+        return 32, 512, 2
+    if k >= 4096:
+        return 4, 2048, 2
+    if n > 4096:
+        return 16, 1024, 4
+    if n >= 1024 and k >= 2048:
+        return 16, 2048, 4
+    return 4, 1024, 2
 
 
 def _check(x, packed, scales, biases, spec: QuantSpec) -> None:
