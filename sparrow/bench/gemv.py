@@ -24,6 +24,7 @@ from sparrow.quant.affine import QuantSpec, quantize
 SHAPES = {  # name: (N, K): the model's fused projections
     "gdn in_proj 2048->12352": (12352, 2048),
     "attention qkv 2048->9216": (9216, 2048),
+    "2048->8192 (issue 3's bar)": (8192, 2048),
     "out_proj 4096->2048": (2048, 4096),
     "shared expert up 2048->1024": (1024, 2048),
     "lm_head 2048->248320": (248320, 2048),

@@ -202,17 +202,18 @@ MAX_ROWS = MMA_ROWS  # beyond this, prefill paths (dequantising GEMM) take over
 
 
 def default_config(n: int, k: int) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps) from the sweep of `python -m sparrow.bench.gemv` on the
-    H200 at one row (2026-11-30, tile order [groups, rows, words]): the lm_head 2048 -> 248320
-    32 x 512, 2 warps (89.6 us; 16 x 1024 x 4: 108.8); K >= 4096 (4096 -> 2048) 4 x 2048,
-    2 warps (6.0 us; 7.4); 2048 -> 12352 / 9216 16 x 1024, 4 warps (8.3 / 7.2 us); 2048 -> 1024
-    16 x 2048, 4 warps (3.4 us; 4.2); smaller matrices 4 x 1024, 2 warps."""
+    """(block_n, block_k, num_warps) from sweeps of `python -m sparrow.bench.gemv` on the H200
+    at one row (2026-11-30, tile order [groups, rows, words]; 1 to 8 warps, 4 to 64 rows, K
+    blocks of 512 to 4096): the lm_head 2048 -> 248320 16 x 1024, 1 warp (86.8 us, 77% of
+    bandwidth); K >= 4096 (4096 -> 2048) 8 x 4096, 2 warps (4.7 us); 2048 -> 8192 / 9216 /
+    12352 8 x 1024, 1 warp (6.4 / 7.3 / 7.9 us); 2048 -> 1024 16 x 2048, 4 warps (3.4 us);
+    smaller matrices 4 x 1024, 2 warps."""
     if n >= 65536:
-        return 32, 512, 2
+        return 16, 1024, 1
     if k >= 4096:
-        return 4, 2048, 2
+        return 8, 4096, 2
     if n > 4096:
-        return 16, 1024, 4
+        return 8, 1024, 1
     if n >= 1024 and k >= 2048:
         return 16, 2048, 4
     return 4, 1024, 2
