@@ -160,12 +160,17 @@ def _gemv_kernel(
         p_x = x_ptr + (i_m // TOP_K) * stride_xm
     else:
         p_x = x_ptr + i_m * stride_xm
-    b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS, GROUP,
-                    BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
-    if GATED:
-        b_u = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n + N, m_n, K, stride_wn, stride_sn, BITS,
-                        GROUP, BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
+    if GATED:  # gate rows o_n and up rows o_n + N in one walk over K (one tile of 2 BLOCK_N)
+        o_gu = tl.arange(0, 2 * BLOCK_N)
+        o_rows = i_n * BLOCK_N + o_gu % BLOCK_N + (o_gu // BLOCK_N) * N
+        m_rows = i_n * BLOCK_N + o_gu % BLOCK_N < N
+        b_gu = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_rows, m_rows, K, stride_wn, stride_sn,
+                         BITS, GROUP, 2 * BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
+        b_y, b_u = tl.split(tl.permute(tl.reshape(b_gu, [2, BLOCK_N]), [1, 0]))
         b_y = b_y / (1.0 + tl.exp(-b_y)) * b_u
+    else:
+        b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
+                        GROUP, BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
     if APPLY_WEIGHT:
         b_y *= tl.load(rw_ptr + i_m)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
