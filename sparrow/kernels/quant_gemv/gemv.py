@@ -212,15 +212,16 @@ def default_config(n: int, k: int) -> tuple[int, int, int]:
     blocks of 512 to 4096): the lm_head 2048 -> 248320 16 x 1024, 1 warp (86.8 us, 77% of
     bandwidth); K >= 4096 (4096 -> 2048) 8 x 4096, 2 warps (4.7 us); 2048 -> 8192 / 9216 /
     12352 8 x 1024, 1 warp (6.4 / 7.3 / 7.9 us); 2048 -> 1024 16 x 2048, 4 warps (3.4 us);
-    smaller matrices 4 x 1024, 2 warps."""
+    the 8-bit router 2048 -> 257 4 x 2048, 4 warps (3.0 us; 4 x 1024 x 2: 3.8); smaller
+    matrices 4 x 1024, 2 warps."""
     if n >= 65536:
         return 16, 1024, 1
     if k >= 4096:
         return 8, 4096, 2
     if n > 4096:
         return 8, 1024, 1
-    if n >= 1024 and k >= 2048:
-        return 16, 2048, 4
+    if k >= 2048:
+        return (16, 2048, 4) if n >= 1024 else (4, 2048, 4)
     return 4, 1024, 2
 
 
