@@ -29,7 +29,11 @@ def _run(model, prompts, decode):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_kernel_path_matches_reference(backend, device):
+@pytest.mark.parametrize("one_kernel_decode", [False, True])
+def test_kernel_path_matches_reference(backend, device, one_kernel_decode, monkeypatch):
+    from sparrow.layers.gated_deltanet import GatedDeltaNet
+
+    monkeypatch.setattr(GatedDeltaNet, "ONE_KERNEL_DECODE", one_kernel_decode)
     torch.backends.cuda.matmul.allow_tf32 = False
     model = random_model(CFG, seed=3, device=device, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
