@@ -76,6 +76,25 @@ def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the g
     assert [len(t) for t in outs[True]] == [12, 5, 9, 16, 7]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl, one_kernel", [(True, False), (False, True), (True, True)])
+def test_pdl_and_one_kernel_gdn_decode_match_gpu(ckpt, monkeypatch, pdl, one_kernel):
+    """Graph decode with programmatic dependent launch (SPARROW_PDL=1) and/or the GDN decode
+    as one kernel gives the greedy tokens of the plain eager engine (4-bit, fp32)."""
+    from sparrow.layers.gated_deltanet import GatedDeltaNet
+
+    config = SchedulerConfig(block_size=16, num_blocks=256, max_num_seqs=3, max_model_len=512)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16)]
+    outs = []
+    for variant in (False, True):
+        monkeypatch.setenv("SPARROW_PDL", "1" if variant and pdl else "0")
+        monkeypatch.setattr(GatedDeltaNet, "ONE_KERNEL_DECODE", variant and one_kernel)
+        model = load_checkpoint(ckpt, "cuda", torch.float32, QuantConfig.from_name("4bit"))
+        llm = LLM(model, scheduler=config, cuda_graphs=variant)
+        outs.append([o.token_ids for o in llm.generate(PROMPTS, params)])
+    assert outs[0] == outs[1]
+
+
 def test_warmup_leaves_the_engine_idle(ckpt):
     """Warm-up prompts run to completion and give back every block and slot; generation
     afterwards is the same as on a fresh engine."""

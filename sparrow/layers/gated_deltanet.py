@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,8 +40,9 @@ def causal_conv1d(
 class GatedDeltaNet(Projections, nn.Module):
     FUSED = {"in": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
     # Decode as one kernel (`fused_decode_layer`) instead of conv, step and norm: tested
-    # against the three on CPU; off until `python -m sparrow.bench.gdn` times it on the H200.
-    ONE_KERNEL_DECODE = False
+    # against the three on CPU; off (unless SPARROW_GDN_ONE_KERNEL=1) until
+    # `python -m sparrow.bench.gdn` and `sparrow.bench.e2e` time it on the H200.
+    ONE_KERNEL_DECODE = os.environ.get("SPARROW_GDN_ONE_KERNEL") == "1"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

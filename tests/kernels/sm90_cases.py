@@ -147,6 +147,8 @@ def _aligned(fn, constexprs: dict) -> dict:
 
 def compile_case(name: str) -> dict:
     fn, pointers, constexprs, options = CASES[name]
+    if "USE_PDL" in fn.arg_names:  # compiled as launched with SPARROW_PDL=1
+        constexprs = constexprs | {"USE_PDL": True}
     src = ASTSource(fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs,
                     attrs=_aligned(fn, constexprs))
     try:

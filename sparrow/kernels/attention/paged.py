@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.pdl import launch_args, wait_for_previous
+
 
 @triton.jit
 def _paged_attn_kernel(
@@ -132,7 +134,9 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
     S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     i_s, i_kvh, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + i_b)
     per_split = tl.cdiv(tl.cdiv(ctx, S), BLOCK_N) * BLOCK_N
@@ -175,7 +179,9 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     acc_ptr, ml_ptr, gate_ptr, o_ptr, stride_ob, stride_oh, stride_gb, stride_gh, HQ,
     S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     i_h, i_b = tl.program_id(0), tl.program_id(1)
     o_s = tl.arange(0, SP)
     m_s = o_s < S
@@ -234,13 +240,13 @@ def paged_decode_attention(
         block_tables.stride(0), scale,
         S=splits, G=g, D=d, ROWS=max(16, triton.next_power_of_2(g)),
         BLOCK_N=min(block_n or min(64, 8192 // d), cache_block),  # D = 256: 32 keys, no spills
-        CACHE_BLOCK=cache_block, PRECISION=precision,
+        CACHE_BLOCK=cache_block, PRECISION=precision, **launch_args(acc),
     )  # fmt: skip
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
     gate_strides = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
     _decode_merge_kernel[(hq, bsz)](
         acc, ml, gate if gate is not None else q, out, out.stride(0), out.stride(1),
         *gate_strides, hq,
-        S=splits, SP=max(2, splits), D=d, HAS_GATE=gate is not None,
+        S=splits, SP=max(2, splits), D=d, HAS_GATE=gate is not None, **launch_args(out),
     )  # fmt: skip
     return out

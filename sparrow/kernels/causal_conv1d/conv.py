@@ -16,13 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.pdl import launch_args, wait_for_previous
+
 
 @triton.jit
 def _conv_kernel(
     x_ptr, y_ptr, w_ptr, state_ptr, cu_ptr, slot_ptr,
     C, stride_xt, stride_yt, stride_ss, stride_sc,
     KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     i_c, i_b, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + i_b)
     length = tl.load(cu_ptr + i_b + 1) - start
@@ -102,6 +106,6 @@ def causal_conv1d_varlen(
     _conv_kernel[grid](
         x, y, weight, conv_states, cu_seqlens, slots,
         c, x.stride(0), y.stride(0), conv_states.stride(0), conv_states.stride(1),
-        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **launch_args(y),
     )  # fmt: skip
     return y

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.pdl import launch_args, wait_for_previous
+
 
 @triton.jit
 def decay_and_beta(a, b, a_log, dt_bias):
@@ -31,7 +33,9 @@ def _recurrent_step_kernel(
     qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
     stride_qkv, stride_ab, stride_ss, stride_sh, stride_o,
     KEY_DIM, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_previous(USE_PDL)
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_k = i_h // RATIO  # the q/k head this v-head reads
     o_dk = tl.arange(0, DK)
@@ -89,6 +93,7 @@ def _decode_layer_kernel(
     eps, stride_x, stride_ab, stride_z, stride_cs, stride_cc, stride_ss, stride_sh,
     KEY_DIM, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """The whole decode of a GDN layer after its in-projection, one program per (sequence,
     v-head, BV state columns): conv + SiLU of the token's q, k and v channels, the recurrent
@@ -102,6 +107,7 @@ def _decode_layer_kernel(
       (fp32, `ob_ptr`) and the last one normalises the head.
     A CTA barrier, then one acq_rel atomic per program orders every earlier read and write
     of the program before what the last program does next."""
+    wait_for_previous(USE_PDL)
     NV: tl.constexpr = DV // BV
     RATIO: tl.constexpr = HV // HK
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -208,7 +214,7 @@ def fused_decode_layer(
         slots, norm_weight, o, y, counters,
         eps, mixed_qkv.stride(0), a.stride(0), z.stride(0), conv_states.stride(0),
         conv_states.stride(1), states.stride(0), states.stride(1),
-        key_dim, HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=block_v,
+        key_dim, HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=block_v, **launch_args(y),
     )  # fmt: skip
     return y
 
@@ -258,7 +264,7 @@ def fused_recurrent_step(
     _recurrent_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, states, slots, o,
         qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), o.stride(0),
-        key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v,
+        key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v, **launch_args(o),
     )  # fmt: skip
     return o
 
@@ -292,9 +298,11 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, stride_zt, D: tl.constexpr):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, stride_zt, D: tl.constexpr,
+                       USE_PDL: tl.constexpr):  # fmt: skip
     """One row (token i // H, head i % H) of D values: y = w * rms_norm(o) * silu(z),
     rounding like the layer. z's heads are packed, its tokens stride_zt apart."""
+    wait_for_previous(USE_PDL)
     i = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, D)
     b_o = tl.load(o_ptr + i * D + o_d).to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -312,5 +320,6 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if z.stride(2) != 1 or z.stride(1) != d:
         z = z.contiguous()
     y = torch.empty(z.shape, device=z.device, dtype=z.dtype)
-    _gated_norm_kernel[(t * h,)](o, z, weight, y, eps, h, z.stride(0), D=d, num_warps=1)
+    _gated_norm_kernel[(t * h,)](o, z, weight, y, eps, h, z.stride(0), D=d, num_warps=1,
+                                 **launch_args(y))  # fmt: skip
     return y

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from sparrow.kernels.dequant.unpack import packed_unpack, unpack_codes
 from sparrow.kernels.moe_routing.routing import align, topk_route
+from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.kernels.quant_gemv.gemv import launch_gemv
 from sparrow.quant.affine import QuantSpec
 
@@ -120,9 +121,11 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
 
 @triton.jit
 def _combine_kernel(p_ptr, s_ptr, g_ptr, o_ptr, D, stride_g, TOP_K: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):  # fmt: skip
     """out[t] = sum_j partial[t, j] (+ sigmoid(gate[t]) * shared[t]) (see naive.combine);
     gate rows stride_g apart (a column of the fused router output)."""
+    wait_for_previous(USE_PDL)
     i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = i_d * BLOCK + tl.arange(0, BLOCK)
     m_d = o_d < D
@@ -146,7 +149,7 @@ def _combine(partial, top_k, out_dtype, shared: Shared | None = None):
         s, g = partial, partial
     _combine_kernel[(t, triton.cdiv(d, 1024))](partial, s, g, out, d, g.stride(0),
                                                TOP_K=top_k, HAS_SHARED=shared is not None,
-                                               BLOCK=1024)  # fmt: skip
+                                               BLOCK=1024, **launch_args(out))  # fmt: skip
     return out
 
 

@@ -15,15 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.pdl import launch_args, wait_for_previous
+
 
 @triton.jit
 def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g,
-                 K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+                 K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                 USE_PDL: tl.constexpr):  # fmt: skip
     """One token per program: softmax over E, then K rounds of argmax-and-mask. SHARED: a
     (K + 1)-th column, weight sigmoid(gate[t]) and id 0, for a shared expert run as one more
     assignment. Each round is one max over int64 keys (the probability's bits, which order
     like the values for p >= 0, above the reversed index: ties go to the lowest index, like
     torch.topk on distinct values); one warp, so every reduction stays in shuffles."""
+    wait_for_previous(USE_PDL)
     i_t = tl.program_id(0)
     o_e = tl.arange(0, BLOCK_E)
     b_l = tl.load(logits_ptr + i_t * stride_t + o_e, mask=o_e < E, other=-float("inf"))
@@ -106,7 +110,8 @@ def topk_route(
         gate = shared_gate if shared_gate is not None else logits
         _topk_kernel[(t,)](logits, weights, ids, gate, e, logits.stride(0), gate.stride(0), K=k,
                            SHARED=shared_gate is not None,
-                           BLOCK_E=triton.next_power_of_2(e), num_warps=1)  # fmt: skip
+                           BLOCK_E=triton.next_power_of_2(e), num_warps=1,
+                           **launch_args(logits))  # fmt: skip
     return weights, ids
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels.dequant.unpack import fit_block_k
+from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
 from sparrow.quant.affine import QuantSpec
 
@@ -137,6 +138,7 @@ def _gemv_kernel(
     TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
     APPLY_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of output row i_m.
 
@@ -146,6 +148,7 @@ def _gemv_kernel(
     reads expert ids[i_m]; SHARED: the last slot of each token reads the shared expert's
     weights (sw, ss, sb: one expert's shape) instead; APPLY_WEIGHT scales a row by its
     routing weight rw[i_m]."""
+    wait_for_previous(USE_PDL)
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -198,7 +201,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
         BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_args(y),
     )  # fmt: skip
     return y
 

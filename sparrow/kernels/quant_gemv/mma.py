@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels.dequant.unpack import fit_block_k, packed_unpack, unpack_codes
+from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.quant.affine import QuantSpec
 
 MMA_ROWS = 16  # activation rows padded to the MMA's minimum N
@@ -51,8 +52,10 @@ def _mma_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of all M <= 16 rows. K % BLOCK_K == 0."""
+    wait_for_previous(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -78,9 +81,11 @@ def _mma_split_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """`_mma_kernel` with K cut into SPLIT ranges, one batched-dot slice each
     (K % (SPLIT * BLOCK_K) == 0)."""
+    wait_for_previous(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -148,7 +153,7 @@ def quant_mma(
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     grid = (triton.cdiv(n, cfg["block_n"]),)
     if split == 1:
-        _mma_kernel[grid](*args, **meta)
+        _mma_kernel[grid](*args, **meta, **launch_args(y))
     else:
-        _mma_split_kernel[grid](*args, SPLIT=split, **meta)
+        _mma_split_kernel[grid](*args, SPLIT=split, **meta, **launch_args(y))
     return y

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.pdl import launch_args, wait_for_previous
+
 
 @triton.jit
 def _inv_rms(b_x, eps, D: tl.constexpr):
@@ -27,7 +29,8 @@ def _scaled(b_x, inv_rms, w_ptr, o_d, m_d):
 
 @triton.jit
 def _add_norm_kernel(x_ptr, r_ptr, s_ptr, y_ptr, w_ptr, eps, HAS_RESIDUAL: tl.constexpr,
-                     D: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                     D: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64) * D
     o_d = tl.arange(0, BLOCK)
     m_d = o_d < D
@@ -58,7 +61,7 @@ def _launch(x, residual, weight, eps):
     r = residual.contiguous() if residual is not None else x
     _add_norm_kernel[(x.numel() // d,)](
         x, r, s, y, weight, eps, HAS_RESIDUAL=residual is not None, D=d,
-        BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1,
+        BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1, **launch_args(y),
     )  # fmt: skip
     return s, y
 
@@ -67,9 +70,10 @@ def _launch(x, residual, weight, eps):
 def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, eps, stride_xt, stride_xh,
                       stride_ct, v_ptr, kc_ptr, vc_ptr, rows_ptr, stride_vt,
                       H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                      TO_CACHE: tl.constexpr):  # fmt: skip
+                      TO_CACHE: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """One (token, head) row. TO_CACHE: also store it at cache row rows[token] and copy the
     token's v row there (the K/V cache write of an attention layer)."""
+    wait_for_previous(USE_PDL)
     i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = tl.arange(0, D)
     b_x = tl.load(x_ptr + i_t * stride_xt + i_h * stride_xh + o_d).to(tl.float32)
@@ -120,5 +124,6 @@ def rms_norm_rope(
         x, y, weight, cos, sin, eps, x.stride(0), x.stride(1), cos.stride(0),
         v, k_cache, v_cache, rows, v.stride(0),
         H=h, D=d, R=r, TO_CACHE=cache is not None, num_warps=1 if d <= 256 else 4,
+        **launch_args(y),
     )  # fmt: skip
     return y

@@ -1,0 +1,41 @@
+"""Programmatic dependent launch: off on CPU tensors whatever the environment says, and a
+kernel launched with it computes what it computes without (GPU)."""
+
+import pytest
+import torch
+
+from sparrow.kernels.pdl import enabled, launch_args
+from sparrow.kernels.rms_norm.norm import add_rms_norm
+from tests.conftest import rel_err
+
+
+def test_never_on_cpu(monkeypatch):
+    monkeypatch.setenv("SPARROW_PDL", "1")
+    assert not enabled(torch.device("cpu"))
+    assert launch_args(torch.zeros(1)) == {"USE_PDL": False}
+
+
+@pytest.mark.gpu
+def test_chain_of_pdl_kernels_gpu(monkeypatch):
+    """Twenty dependent residual-add + norm kernels launched with PDL, eagerly and from a
+    CUDA graph, give the same result as without."""
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(2048, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        s, y = x, x
+        for _ in range(20):
+            s, y = add_rms_norm(y, s, w, 1e-6)
+        return y
+
+    monkeypatch.setenv("SPARROW_PDL", "0")
+    expected = chain()
+    monkeypatch.setenv("SPARROW_PDL", "1")
+    assert enabled(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert rel_err(chain(), expected) == 0
+    graph = torch.cuda.CUDAGraph()
+    chain()  # compile outside the capture
+    with torch.cuda.graph(graph):
+        out = chain()
+    graph.replay()
+    assert rel_err(out, expected) == 0
