@@ -31,7 +31,7 @@ FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
 GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
              "sw_ptr": "i32"}
 GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
-        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False}
+        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
 TF32 = {"PRECISION": "tf32"}
 CASES = {
@@ -85,6 +85,9 @@ CASES = {
                            {"S": 64, "SP": 64, "D": 256, "HAS_GATE": True}, {"num_warps": 4}),
     "quant_gemv": (gemv._gemv_kernel, GEMV_PTRS, GEMV | {"BLOCK_N": 16, "PACKED": True},
                    {"num_warps": 4, "num_stages": 2}),
+    "quant_gemv_prefetch": (gemv._gemv_kernel, GEMV_PTRS,
+                            GEMV | {"BLOCK_N": 8, "PACKED": True, "PREFETCH": True},
+                            {"num_warps": 1}),
     "quant_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
                          GEMV | {"GATED": True, "BLOCK_N": 4, "PACKED": True},
                          {"num_warps": 2, "num_stages": 2}),

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels.quant_gemv.gemv import quant_gemv
+from sparrow.kernels.quant_gemv.gemv import launch_gemv, quant_gemv
 from sparrow.kernels.quant_gemv.mma import quant_mma
 from sparrow.kernels.quant_gemv.naive import quant_matmul
 from sparrow.quant.affine import QuantSpec, quantize
@@ -46,6 +46,27 @@ def test_mma_configs_match_reference(config):
     y = quant_mma(x, packed, scales, biases, spec, **config)
     expected = quant_matmul(x.float(), packed, scales.float(), biases.float(), spec)
     assert rel_err(y, expected) < 2e-3
+
+
+@pytest.mark.parametrize("n, k, bits, block_k, gated", [(37, 320, 4, 128, False),
+                                                     (21, 448, 8, 64, True),
+                                                     (16, 128, 4, 128, False)])  # fmt: skip
+def test_weight_prefetch_matches(n, k, bits, block_k, gated):
+    """The prefetching loop (used with programmatic dependent launch: each weight tile loaded
+    one step ahead, the first before the wait) gives the plain loop's result, over several
+    K steps and a single one."""
+    spec = QuantSpec(bits, 64)
+    x, packed, scales, biases = _case(1, 2 * n if gated else n, k, spec, torch.float32, "cpu")
+    outs = []
+    for prefetch in (False, True):
+        y = torch.empty(1, n)
+        launch_gemv(x, (packed, scales, biases), y, spec, block_n=8, block_k=block_k,
+                    num_warps=1, gated=gated, prefetch=prefetch)  # fmt: skip
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    full = quant_matmul(x, packed, scales, biases, spec)
+    expected = F.silu(full[:, :n]) * full[:, n:] if gated else full
+    assert rel_err(outs[1], expected) < 1e-5
 
 
 @pytest.mark.parametrize("m, bits", [(1, 4), (1, 8), (3, 4)])

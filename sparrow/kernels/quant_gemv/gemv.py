@@ -94,9 +94,23 @@ def _codes_dot_x(b_w, p_x, BITS: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, g0, o_g, o_gw, stride_wn, stride_sn,
+                 WPG: tl.constexpr):  # fmt: skip
+    """Words [GROUPS, BLOCK_N, WPG] of groups g0.. and their scales and biases [GROUPS,
+    BLOCK_N] (fp32)."""
+    b_w = tl.load(w_ptr + o_n[None, :, None] * stride_wn + g0 * WPG + o_gw[:, None, :],
+                  mask=m_n[None, :, None], other=0)  # fmt: skip
+    o_s = o_n[None, :] * stride_sn + g0 + o_g[:, None]
+    b_s = tl.load(s_ptr + o_s, mask=m_n[None, :], other=0.0).to(tl.float32)
+    b_b = tl.load(b_ptr + o_s, mask=m_n[None, :], other=0.0).to(tl.float32)
+    return b_w, b_s, b_b
+
+
+@triton.jit
 def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
+              BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
+              USE_PDL: tl.constexpr):  # fmt: skip
     """sum_k W[o_n, k] x[k] for one activation row x (K contiguous values): fp32 [BLOCK_N].
     K % BLOCK_K == 0.
 
@@ -108,7 +122,11 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
     per code at 16 x 1024 with 4 warps, 4.71 this way). Code slot j of
     every word meets x[word * PER_WORD + j]. Codes become floats v = 1 + q / 2^BITS (shift,
     LOP3; FFMA with x) and the 1 is taken off once per word with sum x. PACKED: the 4-bit
-    unpacking in PTX (the GPU path)."""
+    unpacking in PTX (the GPU path).
+
+    PREFETCH (with programmatic dependent launch): the first weight tile is loaded before
+    waiting for the previous kernel (weights never depend on it; x does), and each tile
+    while the one before is consumed."""
     PER_WORD: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GROUP // PER_WORD
     GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -116,17 +134,24 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
     o_v = tl.arange(0, WPG)
     o_gw = o_g[:, None] * WPG + o_v[None, :]  # word within the block, [GROUPS, WPG]
     b_acc = tl.zeros([GROUPS, BLOCK_N], dtype=tl.float32)
-    for g0 in range(0, K // GROUP, GROUPS):
-        p_w = w_ptr + o_n[None, :, None] * stride_wn + g0 * WPG + o_gw[:, None, :]
-        b_w = tl.load(p_w, mask=m_n[None, :, None], other=0)
+    num_groups = K // GROUP
+    if PREFETCH:
+        b_w, b_s, b_b = _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, 0, o_g, o_gw, stride_wn,
+                                     stride_sn, WPG)  # fmt: skip
+        wait_for_previous(USE_PDL)
+    for g0 in range(0, num_groups, GROUPS):
+        if not PREFETCH:
+            b_w, b_s, b_b = _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, g0, o_g, o_gw,
+                                         stride_wn, stride_sn, WPG)  # fmt: skip
         b_qx, b_xs = _codes_dot_x(b_w, x_ptr + (g0 * WPG + o_gw) * PER_WORD, BITS, PACKED)
-        o_s = o_n[None, :] * stride_sn + g0 + o_g[:, None]
-        b_s = tl.load(s_ptr + o_s, mask=m_n[None, :], other=0.0).to(tl.float32)
-        b_b = tl.load(b_ptr + o_s, mask=m_n[None, :], other=0.0).to(tl.float32)
         # per group: sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x; summing the
         # words of a group first keeps the [GROUPS, BLOCK_N, WPG] tile in one layout
         b_sf = b_s * (1 << BITS)
         b_acc += b_sf * tl.sum(b_qx, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[:, None]
+        if PREFETCH:  # the next tile (none past the end)
+            m_next = m_n & (o_n * 0 + g0 + GROUPS < num_groups)
+            b_w, b_s, b_b = _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_next, g0 + GROUPS, o_g,
+                                         o_gw, stride_wn, stride_sn, WPG)  # fmt: skip
     return tl.sum(b_acc, axis=0)
 
 
@@ -138,7 +163,7 @@ def _gemv_kernel(
     TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
     APPLY_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of output row i_m.
 
@@ -147,8 +172,10 @@ def _gemv_kernel(
     EXPERTS: W is a stack of experts [E, ...] and row i_m = t * TOP_K + slot (an assignment)
     reads expert ids[i_m]; SHARED: the last slot of each token reads the shared expert's
     weights (sw, ss, sb: one expert's shape) instead; APPLY_WEIGHT scales a row by its
-    routing weight rw[i_m]."""
-    wait_for_previous(USE_PDL)
+    routing weight rw[i_m]. PREFETCH (not with EXPERTS: the expert ids come from the
+    previous kernel): see `gemv_rows`."""
+    if not PREFETCH:
+        wait_for_previous(USE_PDL)
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -168,12 +195,13 @@ def _gemv_kernel(
         o_rows = i_n * BLOCK_N + o_gu % BLOCK_N + (o_gu // BLOCK_N) * N
         m_rows = i_n * BLOCK_N + o_gu % BLOCK_N < N
         b_gu = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_rows, m_rows, K, stride_wn, stride_sn,
-                         BITS, GROUP, 2 * BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
+                         BITS, GROUP, 2 * BLOCK_N, BLOCK_K, PACKED, PREFETCH,
+                         USE_PDL)  # fmt: skip
         b_y, b_u = tl.split(tl.permute(tl.reshape(b_gu, [2, BLOCK_N]), [1, 0]))
         b_y = b_y / (1.0 + tl.exp(-b_y)) * b_u
     else:
         b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
-                        GROUP, BLOCK_N, BLOCK_K, PACKED)  # fmt: skip
+                        GROUP, BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL)  # fmt: skip
     if APPLY_WEIGHT:
         b_y *= tl.load(rw_ptr + i_m)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
@@ -181,11 +209,12 @@ def _gemv_kernel(
 
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
-                shared_w=None):  # fmt: skip
+                shared_w=None, prefetch: bool | None = None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
-    weights for the last of each token's top_k slots."""
+    weights for the last of each token's top_k slots. prefetch: the weight prefetch of
+    `gemv_rows`, by default with programmatic dependent launch and without experts."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
@@ -193,6 +222,9 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
                                  or shared_w[1].stride(0) != scales.stride(-2)):  # fmt: skip
         raise ValueError("the shared expert's rows must be laid out like a routed expert's")
     sw = (shared_w[0].view(torch.int32), *shared_w[1:]) if shared_w is not None else (None,) * 3
+    if prefetch and experts:
+        raise ValueError("the expert GEMV cannot prefetch: its weights follow the routing")
+    pdl = launch_args(y)
     _gemv_kernel[(triton.cdiv(n, block_n), y.shape[0])](
         x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
         n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),
@@ -201,7 +233,8 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
         BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
-        num_warps=num_warps, num_stages=num_stages, **launch_args(y),
+        PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     return y
 
