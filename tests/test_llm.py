@@ -77,20 +77,17 @@ def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl, one_kernel", [(True, False), (False, True), (True, True)])
-def test_pdl_and_one_kernel_gdn_decode_match_gpu(ckpt, monkeypatch, pdl, one_kernel):
-    """Graph decode with programmatic dependent launch (SPARROW_PDL=1) and/or the GDN decode
-    as one kernel gives the greedy tokens of the plain eager engine (4-bit, fp32)."""
-    from sparrow.layers.gated_deltanet import GatedDeltaNet
-
+@pytest.mark.parametrize("variants", ["pdl", "gdn_one_kernel", "moe_combine", "all"])
+def test_experimental_kernels_match_gpu(ckpt, monkeypatch, variants):
+    """Graph decode with the untimed kernel variants (SPARROW_EXPERIMENTAL) gives the greedy
+    tokens of the plain eager engine (4-bit, fp32)."""
     config = SchedulerConfig(block_size=16, num_blocks=256, max_num_seqs=3, max_model_len=512)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16)]
     outs = []
-    for variant in (False, True):
-        monkeypatch.setenv("SPARROW_PDL", "1" if variant and pdl else "0")
-        monkeypatch.setattr(GatedDeltaNet, "ONE_KERNEL_DECODE", variant and one_kernel)
+    for on in (False, True):
+        monkeypatch.setenv("SPARROW_EXPERIMENTAL", variants if on else "")
         model = load_checkpoint(ckpt, "cuda", torch.float32, QuantConfig.from_name("4bit"))
-        llm = LLM(model, scheduler=config, cuda_graphs=variant)
+        llm = LLM(model, scheduler=config, cuda_graphs=on)
         outs.append([o.token_ids for o in llm.generate(PROMPTS, params)])
     assert outs[0] == outs[1]
 

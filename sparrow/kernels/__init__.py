@@ -3,6 +3,11 @@
 One switch selects the path the model takes: `reference` (plain PyTorch everywhere), `triton`
 (the kernels, also on CPU tensors under TRITON_INTERPRET=1), or `auto` (the default: kernels
 for CUDA tensors, reference otherwise). Set it with SPARROW_KERNELS or `set_backend`.
+
+Kernel variants built and tested but not yet timed on the H200 stay off unless named in
+SPARROW_EXPERIMENTAL (comma-separated, or `all`): `pdl` (programmatic dependent launch,
+`pdl.py`), `gdn_one_kernel` (a GDN layer's decode as one kernel), `moe_combine` (the MoE
+combine inside the down-projection GEMV at decode).
 """
 
 from __future__ import annotations
@@ -37,3 +42,14 @@ def fits_tiles(*dims: int) -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """Whether ops on `t` take the Triton kernels."""
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
+
+
+EXPERIMENTAL = ("pdl", "gdn_one_kernel", "moe_combine")
+
+
+def experimental(name: str) -> bool:
+    """Whether the untimed kernel variant `name` is switched on (SPARROW_EXPERIMENTAL)."""
+    if name not in EXPERIMENTAL:
+        raise ValueError(f"unknown experimental variant {name!r}; expected one of {EXPERIMENTAL}")
+    chosen = {v.strip() for v in os.environ.get("SPARROW_EXPERIMENTAL", "").split(",")}
+    return name in chosen or "all" in chosen

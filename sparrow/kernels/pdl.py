@@ -9,18 +9,19 @@ Every kernel launched this way waits before its first memory access, so the orde
 and writes is the stream's, as without it. Kernels launched without it (PyTorch's) wait for
 the whole previous kernel as usual.
 
-Off unless SPARROW_PDL=1 (`python -m sparrow.bench.e2e` compares); on CPU tensors (the
+Off unless SPARROW_EXPERIMENTAL names `pdl` (see `sparrow.kernels`); on CPU tensors (the
 interpreter) never.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from sparrow.kernels import experimental
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def _supported(index: int) -> bool:
 
 
 def enabled(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("SPARROW_PDL") == "1"
+    return (device.type == "cuda" and experimental("pdl")
             and _supported(device.index if device.index is not None
                            else torch.cuda.current_device()))  # fmt: skip
 

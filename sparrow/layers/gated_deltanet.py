@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sparrow.config import ModelConfig
-from sparrow.kernels import fits_tiles, use_triton
+from sparrow.kernels import experimental, fits_tiles, use_triton
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
 from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import (
@@ -39,10 +37,6 @@ def causal_conv1d(
 
 class GatedDeltaNet(Projections, nn.Module):
     FUSED = {"in": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
-    # Decode as one kernel (`fused_decode_layer`) instead of conv, step and norm: tested
-    # against the three on CPU; off (unless SPARROW_GDN_ONE_KERNEL=1) until
-    # `python -m sparrow.bench.gdn` and `sparrow.bench.e2e` time it on the H200.
-    ONE_KERNEL_DECODE = os.environ.get("SPARROW_GDN_ONE_KERNEL") == "1"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -111,7 +105,7 @@ class GatedDeltaNet(Projections, nn.Module):
         norm kernel: 11.9 vs 9.9 us per layer at batch 1, 149 vs 107 us at 64.)"""
         slots = meta.state_slots
         weight = self.conv1d.weight[:, 0]
-        if meta.max_q_len == 1 and self.ONE_KERNEL_DECODE and self.kernel == 4:
+        if meta.max_q_len == 1 and self.kernel == 4 and experimental("gdn_one_kernel"):
             return fused_decode_layer(mixed_qkv, a, b, z, weight, conv_pool, self.A_log,
                                       self.dt_bias, state_pool, slots, self.num_k_heads,
                                       self.norm.weight, self.norm.eps)  # fmt: skip

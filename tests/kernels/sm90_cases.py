@@ -31,7 +31,8 @@ FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
 GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
              "sw_ptr": "i32"}
 GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
-        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False}
+        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False,
+        "COMBINE": False}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
 TF32 = {"PRECISION": "tf32"}
 CASES = {
@@ -108,6 +109,10 @@ CASES = {
     "dequant": (dequant._dequant_kernel, {"*": "bf16", "w_ptr": "i32"},
                 {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256, "PACKED": True},
                 {"num_warps": 4}),
+    "moe_gemv_combine": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32", "count_ptr": "i32"},
+                         GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True,
+                                 "APPLY_WEIGHT": True, "COMBINE": True, "BLOCK_N": 32,
+                                 "BLOCK_K": 512, "PACKED": True}, {"num_warps": 2}),
     "moe_gemv": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
                  GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "APPLY_WEIGHT": True,
                          "BLOCK_N": 16, "PACKED": True}, {"num_warps": 4}),
@@ -150,7 +155,7 @@ def _aligned(fn, constexprs: dict) -> dict:
 
 def compile_case(name: str) -> dict:
     fn, pointers, constexprs, options = CASES[name]
-    if "USE_PDL" in fn.arg_names:  # compiled as launched with SPARROW_PDL=1
+    if "USE_PDL" in fn.arg_names:  # compiled as launched with PDL on
         constexprs = constexprs | {"USE_PDL": True}
     src = ASTSource(fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs,
                     attrs=_aligned(fn, constexprs))

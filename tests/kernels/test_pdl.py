@@ -10,7 +10,7 @@ from tests.conftest import rel_err
 
 
 def test_never_on_cpu(monkeypatch):
-    monkeypatch.setenv("SPARROW_PDL", "1")
+    monkeypatch.setenv("SPARROW_EXPERIMENTAL", "pdl")
     assert not enabled(torch.device("cpu"))
     assert launch_args(torch.zeros(1)) == {"USE_PDL": False}
 
@@ -28,9 +28,9 @@ def test_chain_of_pdl_kernels_gpu(monkeypatch):
             s, y = add_rms_norm(y, s, w, 1e-6)
         return y
 
-    monkeypatch.setenv("SPARROW_PDL", "0")
+    monkeypatch.setenv("SPARROW_EXPERIMENTAL", "")
     expected = chain()
-    monkeypatch.setenv("SPARROW_PDL", "1")
+    monkeypatch.setenv("SPARROW_EXPERIMENTAL", "pdl")
     assert enabled(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
     assert rel_err(chain(), expected) == 0
     graph = torch.cuda.CUDAGraph()

@@ -29,11 +29,10 @@ def _run(model, prompts, decode):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("one_kernel_decode", [False, True])
+@pytest.mark.parametrize("one_kernel_decode", [False, True])  # + the MoE combine in the GEMV
 def test_kernel_path_matches_reference(backend, device, one_kernel_decode, monkeypatch):
-    from sparrow.layers.gated_deltanet import GatedDeltaNet
-
-    monkeypatch.setattr(GatedDeltaNet, "ONE_KERNEL_DECODE", one_kernel_decode)
+    variants = "gdn_one_kernel,moe_combine" if one_kernel_decode else ""
+    monkeypatch.setenv("SPARROW_EXPERIMENTAL", variants)
     torch.backends.cuda.matmul.allow_tf32 = False
     model = random_model(CFG, seed=3, device=device, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)

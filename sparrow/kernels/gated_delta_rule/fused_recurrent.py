@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.counters import counters
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
@@ -154,18 +155,6 @@ def _decode_layer_kernel(
         tl.store(p_count + HK + i_h, 0)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters the decode kernel returns to zero: allocated once per device
-    (generously, so that a CUDA-graph capture does not allocate them)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
-
-
 def fused_decode_layer(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -208,10 +197,9 @@ def fused_decode_layer(
     block_v = min(block_v, dv)
     o = torch.empty(bsz, hv, dv, device=z.device, dtype=torch.float32)
     y = torch.empty(bsz, hv, dv, device=z.device, dtype=z.dtype)
-    counters = _counters(z.device, bsz * (num_k_heads + hv))
     _decode_layer_kernel[(dv // block_v, hv, bsz)](
         mixed_qkv, a, b, z, conv_weight.contiguous(), conv_states, a_log, dt_bias, states,
-        slots, norm_weight, o, y, counters,
+        slots, norm_weight, o, y, counters(z.device, bsz * (num_k_heads + hv)),
         eps, mixed_qkv.stride(0), a.stride(0), z.stride(0), conv_states.stride(0),
         conv_states.stride(1), states.stride(0), states.stride(1),
         key_dim, HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=block_v, **launch_args(y),

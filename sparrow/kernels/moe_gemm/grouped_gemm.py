@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels import experimental
 from sparrow.kernels.dequant.unpack import packed_unpack, unpack_codes
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
@@ -87,14 +88,14 @@ def _moe_gemm_kernel(
     tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
 
 
-def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None):
+def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, out=None):
     """Blocks from sweeps of the whole MoE layer on the H200 (graph, 1 / 8 tokens): gate_up
     (gate and up rows in one tile) 16 x 1024 with 4 warps (21.0 / 64.8 us; 16 x 2048: 22.0 /
     71.8, 4 x 2048 with 2 warps: 22.1 / 75.9), down (K = 512) 32 x 512 with 2 warps (22.0 /
     69.8; 16 x 512 with 4 warps: 22.6 / 76.1)."""
     bn, bk, nw = (16, 1024, 4) if gated else (32, 512, 2)
     launch_gemv(a, w, c, spec, block_n=bn, block_k=bk, num_warps=nw, gated=gated, ids=ids,
-                rw=rw, top_k=top_k, shared_w=shared_w)  # fmt: skip
+                rw=rw, top_k=top_k, shared_w=shared_w, out=out)  # fmt: skip
 
 
 def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
@@ -222,6 +223,10 @@ def moe_experts(
     if gemv:
         shared_gate_up, shared_down = shared.weights if fold else (None, None)
         _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up)
+        if (shared is None or fold) and experimental("moe_combine"):  # summed in the down GEMV
+            out = torch.empty(t, d, device=x.device, dtype=x.dtype)
+            _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down, out)
+            return out
         _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down)
         return _combine(partial, slots, x.dtype, None if fold else shared)
     tiles = tiles or tiles_for(t * top_k, e)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sparrow.kernels.counters import counters
 from sparrow.kernels.dequant.unpack import fit_block_k
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
@@ -157,11 +158,11 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr, sw_ptr, ss_ptr, sb_ptr,
-    N, K,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr, sw_ptr, ss_ptr, sb_ptr, out_ptr,
+    count_ptr, N, K,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym, stride_om,
     TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
-    APPLY_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    APPLY_WEIGHT: tl.constexpr, COMBINE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -172,8 +173,9 @@ def _gemv_kernel(
     EXPERTS: W is a stack of experts [E, ...] and row i_m = t * TOP_K + slot (an assignment)
     reads expert ids[i_m]; SHARED: the last slot of each token reads the shared expert's
     weights (sw, ss, sb: one expert's shape) instead; APPLY_WEIGHT scales a row by its
-    routing weight rw[i_m]. PREFETCH (not with EXPERTS: the expert ids come from the
-    previous kernel): see `gemv_rows`."""
+    routing weight rw[i_m]. COMBINE: out[t] = the sum of y's TOP_K rows of token t, by the
+    last of those rows' programs to finish a column block (`counters`). PREFETCH (not with
+    EXPERTS: the expert ids come from the previous kernel): see `gemv_rows`."""
     if not PREFETCH:
         wait_for_previous(USE_PDL)
     i_n, i_m = tl.program_id(0), tl.program_id(1)
@@ -205,16 +207,30 @@ def _gemv_kernel(
     if APPLY_WEIGHT:
         b_y *= tl.load(rw_ptr + i_m)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
+    if COMBINE:
+        tl.debug_barrier()
+        i_t = i_m // TOP_K
+        p_count = count_ptr + i_t * tl.num_programs(0) + i_n
+        if tl.atomic_add(p_count, 1) == TOP_K - 1:  # the token's last row for this block
+            b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(TOP_K):  # in slot order, as `_combine` sums
+                b_sum += tl.load(y_ptr + (i_t * TOP_K + j) * stride_ym + o_n, mask=m_n,
+                                 other=0.0, cache_modifier=".cg").to(tl.float32)  # fmt: skip
+            tl.store(out_ptr + i_t * stride_om + o_n, b_sum.to(out_ptr.dtype.element_ty),
+                     mask=m_n)  # fmt: skip
+            tl.store(p_count, 0)
 
 
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
-                shared_w=None, prefetch: bool | None = None):  # fmt: skip
+                shared_w=None, prefetch: bool | None = None, out=None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
-    weights for the last of each token's top_k slots. prefetch: the weight prefetch of
-    `gemv_rows`, by default with programmatic dependent launch and without experts."""
+    weights for the last of each token's top_k slots. out [R // top_k, N]: also the sum of
+    each token's top_k rows of y (the MoE combine) in the same kernel. prefetch: the weight
+    prefetch of `gemv_rows`, by default with programmatic dependent launch and without
+    experts."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
@@ -225,12 +241,15 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     if prefetch and experts:
         raise ValueError("the expert GEMV cannot prefetch: its weights follow the routing")
     pdl = launch_args(y)
-    _gemv_kernel[(triton.cdiv(n, block_n), y.shape[0])](
-        x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
+    grid = (triton.cdiv(n, block_n), y.shape[0])
+    count = counters(y.device, grid[0] * grid[1] // top_k) if out is not None else None
+    _gemv_kernel[grid](
+        x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw, out, count,
         n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),
         scales.stride(0) if experts else 0, scales.stride(-2), y.stride(0),
+        out.stride(0) if out is not None else 0,
         TOP_K=top_k, EXPERTS=experts, SHARED=shared_w is not None, GATED=gated,
-        APPLY_WEIGHT=rw is not None,
+        APPLY_WEIGHT=rw is not None, COMBINE=out is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
         BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
