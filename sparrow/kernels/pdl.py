@@ -1,13 +1,14 @@
 """Programmatic dependent launch (Hopper and later): a kernel launched with it may start
-while the kernel before it in the stream is still running. Its programs wait at once
-(`griddepcontrol.wait`) until that kernel has finished and its writes are visible, then let
-the next kernel launch (`griddepcontrol.launch_dependents`). What it saves is the launch gap
+while the kernel before it in the stream is still running. Its programs first let the next
+kernel launch (`griddepcontrol.launch_dependents`), then wait (`griddepcontrol.wait`) until
+the previous kernel has finished and its writes are visible. What it saves is the launch gap
 between consecutive kernels, which at decode (hundreds of kernels of a few microseconds per
-step, replayed from a CUDA graph) is a large part of a step.
+step, replayed from a CUDA graph) is a large part of a step; the row GEMV also loads its
+first weight tile before the wait (weights never depend on the previous kernel).
 
-Every kernel launched this way waits before its first memory access, so the order of reads
-and writes is the stream's, as without it. Kernels launched without it (PyTorch's) wait for
-the whole previous kernel as usual.
+Every kernel launched this way waits before touching memory that another kernel writes, and
+finishes only after the kernel before it did, so reads and writes keep the stream's order.
+Kernels launched without it (PyTorch's) wait for the whole previous kernel as usual.
 
 Off unless SPARROW_EXPERIMENTAL names `pdl` (see `sparrow.kernels`); on CPU tensors (the
 interpreter) never.
@@ -25,11 +26,26 @@ from sparrow.kernels import experimental
 
 
 @triton.jit
-def wait_for_previous(USE_PDL: tl.constexpr):
-    """First statement of a kernel that may be launched with `launch_args(...)`."""
+def let_next_launch(USE_PDL: tl.constexpr):
+    """Let the next kernel in the stream launch once every program of this one got here."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_previous(USE_PDL: tl.constexpr):
+    """Wait until the previous kernel has finished and its writes are visible."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(USE_PDL: tl.constexpr):
+    """First statement of a kernel that may be launched with `launch_args(...)`. The next
+    kernel may launch at once and do what does not depend on this one (load weights); it
+    then waits for this one, which waited for the one before: writes stay in stream order."""
+    let_next_launch(USE_PDL)
+    wait_previous(USE_PDL)
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from sparrow.kernels.counters import counters
 from sparrow.kernels.dequant.unpack import fit_block_k
-from sparrow.kernels.pdl import launch_args, wait_for_previous
+from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
 from sparrow.quant.affine import QuantSpec
 
@@ -139,7 +139,7 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
     if PREFETCH:
         b_w, b_s, b_b = _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, 0, o_g, o_gw, stride_wn,
                                      stride_sn, WPG)  # fmt: skip
-        wait_for_previous(USE_PDL)
+        wait_previous(USE_PDL)
     for g0 in range(0, num_groups, GROUPS):
         if not PREFETCH:
             b_w, b_s, b_b = _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, g0, o_g, o_gw,
@@ -176,7 +176,9 @@ def _gemv_kernel(
     routing weight rw[i_m]. COMBINE: out[t] = the sum of y's TOP_K rows of token t, by the
     last of those rows' programs to finish a column block (`counters`). PREFETCH (not with
     EXPERTS: the expert ids come from the previous kernel): see `gemv_rows`."""
-    if not PREFETCH:
+    if PREFETCH:
+        let_next_launch(USE_PDL)  # `gemv_rows` waits after its first weight loads
+    else:
         wait_for_previous(USE_PDL)
     i_n, i_m = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
