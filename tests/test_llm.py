@@ -77,7 +77,7 @@ def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variants", ["pdl", "gdn_one_kernel", "moe_combine", "all"])
+@pytest.mark.parametrize("variants", ["pdl", "gdn_one_kernel", "moe_combine,moe_route", "all"])
 def test_experimental_kernels_match_gpu(ckpt, monkeypatch, variants):
     """Graph decode with the untimed kernel variants (SPARROW_EXPERIMENTAL) gives the greedy
     tokens of the plain eager engine (4-bit, fp32)."""

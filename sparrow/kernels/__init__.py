@@ -7,7 +7,8 @@ for CUDA tensors, reference otherwise). Set it with SPARROW_KERNELS or `set_back
 Kernel variants built and tested but not yet timed on the H200 stay off unless named in
 SPARROW_EXPERIMENTAL (comma-separated, or `all`): `pdl` (programmatic dependent launch,
 `pdl.py`), `gdn_one_kernel` (a GDN layer's decode as one kernel), `moe_combine` (the MoE
-combine inside the down-projection GEMV at decode).
+combine inside the down-projection GEMV at decode), `moe_route` (the top-k routing inside the
+router GEMV at decode).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
 
 
-EXPERIMENTAL = ("pdl", "gdn_one_kernel", "moe_combine")
+EXPERIMENTAL = ("pdl", "gdn_one_kernel", "moe_combine", "moe_route")
 
 
 def experimental(name: str) -> bool:

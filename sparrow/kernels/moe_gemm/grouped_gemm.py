@@ -199,13 +199,16 @@ def moe_experts(
     spec: QuantSpec,
     tiles: GemmTiles | None = None,
     shared: Shared | None = None,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer, all on the GPU with no host sync. Up to GEMV_TOKENS
     tokens (unless tiles are given) take the GEMV path, else the grouped GEMM.
     x: [T, D]; router_logits: [T, E]; gate_up: (packed [E, 2I, D*bits/32], scales, biases
     [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]; with a
     shared expert, the layer's output (`naive.combine`): its output added in the combine
-    kernel, or on the GEMV path its weights run as a (top_k + 1)-th assignment."""
+    kernel, or on the GEMV path its weights run as a (top_k + 1)-th assignment. routing:
+    (weights, ids) already computed from the router (`route_gemv`; then router_logits may
+    be None), with the shared expert's column if its weights run as an assignment."""
     t, d = x.shape
     e, two_i = gate_up[0].shape[:2]
     inter = two_i // 2
@@ -214,7 +217,9 @@ def moe_experts(
     fold = gemv and shared is not None and shared.weights is not None
     if shared is not None and not fold and shared.output is None:
         raise ValueError("the grouped GEMM path needs the shared expert's output")
-    weights, ids = topk_route(router_logits, top_k, shared.gate if fold else None)
+    if routing is None:
+        routing = topk_route(router_logits, top_k, shared.gate if fold else None)
+    weights, ids = routing
     slots = top_k + fold  # the folded shared expert is one more slot per token
     h = torch.empty(t * slots, inter, device=x.device, dtype=x.dtype)
     # weighted expert rows, summed per token by the combine: fp32 for a few decode tokens, the
