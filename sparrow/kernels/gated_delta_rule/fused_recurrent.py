@@ -30,6 +30,34 @@ def decay_and_beta(a, b, a_log, dt_bias):
 
 
 @triton.jit
+def _delta_step(b_q, b_k, b_v, p_ab, p_alog, p_dtb, p_s, DK: tl.constexpr):
+    """One token's update of BV state columns (p_s: [DK, BV] fp32, in place) from its q, k
+    [DK] and v [BV] (fp32, before the L2-norm) and its gate projections (p_ab: pointers to
+    a and b). Returns the output columns q . S (fp32 [BV])."""
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    g, beta = decay_and_beta(tl.load(p_ab[0]), tl.load(p_ab[1]), tl.load(p_alog),
+                             tl.load(p_dtb))  # fmt: skip
+    b_s = tl.load(p_s) * tl.exp(g)
+    b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * beta
+    b_s += b_k[:, None] * b_delta[None, :]
+    tl.store(p_s, b_s)
+    return tl.sum(b_s * b_q[:, None], axis=0)
+
+
+@triton.jit
+def _gated_norm(b_o, b_z, w_ptr, eps, D: tl.constexpr, DT: tl.constexpr):
+    """w * rms_norm(o) * silu(z) for one head's D values, rounding like the layer (o and the
+    normed o in DT, the activation dtype)."""
+    o_d = tl.arange(0, D)
+    b_o = b_o.to(DT).to(tl.float32)
+    b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / D + eps)
+    b_o = (b_o.to(DT) * tl.load(w_ptr + o_d)).to(tl.float32)
+    b_z = b_z.to(tl.float32)
+    return (b_o * (b_z / (1.0 + tl.exp(-b_z)))).to(DT)
+
+
+@triton.jit
 def _recurrent_step_kernel(
     qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
     stride_qkv, stride_ab, stride_ss, stride_sh, stride_o,
@@ -45,19 +73,10 @@ def _recurrent_step_kernel(
     b_q = tl.load(p_row + i_k * DK + o_dk).to(tl.float32)
     b_k = tl.load(p_row + KEY_DIM + i_k * DK + o_dk).to(tl.float32)
     b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v).to(tl.float32)
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-    g, beta = decay_and_beta(tl.load(a_ptr + i_b * stride_ab + i_h),
-                             tl.load(b_ptr + i_b * stride_ab + i_h), tl.load(alog_ptr + i_h),
-                             tl.load(dtb_ptr + i_h))  # fmt: skip
-    decay = tl.exp(g)
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
     p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
-    b_s = tl.load(p_s) * decay  # [DK, BV] fp32
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * beta
-    b_s += b_k[:, None] * b_delta[None, :]
-    tl.store(p_s, b_s)
-    b_o = tl.sum(b_s * b_q[:, None], axis=0)
+    p_ab = (a_ptr + i_b * stride_ab + i_h, b_ptr + i_b * stride_ab + i_h)
+    b_o = _delta_step(b_q, b_k, b_v, p_ab, alog_ptr + i_h, dtb_ptr + i_h, p_s, DK)
     tl.store(o_ptr + i_b * stride_o + i_h * DV + o_v, b_o)
 
 
@@ -130,28 +149,17 @@ def _decode_layer_kernel(
         _store_conv_state(p_cs, stride_cc, c_q, q_s1, q_s2, q_x)
         _store_conv_state(p_cs, stride_cc, KEY_DIM + c_q, k_s1, k_s2, k_x)
         tl.store(p_count + i_k, 0)
-    # the recurrent step, as in `_recurrent_step_kernel`
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-    g, beta = decay_and_beta(tl.load(a_ptr + i_b * stride_ab + i_h),
-                             tl.load(b_ptr + i_b * stride_ab + i_h), tl.load(alog_ptr + i_h),
-                             tl.load(dtb_ptr + i_h))  # fmt: skip
     p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
-    b_s = tl.load(p_s) * tl.exp(g)
-    b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * beta
-    b_s += b_k[:, None] * b_delta[None, :]
-    tl.store(p_s, b_s)
+    p_ab = (a_ptr + i_b * stride_ab + i_h, b_ptr + i_b * stride_ab + i_h)
     p_o = ob_ptr + (i_b * HV + i_h) * DV
-    tl.store(p_o + o_v, tl.sum(b_s * b_q[:, None], axis=0))
+    tl.store(p_o + o_v, _delta_step(b_q, b_k, b_v, p_ab, alog_ptr + i_h, dtb_ptr + i_h, p_s, DK))
     tl.debug_barrier()
     if tl.atomic_add(p_count + HK + i_h, 1) == NV - 1:  # the head's last program: the norm
         o_d = tl.arange(0, DV)
-        dt = y_ptr.dtype.element_ty
-        b_o = tl.load(p_o + o_d, cache_modifier=".cg").to(dt).to(tl.float32)
-        b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / DV + eps)
-        b_o = (b_o.to(dt) * tl.load(nw_ptr + o_d)).to(tl.float32)
-        b_z = tl.load(z_ptr + i_b * stride_z + i_h * DV + o_d).to(tl.float32)
-        tl.store(y_ptr + (i_b * HV + i_h) * DV + o_d, (b_o * (b_z / (1.0 + tl.exp(-b_z)))).to(dt))
+        b_o = tl.load(p_o + o_d, cache_modifier=".cg")
+        b_z = tl.load(z_ptr + i_b * stride_z + i_h * DV + o_d)
+        tl.store(y_ptr + (i_b * HV + i_h) * DV + o_d,
+                 _gated_norm(b_o, b_z, nw_ptr, eps, DV, y_ptr.dtype.element_ty))  # fmt: skip
         tl.store(p_count + HK + i_h, 0)
 
 
@@ -293,11 +301,9 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, stride_zt, D: tl.cons
     wait_for_previous(USE_PDL)
     i = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, D)
-    b_o = tl.load(o_ptr + i * D + o_d).to(y_ptr.dtype.element_ty).to(tl.float32)
-    b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / D + eps)
-    b_o = (b_o.to(y_ptr.dtype.element_ty) * tl.load(w_ptr + o_d)).to(tl.float32)
-    b_z = tl.load(z_ptr + (i // H) * stride_zt + (i % H) * D + o_d).to(tl.float32)
-    tl.store(y_ptr + i * D + o_d, (b_o * (b_z / (1.0 + tl.exp(-b_z)))).to(y_ptr.dtype.element_ty))
+    b_o = tl.load(o_ptr + i * D + o_d)
+    b_z = tl.load(z_ptr + (i // H) * stride_zt + (i % H) * D + o_d)
+    tl.store(y_ptr + i * D + o_d, _gated_norm(b_o, b_z, w_ptr, eps, D, y_ptr.dtype.element_ty))
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float):
