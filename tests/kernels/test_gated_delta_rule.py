@@ -252,6 +252,7 @@ def _check_decode_layer(bsz, hk, hv, dk, dv, device, dtype, block_v, steps, tol)
 
 
 @pytest.mark.parametrize("bsz, hk, hv, dk, dv, block_v", [(1, 2, 4, 16, 32, 8),
+                                                          (3, 2, 4, 16, 32, 16),
                                                           (3, 1, 3, 32, 16, None),
                                                           (2, 2, 4, 16, 16, 16)])  # fmt: skip
 def test_decode_layer_kernel_matches_three_kernels(bsz, hk, hv, dk, dv, block_v):
