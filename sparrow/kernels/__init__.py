@@ -13,6 +13,7 @@ router GEMV at decode).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -49,8 +50,14 @@ EXPERIMENTAL = ("pdl", "gdn_one_kernel", "moe_combine", "moe_route")
 
 
 def experimental(name: str) -> bool:
-    """Whether the untimed kernel variant `name` is switched on (SPARROW_EXPERIMENTAL)."""
+    """Whether the untimed kernel variant `name` is switched on (SPARROW_EXPERIMENTAL; read
+    at every call, parsed once per value: kernel launches ask)."""
     if name not in EXPERIMENTAL:
         raise ValueError(f"unknown experimental variant {name!r}; expected one of {EXPERIMENTAL}")
-    chosen = {v.strip() for v in os.environ.get("SPARROW_EXPERIMENTAL", "").split(",")}
+    chosen = _chosen(os.environ.get("SPARROW_EXPERIMENTAL", ""))
     return name in chosen or "all" in chosen
+
+
+@functools.cache
+def _chosen(value: str) -> frozenset[str]:
+    return frozenset(v.strip() for v in value.split(","))
