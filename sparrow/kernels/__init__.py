@@ -8,7 +8,8 @@ Kernel variants built and tested but not yet timed on the H200 stay off unless n
 SPARROW_EXPERIMENTAL (comma-separated, or `all`): `pdl` (programmatic dependent launch,
 `pdl.py`), `gdn_one_kernel` (a GDN layer's decode as one kernel), `moe_combine` (the MoE
 combine inside the down-projection GEMV at decode), `moe_route` (the top-k routing inside the
-router GEMV at decode).
+router GEMV at decode), `add_norm` (a mixer's output projection, the residual add and the
+next norm in one kernel at batch 1).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
 
 
-EXPERIMENTAL = ("pdl", "gdn_one_kernel", "moe_combine", "moe_route")
+EXPERIMENTAL = ("pdl", "gdn_one_kernel", "moe_combine", "moe_route", "add_norm")
 
 
 def experimental(name: str) -> bool:

@@ -21,7 +21,7 @@ from sparrow.kernels.dequant import dequant
 from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
 from sparrow.kernels.moe_gemm import grouped_gemm
 from sparrow.kernels.moe_routing import routing
-from sparrow.kernels.quant_gemv import gemv, mma
+from sparrow.kernels.quant_gemv import add_norm, gemv, mma
 from sparrow.kernels.rms_norm import norm
 
 FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
@@ -86,6 +86,10 @@ CASES = {
                            {"S": 64, "SP": 64, "D": 256, "HAS_GATE": True}, {"num_warps": 4}),
     "quant_gemv": (gemv._gemv_kernel, GEMV_PTRS, GEMV | {"BLOCK_N": 16, "PACKED": True},
                    {"num_warps": 4, "num_stages": 2}),
+    "gemv_add_norm": (add_norm._gemv_add_norm_kernel, {"*": "bf16", "w_ptr": "i32",
+                                                        "count_ptr": "i32"},
+                      {"N": 2048, "BLOCK_D": 2048, "BITS": 4, "GROUP": 64, "BLOCK_N": 8,
+                       "BLOCK_K": 4096, "PACKED": True}, {"num_warps": 2}),
     "quant_gemv_prefetch": (gemv._gemv_kernel, GEMV_PTRS,
                             GEMV | {"BLOCK_N": 8, "PACKED": True, "PREFETCH": True},
                             {"num_warps": 1}),

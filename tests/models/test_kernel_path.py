@@ -45,10 +45,11 @@ def test_kernel_path_matches_reference(backend, device, one_kernel_decode, monke
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_fused_moe_decode_variants_match(backend, device, monkeypatch):
-    """A 4-bit model's decode with the router GEMV routing (`moe_route`) and the combine in
-    the down GEMV (`moe_combine`) gives the logits of the separate kernels (one sequence:
-    the router logits come from the same row GEMV either way)."""
+def test_fused_decode_variants_match(backend, device, monkeypatch):
+    """A 4-bit model's decode with the router GEMV routing (`moe_route`), the combine in
+    the down GEMV (`moe_combine`) and the mixers' output projection + add + norm in one
+    kernel (`add_norm`) gives the logits of the separate kernels (one sequence: the router
+    logits come from the same row GEMV either way)."""
     from sparrow.config import QuantConfig
 
     model = random_model(CFG, seed=5, device=device, dtype=torch.float32,
@@ -58,7 +59,7 @@ def test_fused_moe_decode_variants_match(backend, device, monkeypatch):
     decode = [torch.randint(0, 256, (1,), generator=gen).to(device) for _ in range(3)]
     backend("triton")
     outs = []
-    for variants in ("", "moe_route,moe_combine"):
+    for variants in ("", "moe_route,moe_combine,add_norm"):
         monkeypatch.setenv("SPARROW_EXPERIMENTAL", variants)
         outs.append(_run(model, prompts, decode))
     assert rel_err(outs[1], outs[0]) < 1e-5
