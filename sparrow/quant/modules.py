@@ -126,7 +126,7 @@ class QuantizedExperts(Experts):
         rows = x.reshape(-1, x.shape[-1])
         side = None
         if shared is not None:
-            weights = self._like_an_expert(shared) if rows.shape[0] <= GEMV_TOKENS else None
+            weights = self._folded(x, shared)
             if weights is None and routing is not None:
                 raise ValueError("precomputed routing needs the shared expert to fold")
             side = Shared(shared_gate, output=None if weights else shared(x), weights=weights)
@@ -139,8 +139,13 @@ class QuantizedExperts(Experts):
 
     def folds_shared(self, x: torch.Tensor, shared: nn.Module) -> bool:
         """Whether the shared expert runs as one more assignment in the experts' GEMVs."""
+        return use_triton(x) and self._folded(x, shared) is not None
+
+    def _folded(self, x: torch.Tensor, shared: nn.Module) -> tuple[tuple, tuple] | None:
+        """The shared expert's weights to run among the experts' GEMVs (decode sizes), or
+        None."""
         rows = x.reshape(-1, x.shape[-1]).shape[0]
-        return use_triton(x) and rows <= GEMV_TOKENS and self._like_an_expert(shared) is not None
+        return self._like_an_expert(shared) if rows <= GEMV_TOKENS else None
 
     def _like_an_expert(self, shared: nn.Module) -> tuple[tuple, tuple] | None:
         """The shared expert's packed (gate_up, down) if they match one routed expert's

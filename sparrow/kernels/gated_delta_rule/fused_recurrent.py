@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.counters import counters
+from sparrow.kernels.counters import counters, last_to_arrive
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
@@ -125,8 +125,9 @@ def _decode_layer_kernel(
       the last of them writes the new one;
     - the norm of a v-head's output spans all DV columns: each program stores its columns
       (fp32, `ob_ptr`) and the last one normalises the head.
-    A CTA barrier, then one acq_rel atomic per program orders every earlier read and write
-    of the program before what the last program does next."""
+    (`last_to_arrive`: its CTA barrier and acq_rel atomic order every earlier read and
+    write of each program before what the last one does next; the v conv state, this
+    program's own, is written after that barrier, so after its reads.)"""
     wait_for_previous(USE_PDL)
     NV: tl.constexpr = DV // BV
     RATIO: tl.constexpr = HV // HK
@@ -142,25 +143,21 @@ def _decode_layer_kernel(
     b_k, k_s1, k_s2, k_x = _conv_token(p_x, p_cs, stride_cc, cw_ptr, KEY_DIM + c_q)
     c_v = 2 * KEY_DIM + i_h * DV + o_v
     b_v, v_s1, v_s2, v_x = _conv_token(p_x, p_cs, stride_cc, cw_ptr, c_v)
-    tl.debug_barrier()
-    _store_conv_state(p_cs, stride_cc, c_v, v_s1, v_s2, v_x)  # this program's own channels
     p_count = count_ptr + i_b * (HK + HV)
-    if tl.atomic_add(p_count + i_k, 1) == RATIO * NV - 1:  # the q/k head's last reader
+    if last_to_arrive(p_count + i_k, RATIO * NV):  # the q/k head's last reader
         _store_conv_state(p_cs, stride_cc, c_q, q_s1, q_s2, q_x)
         _store_conv_state(p_cs, stride_cc, KEY_DIM + c_q, k_s1, k_s2, k_x)
-        tl.store(p_count + i_k, 0)
+    _store_conv_state(p_cs, stride_cc, c_v, v_s1, v_s2, v_x)  # this program's own channels
     p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
     p_ab = (a_ptr + i_b * stride_ab + i_h, b_ptr + i_b * stride_ab + i_h)
     p_o = ob_ptr + (i_b * HV + i_h) * DV
     tl.store(p_o + o_v, _delta_step(b_q, b_k, b_v, p_ab, alog_ptr + i_h, dtb_ptr + i_h, p_s, DK))
-    tl.debug_barrier()
-    if tl.atomic_add(p_count + HK + i_h, 1) == NV - 1:  # the head's last program: the norm
+    if last_to_arrive(p_count + HK + i_h, NV):  # the head's last program: the norm
         o_d = tl.arange(0, DV)
         b_o = tl.load(p_o + o_d, cache_modifier=".cg")
         b_z = tl.load(z_ptr + i_b * stride_z + i_h * DV + o_d)
         tl.store(y_ptr + (i_b * HV + i_h) * DV + o_d,
                  _gated_norm(b_o, b_z, nw_ptr, eps, DV, y_ptr.dtype.element_ty))  # fmt: skip
-        tl.store(p_count + HK + i_h, 0)
 
 
 def fused_decode_layer(
@@ -200,9 +197,7 @@ def fused_decode_layer(
     if z.stride(2) != 1 or z.stride(1) != dv:
         z = z.contiguous()
     a, b = _one_row_stride(a, b)
-    if block_v is None:  # as `fused_recurrent_step` chooses
-        block_v = next((w for w in (64, 32) if dv // w * hv * bsz >= 256), 16)
-    block_v = min(block_v, dv)
+    block_v = min(block_v or _block_v(dv, hv, bsz), dv)
     o = torch.empty(bsz, hv, dv, device=z.device, dtype=torch.float32)
     y = torch.empty(bsz, hv, dv, device=z.device, dtype=z.dtype)
     _decode_layer_kernel[(dv // block_v, hv, bsz)](
@@ -213,6 +208,12 @@ def fused_decode_layer(
         key_dim, HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=block_v, **launch_args(y),
     )  # fmt: skip
     return y
+
+
+def _block_v(dv: int, hv: int, bsz: int) -> int:
+    """State columns per program of the decode kernels: the widest of 64, 32 that still
+    makes 256 programs, else 16 (see `fused_recurrent_step`)."""
+    return next((w for w in (64, 32) if dv // w * hv * bsz >= 256), 16)
 
 
 def _one_row_stride(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,9 +254,7 @@ def fused_recurrent_step(
     qkv = qkv.contiguous()
     a, b = _one_row_stride(a, b)
     o = torch.empty(bsz, hv, dv, device=qkv.device, dtype=torch.float32)
-    if block_v is None:
-        block_v = next((w for w in (64, 32) if dv // w * hv * bsz >= 256), 16)
-    block_v = min(block_v, dv)
+    block_v = min(block_v or _block_v(dv, hv, bsz), dv)
     grid = (dv // block_v, hv, bsz)
     _recurrent_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, states, slots, o,

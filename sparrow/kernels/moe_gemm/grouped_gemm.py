@@ -228,11 +228,11 @@ def moe_experts(
     if gemv:
         shared_gate_up, shared_down = shared.weights if fold else (None, None)
         _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up)
-        if (shared is None or fold) and experimental("moe_combine"):  # summed in the down GEMV
-            out = torch.empty(t, d, device=x.device, dtype=x.dtype)
-            _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down, out)
+        in_gemv = (shared is None or fold) and experimental("moe_combine")
+        out = torch.empty(t, d, device=x.device, dtype=x.dtype) if in_gemv else None
+        _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down, out)
+        if in_gemv:  # summed in the down GEMV
             return out
-        _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down)
         return _combine(partial, slots, x.dtype, None if fold else shared)
     tiles = tiles or tiles_for(t * top_k, e)
     routing = align(ids, e, tiles.block_m)

@@ -16,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.counters import counters
-from sparrow.kernels.dequant.unpack import fit_block_k
+from sparrow.kernels.counters import counters, last_to_arrive
 from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous
-from sparrow.kernels.quant_gemv.gemv import default_config, gemv_rows
+from sparrow.kernels.quant_gemv.gemv import default_config, gemv_rows, row_tiles
 from sparrow.quant.affine import QuantSpec
 
 
@@ -96,9 +95,7 @@ def _router_kernel(
                     stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, PACKED, True, USE_PDL)  # fmt: skip
     p_l = logits_ptr + i_m * stride_lm
     tl.store(p_l + o_n, b_y.to(logits_ptr.dtype.element_ty), mask=m_n)
-    tl.debug_barrier()
-    p_count = count_ptr + i_m
-    if tl.atomic_add(p_count, 1) == tl.num_programs(0) - 1:  # the token's last program
+    if last_to_arrive(count_ptr + i_m, tl.num_programs(0)):  # the token's last program
         o_e = tl.arange(0, BLOCK_E)
         b_l = tl.load(p_l + o_e, mask=o_e < E, other=-float("inf"), cache_modifier=".cg")
         b_w, b_i = _topk_row(b_l.to(tl.float32), o_e, E, K, BLOCK_E)
@@ -106,7 +103,6 @@ def _router_kernel(
         if SHARED:
             gate = tl.load(p_l + E, cache_modifier=".cg")
         _store_route(w_ptr, ids_ptr, i_m, b_w, b_i, gate, K, SHARED)
-        tl.store(p_count, 0)
 
 
 @triton.jit
@@ -203,9 +199,8 @@ def route_gemv(
         x, packed.view(torch.int32), scales, biases, logits, weights, ids,
         counters(x.device, t), n, d, num_experts, x.stride(0), packed.stride(0),
         scales.stride(0), logits.stride(0),
-        K=k, SHARED=shared_gate, BLOCK_E=triton.next_power_of_2(num_experts), BITS=spec.bits,
-        GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=fit_block_k(d, block_k, spec.group_size),
-        PACKED=x.is_cuda and spec.bits == 4, num_warps=num_warps, **launch_args(x),
+        K=k, SHARED=shared_gate, BLOCK_E=triton.next_power_of_2(num_experts),
+        **row_tiles(x, d, spec, block_n, block_k), num_warps=num_warps, **launch_args(x),
     )  # fmt: skip
     return weights, ids
 

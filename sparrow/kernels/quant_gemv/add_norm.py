@@ -13,10 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.counters import counters
-from sparrow.kernels.dequant.unpack import fit_block_k
+from sparrow.kernels.counters import counters, last_to_arrive
 from sparrow.kernels.pdl import launch_args, let_next_launch
-from sparrow.kernels.quant_gemv.gemv import default_config, gemv_rows
+from sparrow.kernels.quant_gemv.gemv import default_config, gemv_rows, row_tiles
 from sparrow.kernels.rms_norm.norm import _inv_rms, _scaled
 from sparrow.quant.affine import QuantSpec
 
@@ -36,14 +35,12 @@ def _gemv_add_norm_kernel(
     # the projection rounded to the activation dtype, then added as `add_rms_norm` adds
     b_res = b_y.to(res_ptr.dtype.element_ty) + tl.load(r_ptr + o_n, mask=m_n, other=0.0)
     tl.store(res_ptr + o_n, b_res, mask=m_n)
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) - 1:  # the row's last program
+    if last_to_arrive(count_ptr, tl.num_programs(0)):  # the row's last program
         o_d = tl.arange(0, BLOCK_D)
         m_d = o_d < N
         b_x = tl.load(res_ptr + o_d, mask=m_d, other=0.0, cache_modifier=".cg").to(tl.float32)
         b_out = _scaled(b_x, _inv_rms(b_x, eps, N), nw_ptr, o_d, m_d)
         tl.store(y_ptr + o_d, b_out.to(y_ptr.dtype.element_ty), mask=m_d)
-        tl.store(count_ptr, 0)
 
 
 def gemv_add_rms_norm(
@@ -73,8 +70,7 @@ def gemv_add_rms_norm(
     _gemv_add_norm_kernel[(triton.cdiv(n, block_n),)](
         x, packed.view(torch.int32), scales, biases, residual, res, weight, y,
         counters(x.device, 1), eps, k, packed.stride(0), scales.stride(0),
-        N=n, BLOCK_D=triton.next_power_of_2(n), BITS=spec.bits, GROUP=spec.group_size,
-        BLOCK_N=block_n, BLOCK_K=fit_block_k(k, block_k, spec.group_size),
-        PACKED=x.is_cuda and spec.bits == 4, num_warps=num_warps, **launch_args(y),
+        N=n, BLOCK_D=triton.next_power_of_2(n), **row_tiles(x, k, spec, block_n, block_k),
+        num_warps=num_warps, **launch_args(y),
     )  # fmt: skip
     return res, y

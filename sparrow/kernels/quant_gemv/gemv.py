@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sparrow.kernels.counters import counters
+from sparrow.kernels.counters import counters, last_to_arrive
 from sparrow.kernels.dequant.unpack import fit_block_k
 from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
@@ -210,17 +210,23 @@ def _gemv_kernel(
         b_y *= tl.load(rw_ptr + i_m)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
     if COMBINE:
-        tl.debug_barrier()
         i_t = i_m // TOP_K
-        p_count = count_ptr + i_t * tl.num_programs(0) + i_n
-        if tl.atomic_add(p_count, 1) == TOP_K - 1:  # the token's last row for this block
+        # the token's last row for this column block sums them
+        if last_to_arrive(count_ptr + i_t * tl.num_programs(0) + i_n, TOP_K):
             b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(TOP_K):  # in slot order, as `_combine` sums
                 b_sum += tl.load(y_ptr + (i_t * TOP_K + j) * stride_ym + o_n, mask=m_n,
                                  other=0.0, cache_modifier=".cg").to(tl.float32)  # fmt: skip
             tl.store(out_ptr + i_t * stride_om + o_n, b_sum.to(out_ptr.dtype.element_ty),
                      mask=m_n)  # fmt: skip
-            tl.store(p_count, 0)
+
+
+def row_tiles(x: torch.Tensor, k: int, spec: QuantSpec, block_n: int, block_k: int) -> dict:
+    """The compile-time arguments `gemv_rows` takes (BITS .. PACKED) for rows x of K values
+    and a block shape; kernels that call it pass these on."""
+    return {"BITS": spec.bits, "GROUP": spec.group_size, "BLOCK_N": block_n,
+            "BLOCK_K": fit_block_k(k, block_k, spec.group_size),
+            "PACKED": x.is_cuda and spec.bits == 4}  # fmt: skip
 
 
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
@@ -252,8 +258,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         out.stride(0) if out is not None else 0,
         TOP_K=top_k, EXPERTS=experts, SHARED=shared_w is not None, GATED=gated,
         APPLY_WEIGHT=rw is not None, COMBINE=out is not None,
-        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
-        BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
+        **row_tiles(x, k, spec, block_n, block_k),
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
