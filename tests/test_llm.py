@@ -77,9 +77,9 @@ def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the g
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variants", ["pdl", "gdn_one_kernel", "moe_combine,moe_route", "all"])
+@pytest.mark.parametrize("variants", ["gdn_one_kernel"])
 def test_experimental_kernels_match_gpu(ckpt, monkeypatch, variants):
-    """Graph decode with the untimed kernel variants (SPARROW_EXPERIMENTAL) gives the greedy
+    """Graph decode with the kernel variants that are off (SPARROW_EXPERIMENTAL) gives the greedy
     tokens of the plain eager engine (4-bit, fp32)."""
     config = SchedulerConfig(block_size=16, num_blocks=256, max_num_seqs=3, max_model_len=512)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16)]

@@ -7,7 +7,7 @@ prefill the prompt (time to the first token), then decode `--decode` tokens. Med
 rounds. HF runs up to `--hf-max-len` (beyond, it is skipped and the report says so).
 Then concurrency: C requests of 512 tokens decoding together (output tok/s of all of them).
 Finally one decode step of the 4-bit engine is profiled eagerly: time and count per kernel.
-`--experimental none,pdl,all` adds engines over the same weights with untimed kernel
+`--experimental none,all` adds engines over the same weights with kernel
 variants switched on (SPARROW_EXPERIMENTAL, `+` joining several in one engine), in the
 same alternation.
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hf-decode", type=int, default=8, help="HF decode tokens per round")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the full 40")
-    p.add_argument("--experimental", default="", help="none,pdl,pdl+moe_route: an engine each")
+    p.add_argument("--experimental", default="", help="none,gdn_one_kernel,all: an engine each")
     p.add_argument("--out", default="bench-out/e2e.json")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -4,12 +4,9 @@ One switch selects the path the model takes: `reference` (plain PyTorch everywhe
 (the kernels, also on CPU tensors under TRITON_INTERPRET=1), or `auto` (the default: kernels
 for CUDA tensors, reference otherwise). Set it with SPARROW_KERNELS or `set_backend`.
 
-Kernel variants built and tested but not yet timed on the H200 stay off unless named in
-SPARROW_EXPERIMENTAL (comma-separated, or `all`): `pdl` (programmatic dependent launch,
-`pdl.py`), `gdn_one_kernel` (a GDN layer's decode as one kernel), `moe_combine` (the MoE
-combine inside the down-projection GEMV at decode), `moe_route` (the top-k routing inside the
-router GEMV at decode), `add_norm` (a mixer's output projection, the residual add and the
-next norm in one kernel at batch 1).
+Kernel variants built and tested but not (or not yet) faster on the H200 stay off unless
+named in SPARROW_EXPERIMENTAL (comma-separated, or `all`): `gdn_one_kernel` (a GDN layer's
+decode as one kernel).
 """
 
 from __future__ import annotations
@@ -47,11 +44,11 @@ def use_triton(t: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
 
 
-EXPERIMENTAL = ("pdl", "gdn_one_kernel", "moe_combine", "moe_route", "add_norm")
+EXPERIMENTAL = ("gdn_one_kernel",)
 
 
 def experimental(name: str) -> bool:
-    """Whether the untimed kernel variant `name` is switched on (SPARROW_EXPERIMENTAL; read
+    """Whether the kernel variant `name` is switched on (SPARROW_EXPERIMENTAL; read
     at every call, parsed once per value: kernel launches ask)."""
     if name not in EXPERIMENTAL:
         raise ValueError(f"unknown experimental variant {name!r}; expected one of {EXPERIMENTAL}")

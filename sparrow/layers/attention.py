@@ -62,8 +62,7 @@ class GatedAttention(Projections, nn.Module):
         sin: torch.Tensor,
         meta: StepMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        then: tuple[nn.Module, torch.Tensor] | None = None,
-    ):
+    ) -> torch.Tensor:
         """x: [T, hidden] (the step's new tokens); cos, sin: [T, rotary]; kv_cache: this
         layer's paged K and V [num_blocks, block_size, Hkv, D], written here, then read."""
         t = x.shape[0]
@@ -87,6 +86,4 @@ class GatedAttention(Projections, nn.Module):
                                   max_q_len=meta.max_q_len)  # fmt: skip
         else:
             out = naive.paged_attention(q, *args) * torch.sigmoid(gate)
-        if then is not None:  # (norm, residual): return (residual + output, its norm)
-            return then[0].add_projection(self.o_proj, out.reshape(t, -1), then[1])
         return self.o_proj(out.reshape(t, -1))

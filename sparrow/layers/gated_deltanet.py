@@ -59,12 +59,8 @@ class GatedDeltaNet(Projections, nn.Module):
         self.kernels_fit = fits_tiles(self.head_k_dim, self.head_v_dim)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        meta: StepMetadata,
-        cache: tuple[torch.Tensor, torch.Tensor],
-        then: tuple[nn.Module, torch.Tensor] | None = None,
-    ):
+        self, x: torch.Tensor, meta: StepMetadata, cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         """x: [T, hidden] (the step's new tokens); cache: this layer's conv pool
         [slots, C, K - 1] and recurrent pool [slots, Hv, Dk, Dv] fp32, indexed by
         meta.state_slots and updated in place."""
@@ -76,8 +72,6 @@ class GatedDeltaNet(Projections, nn.Module):
         else:
             o = self.norm(self._mix_reference(mixed_qkv, a, b, meta, conv_pool, state_pool)
                           .to(x.dtype), z)  # fmt: skip
-        if then is not None:  # (norm, residual): return (residual + output, its norm)
-            return then[0].add_projection(self.out_proj, o.flatten(1), then[1])
         return self.out_proj(o.flatten(1))
 
     def _split_heads(self, qkv: torch.Tensor):

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.config import ModelConfig
-from sparrow.kernels import experimental, use_triton
-from sparrow.kernels.moe_routing.routing import route_gemv
+from sparrow.kernels import use_triton
 from sparrow.layers.linear import Projections
 
 
@@ -127,27 +126,6 @@ class SparseMoE(Projections, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        routing = self._route_in_gemv(x)
-        if routing is not None:
-            return self.experts.route_and_run(x, None, self.top_k, self.shared_expert,
-                                              routing=routing)  # fmt: skip
         router_logits, shared_gate = self.project("gates", x)
         return self.experts.route_and_run(x, router_logits, self.top_k, self.shared_expert,
                                           shared_gate)  # fmt: skip
-
-    def _route_in_gemv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Decode with the kernels (experimental `moe_route`): the router GEMV also routes
-        (`route_gemv`), when the router and the shared gate are one quantised projection and
-        the shared expert runs among the experts' GEMVs. Else None."""
-        if not (experimental("moe_route") and use_triton(x)):
-            return None
-        fused = self.fused("gates")
-        router = fused.whole if fused is not None else None
-        folds = getattr(self.experts, "folds_shared", None)
-        if getattr(router, "spec", None) is None or folds is None:
-            return None
-        if not folds(x, self.shared_expert):
-            return None
-        return route_gemv(x.reshape(-1, x.shape[-1]), router.weight, router.scales,
-                          router.biases, router.spec, self.gate.out_features, self.top_k,
-                          shared_gate=True)  # fmt: skip

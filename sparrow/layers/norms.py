@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.kernels import experimental, use_triton
-from sparrow.kernels.quant_gemv.add_norm import gemv_add_rms_norm
+from sparrow.kernels import use_triton
 from sparrow.kernels.rms_norm import naive
 from sparrow.kernels.rms_norm import norm as kernels
 
@@ -36,16 +35,6 @@ class ZeroCenteredRMSNorm(nn.Module):
         """(residual + x, its norm): the residual stream's step into the next sub-layer."""
         ops = kernels if use_triton(x) else naive
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-    def add_projection(self, proj: nn.Module, x: torch.Tensor, residual: torch.Tensor):
-        """(residual + proj(x), its norm): a sub-layer's output projection, then `add`. For
-        one token with a quantised projection and the kernels (experimental `add_norm`),
-        one kernel (`gemv_add_rms_norm`) instead of two."""
-        quantized = getattr(proj, "spec", None) is not None and hasattr(proj, "scales")
-        if quantized and x.shape[0] == 1 and use_triton(x) and experimental("add_norm"):
-            return gemv_add_rms_norm(x, proj.weight, proj.scales, proj.biases, proj.spec,
-                                     residual, self.weight, self.eps)  # fmt: skip
-        return self.add(proj(x), residual)
 
     def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   cache: tuple | None = None) -> torch.Tensor:  # fmt: skip

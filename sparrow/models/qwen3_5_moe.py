@@ -47,11 +47,11 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm.add(x, residual)
-        then = (self.post_attention_layernorm, residual)  # the add + norm after the mixer
         if self.is_attention:
-            residual, h = self.self_attn(h, cos, sin, meta, cache, then=then)
+            h = self.self_attn(h, cos, sin, meta, cache)
         else:
-            residual, h = self.linear_attn(h, meta, cache, then=then)
+            h = self.linear_attn(h, meta, cache)
+        residual, h = self.post_attention_layernorm.add(h, residual)
         return self.mlp(h), residual
 
 

@@ -112,40 +112,26 @@ class QuantizedExperts(Experts):
         for name, shape in self.logical_shapes.items():
             _packed_params(self, name, shape, spec, dtype)
 
-    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor | None, top_k: int,
+    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                       shared: nn.Module | None = None,
-                      shared_gate: torch.Tensor | None = None,
-                      routing: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+                      shared_gate: torch.Tensor | None = None):  # fmt: skip
         """With the Triton backend: GPU routing + grouped fused-dequant GEMMs and the combine
         with the shared expert in one kernel, no host sync. At decode sizes a shared expert
         quantised like one routed expert runs inside the experts' GEMVs (one more assignment
-        per token) instead of as its own layers (`folds_shared`). routing: (weights, ids)
-        from `route_gemv` instead of router_logits (then the shared expert must fold)."""
+        per token) instead of as its own layers."""
         if not use_triton(x):
             return super().route_and_run(x, router_logits, top_k, shared, shared_gate)
         rows = x.reshape(-1, x.shape[-1])
         side = None
         if shared is not None:
-            weights = self._folded(x, shared)
-            if weights is None and routing is not None:
-                raise ValueError("precomputed routing needs the shared expert to fold")
+            weights = self._like_an_expert(shared) if rows.shape[0] <= GEMV_TOKENS else None
             side = Shared(shared_gate, output=None if weights else shared(x), weights=weights)
         return moe_experts(
             rows, router_logits, top_k,
             (self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
             (self.down_proj, self.down_proj_scales, self.down_proj_biases), self.spec,
-            shared=side, routing=routing,
+            shared=side,
         )  # fmt: skip
-
-    def folds_shared(self, x: torch.Tensor, shared: nn.Module) -> bool:
-        """Whether the shared expert runs as one more assignment in the experts' GEMVs."""
-        return use_triton(x) and self._folded(x, shared) is not None
-
-    def _folded(self, x: torch.Tensor, shared: nn.Module) -> tuple[tuple, tuple] | None:
-        """The shared expert's weights to run among the experts' GEMVs (decode sizes), or
-        None."""
-        rows = x.reshape(-1, x.shape[-1]).shape[0]
-        return self._like_an_expert(shared) if rows <= GEMV_TOKENS else None
 
     def _like_an_expert(self, shared: nn.Module) -> tuple[tuple, tuple] | None:
         """The shared expert's packed (gate_up, down) if they match one routed expert's

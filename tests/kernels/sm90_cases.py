@@ -21,7 +21,7 @@ from sparrow.kernels.dequant import dequant
 from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
 from sparrow.kernels.moe_gemm import grouped_gemm
 from sparrow.kernels.moe_routing import routing
-from sparrow.kernels.quant_gemv import add_norm, gemv, mma
+from sparrow.kernels.quant_gemv import gemv, mma
 from sparrow.kernels.rms_norm import norm
 
 FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
@@ -31,8 +31,7 @@ FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
 GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
              "sw_ptr": "i32"}
 GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
-        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False,
-        "COMBINE": False}
+        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
 TF32 = {"PRECISION": "tf32"}
 CASES = {
@@ -86,10 +85,6 @@ CASES = {
                            {"S": 64, "SP": 64, "D": 256, "HAS_GATE": True}, {"num_warps": 4}),
     "quant_gemv": (gemv._gemv_kernel, GEMV_PTRS, GEMV | {"BLOCK_N": 16, "PACKED": True},
                    {"num_warps": 4, "num_stages": 2}),
-    "gemv_add_norm": (add_norm._gemv_add_norm_kernel, {"*": "bf16", "w_ptr": "i32",
-                                                        "count_ptr": "i32"},
-                      {"N": 2048, "BLOCK_D": 2048, "BITS": 4, "GROUP": 64, "BLOCK_N": 8,
-                       "BLOCK_K": 4096, "PACKED": True}, {"num_warps": 2}),
     "quant_gemv_prefetch": (gemv._gemv_kernel, GEMV_PTRS,
                             GEMV | {"BLOCK_N": 8, "PACKED": True, "PREFETCH": True},
                             {"num_warps": 1}),
@@ -113,10 +108,6 @@ CASES = {
     "dequant": (dequant._dequant_kernel, {"*": "bf16", "w_ptr": "i32"},
                 {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256, "PACKED": True},
                 {"num_warps": 4}),
-    "moe_gemv_combine": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32", "count_ptr": "i32"},
-                         GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True,
-                                 "APPLY_WEIGHT": True, "COMBINE": True, "BLOCK_N": 32,
-                                 "BLOCK_K": 512, "PACKED": True}, {"num_warps": 2}),
     "moe_gemv": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
                  GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "APPLY_WEIGHT": True,
                          "BLOCK_N": 16, "PACKED": True}, {"num_warps": 4}),
@@ -128,10 +119,6 @@ CASES = {
                  {"num_warps": 4, "num_stages": 3}),
     "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16"},
                     {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024}, {"num_warps": 4}),
-    "moe_router": (routing._router_kernel, {"*": "bf16", "qw_ptr": "i32", "w_ptr": "fp32",
-                                            "ids_ptr": "i32", "count_ptr": "i32"},
-                   {"K": 8, "SHARED": True, "BLOCK_E": 256, "BITS": 8, "GROUP": 64,
-                    "BLOCK_N": 4, "BLOCK_K": 2048, "PACKED": False}, {"num_warps": 4}),
     "topk_route": (routing._topk_kernel, {"*": "bf16", "w_ptr": "fp32", "ids_ptr": "i32"},
                    {"K": 8, "SHARED": True, "BLOCK_E": 256}, {"num_warps": 1}),
     "align_count": (routing._count_kernel, {"*": "i32"}, {"BLOCK": 1024}, {"num_warps": 4}),

@@ -213,7 +213,8 @@ def test_step_real_sizes_gpu(bsz):
     assert rel_err(o, expected) < 1e-4 and rel_err(states, ref_states) < 1e-4
 
 
-def _decode_layer_case(bsz, hk, hv, dk, dv, device, dtype, seed=0, pool=6):
+def _decode_layer_case(bsz, hk, hv, dk, dv, device, dtype, seed=0):
+    pool = bsz + 5  # more slots than sequences, one state per sequence
     qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, hk, hv, dk, dv, device, seed, pool)
     gen = torch.Generator().manual_seed(seed + 1)
     c = qkv.shape[1]

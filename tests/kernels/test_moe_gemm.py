@@ -33,15 +33,9 @@ def _run(t, e, k, d, inter, dtype, device, logits=None, tol=1e-3, tiles=None):
 
 
 # CPU: the interpreter, fp16 and fp32 operands (bf16 tl.dot is wrong under the interpreter).
-@pytest.fixture(params=["", "moe_combine"])
-def combine(request, monkeypatch):
-    """GEMV path: the combine as its own kernel, or inside the down GEMV."""
-    monkeypatch.setenv("SPARROW_EXPERIMENTAL", request.param)
-
-
 @pytest.mark.parametrize("t", [1, 3, 8, 17, 64])  # <= 8 tokens: the GEMV path
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_random_routing(t, dtype, combine):
+def test_random_routing(t, dtype):
     _run(t, e=12, k=4, d=128, inter=64, dtype=dtype, device="cpu",
          tol=1e-5 if dtype == torch.float32 else 2e-3)  # fmt: skip
 
@@ -68,7 +62,7 @@ def test_sizes_not_multiples_of_the_tiles():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 8, 64, 1000, 2048])
-def test_real_sizes_gpu(t, combine):
+def test_real_sizes_gpu(t):
     _run(t, e=256, k=8, d=2048, inter=512, dtype=torch.bfloat16, device="cuda", tol=2e-2)
 
 
@@ -89,7 +83,7 @@ def test_combine_with_shared_expert(t):
 
 
 @pytest.mark.parametrize("t", [1, 5])
-def test_shared_expert_as_one_more_assignment(t, combine):
+def test_shared_expert_as_one_more_assignment(t):
     """GEMV path: the shared expert's weights run as a (k + 1)-th assignment per token."""
     spec = QuantSpec(4, 64)
     e, k, d, inter = 8, 2, 128, 64

@@ -110,27 +110,3 @@ def test_gated_gemv_real_size_gpu(m):
     y = quant_gemv(x, packed, scales, biases, spec, gated=True)
     full = quant_matmul(x, packed, scales, biases, spec).float()
     assert rel_err(y, F.silu(full[:, :512]) * full[:, 512:]) < 1e-2
-
-
-@pytest.mark.parametrize("n, k, bits, dtype, device", [
-    (48, 192, 4, torch.float32, "cpu"), (37, 320, 8, torch.float32, "cpu"),
-    (64, 128, 4, torch.float16, "cpu"),
-    pytest.param(2048, 4096, 4, torch.bfloat16, "cuda", marks=pytest.mark.gpu)])  # fmt: skip
-def test_gemv_add_norm_matches_two_kernels(n, k, bits, dtype, device):
-    """Projection + residual add + norm in one kernel = `quant_gemv` then `add_rms_norm`
-    (the sum exactly; the norm up to its sum's order), twice (the counter is reset)."""
-    from sparrow.kernels.quant_gemv.add_norm import gemv_add_rms_norm
-    from sparrow.kernels.rms_norm.norm import add_rms_norm
-
-    spec = QuantSpec(bits, 64)
-    x, packed, scales, biases = _case(1, n, k, spec, dtype, device)
-    gen = torch.Generator().manual_seed(n)
-    residual = torch.randn(1, n, generator=gen).to(device, dtype)
-    weight = (torch.randn(n, generator=gen) * 0.1).to(device, dtype)
-    for _ in range(2):
-        res, y = gemv_add_rms_norm(x, packed, scales, biases, spec, residual, weight, 1e-6)
-        res_ref, y_ref = add_rms_norm(quant_gemv(x, packed, scales, biases, spec), residual,
-                                      weight, 1e-6)  # fmt: skip
-        assert torch.equal(res, res_ref)
-        assert rel_err(y, y_ref) < (1e-6 if dtype == torch.float32 else 1e-2)
-        residual = res

@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels import experimental
 from sparrow.kernels.dequant.unpack import packed_unpack, unpack_codes
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
@@ -88,14 +87,14 @@ def _moe_gemm_kernel(
     tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
 
 
-def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, out=None):
+def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None):
     """Blocks from sweeps of the whole MoE layer on the H200 (graph, 1 / 8 tokens): gate_up
     (gate and up rows in one tile) 16 x 1024 with 4 warps (21.0 / 64.8 us; 16 x 2048: 22.0 /
     71.8, 4 x 2048 with 2 warps: 22.1 / 75.9), down (K = 512) 32 x 512 with 2 warps (22.0 /
     69.8; 16 x 512 with 4 warps: 22.6 / 76.1)."""
     bn, bk, nw = (16, 1024, 4) if gated else (32, 512, 2)
     launch_gemv(a, w, c, spec, block_n=bn, block_k=bk, num_warps=nw, gated=gated, ids=ids,
-                rw=rw, top_k=top_k, shared_w=shared_w, out=out)  # fmt: skip
+                rw=rw, top_k=top_k, shared_w=shared_w)  # fmt: skip
 
 
 def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
@@ -199,16 +198,13 @@ def moe_experts(
     spec: QuantSpec,
     tiles: GemmTiles | None = None,
     shared: Shared | None = None,
-    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer, all on the GPU with no host sync. Up to GEMV_TOKENS
     tokens (unless tiles are given) take the GEMV path, else the grouped GEMM.
     x: [T, D]; router_logits: [T, E]; gate_up: (packed [E, 2I, D*bits/32], scales, biases
     [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]; with a
     shared expert, the layer's output (`naive.combine`): its output added in the combine
-    kernel, or on the GEMV path its weights run as a (top_k + 1)-th assignment. routing:
-    (weights, ids) already computed from the router (`route_gemv`; then router_logits may
-    be None), with the shared expert's column if its weights run as an assignment."""
+    kernel, or on the GEMV path its weights run as a (top_k + 1)-th assignment."""
     t, d = x.shape
     e, two_i = gate_up[0].shape[:2]
     inter = two_i // 2
@@ -217,9 +213,7 @@ def moe_experts(
     fold = gemv and shared is not None and shared.weights is not None
     if shared is not None and not fold and shared.output is None:
         raise ValueError("the grouped GEMM path needs the shared expert's output")
-    if routing is None:
-        routing = topk_route(router_logits, top_k, shared.gate if fold else None)
-    weights, ids = routing
+    weights, ids = topk_route(router_logits, top_k, shared.gate if fold else None)
     slots = top_k + fold  # the folded shared expert is one more slot per token
     h = torch.empty(t * slots, inter, device=x.device, dtype=x.dtype)
     # weighted expert rows, summed per token by the combine: fp32 for a few decode tokens, the
@@ -228,11 +222,7 @@ def moe_experts(
     if gemv:
         shared_gate_up, shared_down = shared.weights if fold else (None, None)
         _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up)
-        in_gemv = (shared is None or fold) and experimental("moe_combine")
-        out = torch.empty(t, d, device=x.device, dtype=x.dtype) if in_gemv else None
-        _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down, out)
-        if in_gemv:  # summed in the down GEMV
-            return out
+        _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down)
         return _combine(partial, slots, x.dtype, None if fold else shared)
     tiles = tiles or tiles_for(t * top_k, e)
     routing = align(ids, e, tiles.block_m)

@@ -1,7 +1,6 @@
 """MoE routing on the GPU, with no host synchronisation (capturable in a CUDA graph).
 
     topk_route:  router logits [T, E] -> weights [T, k] fp32, expert ids [T, k] int32
-    route_gemv:  the quantised router projection and topk_route in one kernel (decode)
     align:       ids -> (sorted_ids, block_expert, num_rows), see naive.align
 
 `align` is three small kernels: a histogram of assignments per expert (atomics), one program
@@ -16,19 +15,23 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.counters import counters, last_to_arrive
-from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous
-from sparrow.kernels.quant_gemv.gemv import default_config, gemv_rows, row_tiles
-from sparrow.quant.affine import QuantSpec
+from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
 @triton.jit
-def _topk_row(b_l, o_e, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token's routing from its logits b_l [BLOCK_E] fp32 (-inf past E): softmax over E,
-    then K rounds of argmax-and-mask. Returns the K weights renormalised to sum 1 and their
-    expert ids. Each round is one max over int64 keys (the probability's bits, which order
+def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g,
+                 K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                 USE_PDL: tl.constexpr):  # fmt: skip
+    """One token per program: softmax over E, then K rounds of argmax-and-mask. SHARED: a
+    (K + 1)-th column, weight sigmoid(gate[t]) and id 0, for a shared expert run as one more
+    assignment. Each round is one max over int64 keys (the probability's bits, which order
     like the values for p >= 0, above the reversed index: ties go to the lowest index, like
-    torch.topk on distinct values)."""
+    torch.topk on distinct values); one warp, so every reduction stays in shuffles."""
+    wait_for_previous(USE_PDL)
+    i_t = tl.program_id(0)
+    o_e = tl.arange(0, BLOCK_E)
+    b_l = tl.load(logits_ptr + i_t * stride_t + o_e, mask=o_e < E, other=-float("inf"))
+    b_l = b_l.to(tl.float32)
     b_p = tl.exp(b_l - tl.max(b_l, axis=0))
     b_p = b_p / tl.sum(b_p, axis=0)
     low = (BLOCK_E - 1 - o_e).to(tl.int64)
@@ -43,66 +46,12 @@ def _topk_row(b_l, o_e, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
         b_w = tl.where(o_k == i, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), b_w)
         b_i = tl.where(o_k == i, idx, b_i)
         b_key = tl.where(o_e == idx, -1, b_key)
-    return b_w / tl.sum(b_w, axis=0), b_i
-
-
-@triton.jit
-def _store_route(w_ptr, ids_ptr, i_t, b_w, b_i, gate_logit, K: tl.constexpr,
-                 SHARED: tl.constexpr):  # fmt: skip
-    """Token i_t's row of weights / ids; SHARED: a (K + 1)-th column, weight
-    sigmoid(gate_logit) and id 0, for a shared expert run as one more assignment."""
-    o_k = tl.arange(0, K)
-    tl.store(w_ptr + i_t * (K + SHARED) + o_k, b_w)
+    tl.store(w_ptr + i_t * (K + SHARED) + o_k, b_w / tl.sum(b_w, axis=0))
     tl.store(ids_ptr + i_t * (K + SHARED) + o_k, b_i)
     if SHARED:
-        tl.store(w_ptr + i_t * (K + 1) + K, tl.sigmoid(gate_logit.to(tl.float32)))
+        b_g = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
+        tl.store(w_ptr + i_t * (K + 1) + K, tl.sigmoid(b_g))
         tl.store(ids_ptr + i_t * (K + 1) + K, 0)
-
-
-@triton.jit
-def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g,
-                 K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
-                 USE_PDL: tl.constexpr):  # fmt: skip
-    """One token per program (`_topk_row`), one warp, so every reduction stays in shuffles."""
-    wait_for_previous(USE_PDL)
-    i_t = tl.program_id(0)
-    o_e = tl.arange(0, BLOCK_E)
-    b_l = tl.load(logits_ptr + i_t * stride_t + o_e, mask=o_e < E, other=-float("inf"))
-    b_w, b_i = _topk_row(b_l.to(tl.float32), o_e, E, K, BLOCK_E)
-    gate = 0.0
-    if SHARED:
-        gate = tl.load(gate_ptr + i_t * stride_g)
-    _store_route(w_ptr, ids_ptr, i_t, b_w, b_i, gate, K, SHARED)
-
-
-@triton.jit
-def _router_kernel(
-    x_ptr, qw_ptr, s_ptr, b_ptr, logits_ptr, w_ptr, ids_ptr, count_ptr,
-    N, K_IN, E, stride_xm, stride_wn, stride_sn, stride_lm,
-    K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BITS: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """The router GEMV (`gemv_rows`, quantised weights [N, K_IN]: E expert rows, then the
-    shared expert's gate row if SHARED) with the routing in its epilogue: each program
-    stores its BLOCK_N logits of token i_m (in the logits' dtype, as the GEMV would), and the
-    last of the token's programs (`counters`) routes it from them (`_topk_row`)."""
-    let_next_launch(USE_PDL)  # `gemv_rows` waits after its first weight loads
-    i_n, i_m = tl.program_id(0), tl.program_id(1)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    b_y = gemv_rows(x_ptr + i_m * stride_xm, qw_ptr, s_ptr, b_ptr, o_n, m_n, K_IN, stride_wn,
-                    stride_sn, BITS, GROUP, BLOCK_N, BLOCK_K, PACKED, True, USE_PDL)  # fmt: skip
-    p_l = logits_ptr + i_m * stride_lm
-    tl.store(p_l + o_n, b_y.to(logits_ptr.dtype.element_ty), mask=m_n)
-    if last_to_arrive(count_ptr + i_m, tl.num_programs(0)):  # the token's last program
-        o_e = tl.arange(0, BLOCK_E)
-        b_l = tl.load(p_l + o_e, mask=o_e < E, other=-float("inf"), cache_modifier=".cg")
-        b_w, b_i = _topk_row(b_l.to(tl.float32), o_e, E, K, BLOCK_E)
-        gate = 0.0
-        if SHARED:
-            gate = tl.load(p_l + E, cache_modifier=".cg")
-        _store_route(w_ptr, ids_ptr, i_m, b_w, b_i, gate, K, SHARED)
 
 
 @triton.jit
@@ -163,45 +112,6 @@ def topk_route(
                            SHARED=shared_gate is not None,
                            BLOCK_E=triton.next_power_of_2(e), num_warps=1,
                            **launch_args(logits))  # fmt: skip
-    return weights, ids
-
-
-def route_gemv(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    biases: torch.Tensor,
-    spec: QuantSpec,
-    num_experts: int,
-    k: int,
-    shared_gate: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router projection and `topk_route` in one kernel, for a few tokens x [T, D]:
-    packed / scales / biases: the quantised router [N, D] (rows: the E experts, then, if
-    shared_gate, the shared expert's gate, then any padding). Returns what `topk_route`
-    returns for those logits (in x's dtype) and that gate."""
-    t, d = x.shape
-    n = packed.shape[0]
-    if n < num_experts + shared_gate or scales.shape != (n, d // spec.group_size):
-        what = f"{num_experts} experts" + (" and a gate" if shared_gate else "")
-        raise ValueError(f"router weights {list(packed.shape)} / {list(scales.shape)} do not "
-                         f"hold {what}")  # fmt: skip
-    if not 0 < k <= num_experts:
-        raise ValueError(f"top-k {k} out of range for {num_experts} experts")
-    x = x.contiguous()
-    cols = k + shared_gate
-    logits = torch.empty(t, n, device=x.device, dtype=x.dtype)
-    weights = torch.empty(t, cols, device=x.device, dtype=torch.float32)
-    ids = torch.empty(t, cols, device=x.device, dtype=torch.int32)
-    block_n, block_k, num_warps = default_config(n, d)
-    grid = (triton.cdiv(n, block_n), t)
-    _router_kernel[grid](
-        x, packed.view(torch.int32), scales, biases, logits, weights, ids,
-        counters(x.device, t), n, d, num_experts, x.stride(0), packed.stride(0),
-        scales.stride(0), logits.stride(0),
-        K=k, SHARED=shared_gate, BLOCK_E=triton.next_power_of_2(num_experts),
-        **row_tiles(x, d, spec, block_n, block_k), num_warps=num_warps, **launch_args(x),
-    )  # fmt: skip
     return weights, ids
 
 

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from sparrow.kernels.counters import counters, last_to_arrive
 from sparrow.kernels.dequant.unpack import fit_block_k
 from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
@@ -158,11 +157,11 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr, sw_ptr, ss_ptr, sb_ptr, out_ptr,
-    count_ptr, N, K,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym, stride_om,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr, sw_ptr, ss_ptr, sb_ptr,
+    N, K,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
     TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
-    APPLY_WEIGHT: tl.constexpr, COMBINE: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    APPLY_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -173,9 +172,8 @@ def _gemv_kernel(
     EXPERTS: W is a stack of experts [E, ...] and row i_m = t * TOP_K + slot (an assignment)
     reads expert ids[i_m]; SHARED: the last slot of each token reads the shared expert's
     weights (sw, ss, sb: one expert's shape) instead; APPLY_WEIGHT scales a row by its
-    routing weight rw[i_m]. COMBINE: out[t] = the sum of y's TOP_K rows of token t, by the
-    last of those rows' programs to finish a column block (`counters`). PREFETCH (not with
-    EXPERTS: the expert ids come from the previous kernel): see `gemv_rows`."""
+    routing weight rw[i_m]. PREFETCH (not with EXPERTS: the expert ids come from the
+    previous kernel): see `gemv_rows`."""
     if PREFETCH:
         let_next_launch(USE_PDL)  # `gemv_rows` waits after its first weight loads
     else:
@@ -209,16 +207,6 @@ def _gemv_kernel(
     if APPLY_WEIGHT:
         b_y *= tl.load(rw_ptr + i_m)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
-    if COMBINE:
-        i_t = i_m // TOP_K
-        # the token's last row for this column block sums them
-        if last_to_arrive(count_ptr + i_t * tl.num_programs(0) + i_n, TOP_K):
-            b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(TOP_K):  # in slot order, as `_combine` sums
-                b_sum += tl.load(y_ptr + (i_t * TOP_K + j) * stride_ym + o_n, mask=m_n,
-                                 other=0.0, cache_modifier=".cg").to(tl.float32)  # fmt: skip
-            tl.store(out_ptr + i_t * stride_om + o_n, b_sum.to(out_ptr.dtype.element_ty),
-                     mask=m_n)  # fmt: skip
 
 
 def row_tiles(x: torch.Tensor, k: int, spec: QuantSpec, block_n: int, block_k: int) -> dict:
@@ -231,12 +219,11 @@ def row_tiles(x: torch.Tensor, k: int, spec: QuantSpec, block_n: int, block_k: i
 
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
-                shared_w=None, prefetch: bool | None = None, out=None):  # fmt: skip
+                shared_w=None, prefetch: bool | None = None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
-    weights for the last of each token's top_k slots. out [R // top_k, N]: also the sum of
-    each token's top_k rows of y (the MoE combine) in the same kernel. prefetch: the weight
+    weights for the last of each token's top_k slots. prefetch: the weight
     prefetch of `gemv_rows`, by default with programmatic dependent launch and without
     experts."""
     packed, scales, biases = w
@@ -250,14 +237,12 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         raise ValueError("the expert GEMV cannot prefetch: its weights follow the routing")
     pdl = launch_args(y)
     grid = (triton.cdiv(n, block_n), y.shape[0])
-    count = counters(y.device, grid[0] * grid[1] // top_k) if out is not None else None
     _gemv_kernel[grid](
-        x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw, out, count,
+        x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
         n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),
         scales.stride(0) if experts else 0, scales.stride(-2), y.stride(0),
-        out.stride(0) if out is not None else 0,
         TOP_K=top_k, EXPERTS=experts, SHARED=shared_w is not None, GATED=gated,
-        APPLY_WEIGHT=rw is not None, COMBINE=out is not None,
+        APPLY_WEIGHT=rw is not None,
         **row_tiles(x, k, spec, block_n, block_k),
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl,
