@@ -76,22 +76,6 @@ def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the g
     assert [len(t) for t in outs[True]] == [12, 5, 9, 16, 7]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variants", ["gdn_one_kernel"])
-def test_experimental_kernels_match_gpu(ckpt, monkeypatch, variants):
-    """Graph decode with the kernel variants that are off (SPARROW_EXPERIMENTAL) gives the greedy
-    tokens of the plain eager engine (4-bit, fp32)."""
-    config = SchedulerConfig(block_size=16, num_blocks=256, max_num_seqs=3, max_model_len=512)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16)]
-    outs = []
-    for on in (False, True):
-        monkeypatch.setenv("SPARROW_EXPERIMENTAL", variants if on else "")
-        model = load_checkpoint(ckpt, "cuda", torch.float32, QuantConfig.from_name("4bit"))
-        llm = LLM(model, scheduler=config, cuda_graphs=on)
-        outs.append([o.token_ids for o in llm.generate(PROMPTS, params)])
-    assert outs[0] == outs[1]
-
-
 def test_warmup_leaves_the_engine_idle(ckpt):
     """Warm-up prompts run to completion and give back every block and slot; generation
     afterwards is the same as on a fresh engine."""

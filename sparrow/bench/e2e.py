@@ -7,9 +7,6 @@ prefill the prompt (time to the first token), then decode `--decode` tokens. Med
 rounds. HF runs up to `--hf-max-len` (beyond, it is skipped and the report says so).
 Then concurrency: C requests of 512 tokens decoding together (output tok/s of all of them).
 Finally one decode step of the 4-bit engine is profiled eagerly: time and count per kernel.
-`--experimental none,all` adds engines over the same weights with kernel
-variants switched on (SPARROW_EXPERIMENTAL, `+` joining several in one engine), in the
-same alternation.
 
     python -m sparrow.bench.e2e --out bench-out/e2e.json
     python -m sparrow.bench.plot bench-out/e2e.json   # the PNG (needs matplotlib)
@@ -18,8 +15,6 @@ same alternation.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import time
 from collections import defaultdict
@@ -37,23 +32,6 @@ from sparrow.worker.cache import build_metadata
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 VOCAB = 248000  # prompt token ids are drawn below this
-
-
-@contextlib.contextmanager
-def _experimental(setting: str | None):
-    """SPARROW_EXPERIMENTAL as an engine was built with (None: leave it as it is)."""
-    if setting is None:
-        yield
-        return
-    old = os.environ.get("SPARROW_EXPERIMENTAL")
-    os.environ["SPARROW_EXPERIMENTAL"] = setting
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["SPARROW_EXPERIMENTAL"]
-        else:
-            os.environ["SPARROW_EXPERIMENTAL"] = old
 
 
 def _sync_time() -> float:
@@ -132,7 +110,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hf-decode", type=int, default=8, help="HF decode tokens per round")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the full 40")
-    p.add_argument("--experimental", default="", help="none,gdn_one_kernel,all: an engine each")
     p.add_argument("--out", default="bench-out/e2e.json")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -150,18 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
     max_len = max(lengths) + args.decode + 1
     sched = SchedulerConfig(max_num_seqs=max(concurrency + [1]), max_model_len=max_len,
                             num_blocks=-(-max_len // 128) + 8 * max(concurrency + [1]))  # fmt: skip
-    settings: dict[str, str | None] = {}  # engine -> its SPARROW_EXPERIMENTAL
     for variant in args.variants.split(","):
         if variant == "bf16":
             model = ours_from_hf(cfg, hf) if hf is not None else random_model(cfg, 0, "cuda")
         else:
             model = random_model(cfg, 0, "cuda", quantize=QuantConfig.from_name(variant))
-        for setting in args.experimental.split(",") if args.experimental else [None]:
-            env = None if setting is None else setting.replace("+", ",").replace("none", "")
-            name = f"sparrow-{variant}" + (f"[{setting}]" if env else "")
-            settings[name] = env
-            with _experimental(env):
-                engines[name] = LLM(model, scheduler=sched)
+        engines[f"sparrow-{variant}"] = LLM(model, scheduler=sched)
     print(f"[e2e] engines ready; GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
 
     gen = torch.Generator().manual_seed(0)
@@ -179,8 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                     t_pre, t_dec = run_hf(engine, ids, args.hf_decode)[:2]
                     runs[name].append((length / t_pre, args.hf_decode / t_dec))
                 else:
-                    with _experimental(settings[name]):
-                        t_pre, t_dec, n = run_engine(engine, [prompt], args.decode + 1)
+                    t_pre, t_dec, n = run_engine(engine, [prompt], args.decode + 1)
                     runs[name].append((length / t_pre, n / t_dec))
         for name, rows in runs.items():
             rows = rows[warm:]
@@ -199,9 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = [torch.randint(0, VOCAB, (512,), generator=gen).tolist() for _ in range(c)]
         for name, engine in engines.items():
             if name != "hf":
-                with _experimental(settings[name]):
-                    run_engine(engine, prompts, 4)  # warm-up at this batch size
-                    _, t_dec, n = run_engine(engine, prompts, 64)
+                run_engine(engine, prompts, 4)  # warm-up at this batch size
+                _, t_dec, n = run_engine(engine, prompts, 64)
                 conc[name][c] = n / t_dec
     report = {
         "model": f"qwen3_5_moe full width, {cfg.num_layers} layers, random weights",
@@ -219,9 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         floor = {n: HBM_BYTES_PER_S / decode_bytes_per_token(engine.model, n) for n in lengths}
         report.setdefault("decode_roofline_tok_s", {})[name] = floor
-        with _experimental(settings[name]):
-            report.setdefault("decode_profile_4k", {})[name] = profile_step(engine, 4096, 1)
-            report.setdefault("prefill_profile_4k", {})[name] = profile_step(engine, 0, 4096)
+        report.setdefault("decode_profile_4k", {})[name] = profile_step(engine, 4096, 1)
+        report.setdefault("prefill_profile_4k", {})[name] = profile_step(engine, 0, 4096)
     _print_table(report, lengths)
     write_report(args.out, report)
     return report

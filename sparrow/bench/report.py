@@ -9,8 +9,8 @@ from typing import Any
 
 
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
-    """The report, with the SPARROW_* settings it ran under (kernel switches such as
-    SPARROW_EXPERIMENTAL change what is measured)."""
+    """The report, with the SPARROW_* settings it ran under (SPARROW_KERNELS changes what
+    is measured)."""
     report = report | {"env": {k: v for k, v in os.environ.items() if k.startswith("SPARROW_")}}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,15 +3,10 @@
 One switch selects the path the model takes: `reference` (plain PyTorch everywhere), `triton`
 (the kernels, also on CPU tensors under TRITON_INTERPRET=1), or `auto` (the default: kernels
 for CUDA tensors, reference otherwise). Set it with SPARROW_KERNELS or `set_backend`.
-
-Kernel variants built and tested but not (or not yet) faster on the H200 stay off unless
-named in SPARROW_EXPERIMENTAL (comma-separated, or `all`): `gdn_one_kernel` (a GDN layer's
-decode as one kernel).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -42,20 +37,3 @@ def fits_tiles(*dims: int) -> bool:
 def use_triton(t: torch.Tensor) -> bool:
     """Whether ops on `t` take the Triton kernels."""
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
-
-
-EXPERIMENTAL = ("gdn_one_kernel",)
-
-
-def experimental(name: str) -> bool:
-    """Whether the kernel variant `name` is switched on (SPARROW_EXPERIMENTAL; read
-    at every call, parsed once per value: kernel launches ask)."""
-    if name not in EXPERIMENTAL:
-        raise ValueError(f"unknown experimental variant {name!r}; expected one of {EXPERIMENTAL}")
-    chosen = _chosen(os.environ.get("SPARROW_EXPERIMENTAL", ""))
-    return name in chosen or "all" in chosen
-
-
-@functools.cache
-def _chosen(value: str) -> frozenset[str]:
-    return frozenset(v.strip() for v in value.split(","))

@@ -7,11 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.config import ModelConfig
-from sparrow.kernels import experimental, fits_tiles, use_triton
+from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
 from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import (
-    fused_decode_layer,
     fused_recurrent_step,
     gated_rms_norm,
     gdn_gates,
@@ -105,10 +104,6 @@ class GatedDeltaNet(Projections, nn.Module):
         norm kernel: 11.9 vs 9.9 us per layer at batch 1, 149 vs 107 us at 64.)"""
         slots = meta.state_slots
         weight = self.conv1d.weight[:, 0]
-        if meta.max_q_len == 1 and self.kernel == 4 and experimental("gdn_one_kernel"):
-            return fused_decode_layer(mixed_qkv, a, b, z, weight, conv_pool, self.A_log,
-                                      self.dt_bias, state_pool, slots, self.num_k_heads,
-                                      self.norm.weight, self.norm.eps)  # fmt: skip
         qkv = causal_conv1d_varlen(mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight,
                                    max_len=meta.max_q_len)
         if meta.max_q_len == 1:

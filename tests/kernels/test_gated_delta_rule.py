@@ -4,9 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import (
-    fused_decode_layer,
     fused_recurrent_step,
     gated_rms_norm,
     gdn_gates,
@@ -211,56 +209,3 @@ def test_step_real_sizes_gpu(bsz):
     expected = _reference(qkv, a, b, a_log, dt_bias, ref_states, slots, 16, 128, 128)
     o = fused_recurrent_step(qkv, a, b, a_log, dt_bias, states, slots, 16)
     assert rel_err(o, expected) < 1e-4 and rel_err(states, ref_states) < 1e-4
-
-
-def _decode_layer_case(bsz, hk, hv, dk, dv, device, dtype, seed=0):
-    pool = bsz + 5  # more slots than sequences, one state per sequence
-    qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, hk, hv, dk, dv, device, seed, pool)
-    gen = torch.Generator().manual_seed(seed + 1)
-    c = qkv.shape[1]
-    mixed = torch.randn(bsz, c + 8, generator=gen)[:, 8:].to(device, dtype)  # rows strided
-    z = torch.randn(bsz, hv, dv, generator=gen).to(device, dtype)
-    conv_w = (torch.randn(c, 4, generator=gen) * 0.5).to(device, dtype)
-    conv_states = torch.randn(pool, c, 3, generator=gen).to(device, dtype)
-    norm_w = (torch.rand(dv, generator=gen) + 0.5).to(device, dtype)
-    return mixed, a, b, z, conv_w, conv_states, a_log, dt_bias, states, slots, norm_w
-
-
-def _three_kernels(mixed, a, b, z, conv_w, conv_states, a_log, dt_bias, states, slots, norm_w,
-                   hk):  # fmt: skip
-    """The layer's decode as three kernels (conv, step, norm)."""
-    cu = torch.arange(len(slots) + 1, dtype=torch.int32, device=mixed.device)
-    qkv = causal_conv1d_varlen(mixed, cu, conv_states, slots, conv_w, max_len=1)
-    o = fused_recurrent_step(qkv, a, b, a_log, dt_bias, states, slots, hk)
-    return gated_rms_norm(o, z, norm_w, 1e-6)
-
-
-def _check_decode_layer(bsz, hk, hv, dk, dv, device, dtype, block_v, steps, tol):
-    """Steps of the one-kernel decode (block_v columns per program) equal the three kernels',
-    outputs and both state pools; the second step checks that the counters were reset."""
-    case = _decode_layer_case(bsz, hk, hv, dk, dv, device, dtype)
-    mixed, a, b, z, conv_w, conv_states, a_log, dt_bias, states, slots, norm_w = case
-    conv_ref, states_ref = conv_states.clone(), states.clone()
-    for step in range(steps):
-        x = mixed if step == 0 else mixed.roll(1, dims=1)  # new inputs for the next token
-        y = fused_decode_layer(x, a, b, z, conv_w, conv_states, a_log, dt_bias, states, slots,
-                               hk, norm_w, 1e-6, block_v=block_v)  # fmt: skip
-        expected = _three_kernels(x, a, b, z, conv_w, conv_ref, a_log, dt_bias, states_ref,
-                                  slots, norm_w, hk)  # fmt: skip
-        assert rel_err(y.float(), expected.float()) < tol
-        assert rel_err(conv_states.float(), conv_ref.float()) < tol
-        assert rel_err(states, states_ref) < tol
-
-
-@pytest.mark.parametrize("bsz, hk, hv, dk, dv, block_v", [(1, 2, 4, 16, 32, 8),
-                                                          (3, 2, 4, 16, 32, 16),
-                                                          (3, 1, 3, 32, 16, None),
-                                                          (2, 2, 4, 16, 16, 16)])  # fmt: skip
-def test_decode_layer_kernel_matches_three_kernels(bsz, hk, hv, dk, dv, block_v):
-    _check_decode_layer(bsz, hk, hv, dk, dv, "cpu", torch.float32, block_v, steps=2, tol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bsz", [1, 8, 64])
-def test_decode_layer_kernel_real_sizes_gpu(bsz):
-    _check_decode_layer(bsz, 16, 32, 128, 128, "cuda", torch.bfloat16, None, steps=3, tol=1e-2)

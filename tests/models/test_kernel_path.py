@@ -29,10 +29,7 @@ def _run(model, prompts, decode):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("one_kernel_decode", [False, True])  # the GDN decode as one kernel
-def test_kernel_path_matches_reference(backend, device, one_kernel_decode, monkeypatch):
-    variants = "gdn_one_kernel" if one_kernel_decode else ""
-    monkeypatch.setenv("SPARROW_EXPERIMENTAL", variants)
+def test_kernel_path_matches_reference(backend, device):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = random_model(CFG, seed=3, device=device, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)

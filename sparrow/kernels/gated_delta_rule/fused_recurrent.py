@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.counters import counters, last_to_arrive
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
@@ -80,139 +79,9 @@ def _recurrent_step_kernel(
     tl.store(o_ptr + i_b * stride_o + i_h * DV + o_v, b_o)
 
 
-@triton.jit
-def _conv_token(p_x, p_cs, stride_cc, cw_ptr, o_c):
-    """One token's causal conv (kernel 4) + SiLU on channels o_c: the three inputs before it
-    from the conv state (oldest first). Returns the output rounded to the activation dtype
-    (as the conv kernel stores it) in fp32, and the new state (the last three inputs)."""
-    b_x = tl.load(p_x + o_c)
-    b_s0 = tl.load(p_cs + o_c * stride_cc)
-    b_s1 = tl.load(p_cs + o_c * stride_cc + 1)
-    b_s2 = tl.load(p_cs + o_c * stride_cc + 2)
-    p_w = cw_ptr + o_c * 4
-    b_y = (b_s0.to(tl.float32) * tl.load(p_w).to(tl.float32)
-           + b_s1.to(tl.float32) * tl.load(p_w + 1).to(tl.float32)
-           + b_s2.to(tl.float32) * tl.load(p_w + 2).to(tl.float32)
-           + b_x.to(tl.float32) * tl.load(p_w + 3).to(tl.float32))  # fmt: skip
-    b_y = (b_y / (1.0 + tl.exp(-b_y))).to(b_x.dtype).to(tl.float32)
-    return b_y, b_s1, b_s2, b_x
-
-
-@triton.jit
-def _store_conv_state(p_cs, stride_cc, o_c, b_s1, b_s2, b_x):
-    dt = p_cs.dtype.element_ty
-    tl.store(p_cs + o_c * stride_cc, b_s1.to(dt))
-    tl.store(p_cs + o_c * stride_cc + 1, b_s2.to(dt))
-    tl.store(p_cs + o_c * stride_cc + 2, b_x.to(dt))
-
-
-@triton.jit
-def _decode_layer_kernel(
-    x_ptr, a_ptr, b_ptr, z_ptr, cw_ptr, conv_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr,
-    nw_ptr, ob_ptr, y_ptr, count_ptr,
-    eps, stride_x, stride_ab, stride_z, stride_cs, stride_cc, stride_ss, stride_sh,
-    KEY_DIM, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BV: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """The whole decode of a GDN layer after its in-projection, one program per (sequence,
-    v-head, BV state columns): conv + SiLU of the token's q, k and v channels, the recurrent
-    step, the gated RMSNorm.
-
-    Two things need more than one program, done by the last to arrive at a counter
-    (`count_ptr` [B, HK + HV], zero before the kernel and zero again after it):
-    - the conv state of a q/k head: the 2 x DV / BV programs of its v-heads all read it, so
-      the last of them writes the new one;
-    - the norm of a v-head's output spans all DV columns: each program stores its columns
-      (fp32, `ob_ptr`) and the last one normalises the head.
-    (`last_to_arrive`: its CTA barrier and acq_rel atomic order every earlier read and
-    write of each program before what the last one does next; the v conv state, this
-    program's own, is written after that barrier, so after its reads.)"""
-    wait_for_previous(USE_PDL)
-    NV: tl.constexpr = DV // BV
-    RATIO: tl.constexpr = HV // HK
-    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_k = i_h // RATIO
-    slot = tl.load(slot_ptr + i_b).to(tl.int64)
-    p_x = x_ptr + i_b * stride_x
-    p_cs = conv_ptr + slot * stride_cs
-    o_dk = tl.arange(0, DK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    c_q = i_k * DK + o_dk
-    b_q, q_s1, q_s2, q_x = _conv_token(p_x, p_cs, stride_cc, cw_ptr, c_q)
-    b_k, k_s1, k_s2, k_x = _conv_token(p_x, p_cs, stride_cc, cw_ptr, KEY_DIM + c_q)
-    c_v = 2 * KEY_DIM + i_h * DV + o_v
-    b_v, v_s1, v_s2, v_x = _conv_token(p_x, p_cs, stride_cc, cw_ptr, c_v)
-    p_count = count_ptr + i_b * (HK + HV)
-    if last_to_arrive(p_count + i_k, RATIO * NV):  # the q/k head's last reader
-        _store_conv_state(p_cs, stride_cc, c_q, q_s1, q_s2, q_x)
-        _store_conv_state(p_cs, stride_cc, KEY_DIM + c_q, k_s1, k_s2, k_x)
-    _store_conv_state(p_cs, stride_cc, c_v, v_s1, v_s2, v_x)  # this program's own channels
-    p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
-    p_ab = (a_ptr + i_b * stride_ab + i_h, b_ptr + i_b * stride_ab + i_h)
-    p_o = ob_ptr + (i_b * HV + i_h) * DV
-    tl.store(p_o + o_v, _delta_step(b_q, b_k, b_v, p_ab, alog_ptr + i_h, dtb_ptr + i_h, p_s, DK))
-    if last_to_arrive(p_count + HK + i_h, NV):  # the head's last program: the norm
-        o_d = tl.arange(0, DV)
-        b_o = tl.load(p_o + o_d, cache_modifier=".cg")
-        b_z = tl.load(z_ptr + i_b * stride_z + i_h * DV + o_d)
-        tl.store(y_ptr + (i_b * HV + i_h) * DV + o_d,
-                 _gated_norm(b_o, b_z, nw_ptr, eps, DV, y_ptr.dtype.element_ty))  # fmt: skip
-
-
-def fused_decode_layer(
-    mixed_qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    z: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_states: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    states: torch.Tensor,
-    slots: torch.Tensor,
-    num_k_heads: int,
-    norm_weight: torch.Tensor,
-    eps: float,
-    block_v: int | None = None,
-) -> torch.Tensor:
-    """One kernel for a GDN layer's decode between its projections: `causal_conv1d_varlen`
-    (one token), `fused_recurrent_step` and `gated_rms_norm` in one launch, same results.
-    mixed_qkv: [B, C] (before the conv; rows may be strided); a, b: [B, Hv]; z: [B, Hv, Dv];
-    conv_weight [C, 4]; conv_states [S, C, 3] and states [S, Hv, Dk, Dv] fp32, updated in
-    place at slots [B] (distinct). Returns [B, Hv, Dv] in z's dtype."""
-    bsz, c = mixed_qkv.shape
-    _, hv, dk, dv = states.shape
-    key_dim = num_k_heads * dk
-    if conv_weight.shape != (c, 4) or conv_states.shape[1:] != (c, 3):
-        raise ValueError(f"conv weight {list(conv_weight.shape)} / states "
-                         f"{list(conv_states.shape)}: expected [{c}, 4] / [S, {c}, 3]")  # fmt: skip
-    if c != 2 * key_dim + hv * dv or z.shape != (bsz, hv, dv):
-        raise ValueError(f"mixed_qkv {list(mixed_qkv.shape)}, z {list(z.shape)} do not fit "
-                         f"states {list(states.shape)} with {num_k_heads} q/k heads")  # fmt: skip
-    if states.dtype != torch.float32 or not states.is_contiguous():
-        raise ValueError("the state pool must be contiguous fp32")
-    if mixed_qkv.stride(1) != 1:
-        mixed_qkv = mixed_qkv.contiguous()
-    if z.stride(2) != 1 or z.stride(1) != dv:
-        z = z.contiguous()
-    a, b = _one_row_stride(a, b)
-    block_v = min(block_v or _block_v(dv, hv, bsz), dv)
-    o = torch.empty(bsz, hv, dv, device=z.device, dtype=torch.float32)
-    y = torch.empty(bsz, hv, dv, device=z.device, dtype=z.dtype)
-    _decode_layer_kernel[(dv // block_v, hv, bsz)](
-        mixed_qkv, a, b, z, conv_weight.contiguous(), conv_states, a_log, dt_bias, states,
-        slots, norm_weight, o, y, counters(z.device, bsz * (num_k_heads + hv)),
-        eps, mixed_qkv.stride(0), a.stride(0), z.stride(0), conv_states.stride(0),
-        conv_states.stride(1), states.stride(0), states.stride(1),
-        key_dim, HK=num_k_heads, HV=hv, DK=dk, DV=dv, BV=block_v, **launch_args(y),
-    )  # fmt: skip
-    return y
-
-
 def _block_v(dv: int, hv: int, bsz: int) -> int:
-    """State columns per program of the decode kernels: the widest of 64, 32 that still
-    makes 256 programs, else 16 (see `fused_recurrent_step`)."""
+    """State columns per program of the decode step: the widest of 64, 32 that still makes
+    256 programs, else 16 (see `fused_recurrent_step`)."""
     return next((w for w in (64, 32) if dv // w * hv * bsz >= 256), 16)
 
 
