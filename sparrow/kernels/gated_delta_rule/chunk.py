@@ -17,7 +17,11 @@ depend on the state. Four kernels, only the third sequential:
 3. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
    BV columns of the state), the state S [Dk, BV] in registers the whole way: it stores each
    chunk's incoming state, then  u = U - W S  (in place of U)  and
-   S = exp(G_last) S + (k * exp(G_last - G))^T u.  Two small dots per chunk.
+   S = exp(G_last) S + (k * exp(G_last - G))^T u.  Two small dots per chunk. Optionally
+   (`ChunkTiles.segment_chunks`) parallel over segments of a sequence: S maps affinely
+   across a segment, S_end = M S_begin + E; `_segment_kernel` finds each segment's (E, M)
+   in parallel, `_carry_kernel` chains them (one step per segment), and `_state_kernel` then
+   scans each segment from its incoming state.
 4. `_output_kernel`, parallel again:  o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u.
 
 L2-norm and scale of q/k are fused in. W, U, u and the per-chunk states are stored in the
@@ -268,25 +272,63 @@ def _norm_rows(ptr, rows, m_t, col, stride_t, scale, DK: tl.constexpr):
 
 
 @triton.jit
-def _state_kernel(
-    k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, state_ptr, slot_ptr, cu_ptr, chunk_ptr,
-    stride_kt, stride_wt, stride_ut, stride_gt, stride_hc, stride_ss, stride_sh,
-    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
-    DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
-    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_k = i_h // RATIO
+def _chunk_step(b_s, b_w, b_u, p_u, k_ptr, gc_ptr, start, c0, length, rows, m_t, i_h, i_k,
+                stride_kt, stride_gt, DK: tl.constexpr, DT: tl.constexpr,
+                STORE_U: tl.constexpr):  # fmt: skip
+    """One chunk of the scan from its incoming state S [DK, BV] (fp32), its W rows [64, DK]
+    and U columns [64, BV]: u = U - W S (STORE_U: stored at p_u), then
+    S <- exp(G_last) S + (k exp(G_last - G))^T u. Returns the next S."""
+    b_u -= _mm_as(b_w, b_s, DT)
+    if STORE_U:
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_t[:, None])
+    b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
+    g_last = tl.load(gc_ptr + (start + tl.minimum(c0 + 63, length - 1)) * stride_gt + i_h)
+    b_k = _norm_rows(k_ptr, rows, m_t, i_k * DK, stride_kt, 1.0, DK)
+    b_kd = b_k * tl.exp(g_last - b_gc)[:, None]
+    return tl.exp(g_last) * b_s + _mm_as(tl.trans(b_kd), b_u, DT)
+
+
+@triton.jit
+def _segment(cu_ptr, i_b, i_seg, seg_tokens):
+    """Sequence i_b's first row, its length, and the token range [begin, end) of its segment
+    i_seg (segments of seg_tokens tokens, whole chunks)."""
     start = tl.load(cu_ptr + i_b)
     length = tl.load(cu_ptr + i_b + 1) - start
+    begin = i_seg * seg_tokens
+    return start, length, begin, tl.minimum(length, begin + seg_tokens)
+
+
+@triton.jit
+def _state_kernel(
+    k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, state_ptr, slot_ptr, cu_ptr, chunk_ptr, x_ptr, seg_ptr,
+    seg_tokens, stride_kt, stride_wt, stride_ut, stride_gt, stride_hc, stride_ss, stride_sh,
+    stride_xs, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    SEGMENTED: tl.constexpr,
+):  # fmt: skip
+    """The sequential scan of one sequence's chunks (or, SEGMENTED, of one segment of them,
+    from the incoming state `_carry_kernel` left at x[segment]). Program (segment x BV
+    columns, v-head, sequence); the state S [DK, BV] stays in registers the whole way."""
+    DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
+    NV: tl.constexpr = DV // BV
+    i_sv, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_seg, i_v = i_sv // NV, i_sv % NV
+    start, length, begin, end = _segment(cu_ptr, i_b, i_seg, seg_tokens)
+    if SEGMENTED and begin >= length:
+        return
+    i_k = i_h // RATIO
     first_chunk = tl.load(chunk_ptr + i_b).to(tl.int64)
-    slot = tl.load(slot_ptr + i_b).to(tl.int64)
     o_dk = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, 64)
-    p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
-    b_s = tl.load(p_s)  # [DK, BV] fp32, carried in registers across all chunks
+    o_s = i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
+    if SEGMENTED:
+        seg = tl.load(seg_ptr + i_b).to(tl.int64) + i_seg
+        b_s = tl.load(x_ptr + seg * stride_xs + o_s)
+    else:
+        p_s = state_ptr + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss + o_s
+        b_s = tl.load(p_s)  # [DK, BV] fp32, carried in registers across all chunks
     p_h = h_ptr + first_chunk * stride_hc + i_h * DK * DV + o_dk[:, None] * DV + o_v[None, :]
-    for c0 in tl.range(0, length, 64, num_stages=2):
+    for c0 in tl.range(begin, end, 64, num_stages=2):
         tl.store(p_h + (c0 // 64) * stride_hc, b_s.to(h_ptr.dtype.element_ty))
         rows = start + c0 + o_t
         m_t = (c0 + o_t) < length
@@ -294,13 +336,72 @@ def _state_kernel(
                       mask=m_t[:, None], other=0.0)  # fmt: skip
         p_u = u_ptr + rows[:, None] * stride_ut + i_h * DV + o_v[None, :]
         b_u = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_u -= _mm_as(b_w, b_s, DT)
-        tl.store(p_u, b_u.to(u_ptr.dtype.element_ty), mask=m_t[:, None])
-        b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-        g_last = tl.load(gc_ptr + (start + tl.minimum(c0 + 63, length - 1)) * stride_gt + i_h)
-        b_k = _norm_rows(k_ptr, rows, m_t, i_k * DK, stride_kt, 1.0, DK)
-        b_kd = b_k * tl.exp(g_last - b_gc)[:, None]
-        b_s = tl.exp(g_last) * b_s + _mm_as(tl.trans(b_kd), b_u, DT)
+        b_s = _chunk_step(b_s, b_w, b_u, p_u, k_ptr, gc_ptr, start, c0, length, rows, m_t, i_h,
+                          i_k, stride_kt, stride_gt, DK, DT, True)  # fmt: skip
+    if not SEGMENTED:
+        tl.store(p_s, b_s)
+
+
+@triton.jit
+def _segment_kernel(
+    k_ptr, w_ptr, u_ptr, gc_ptr, e_ptr, cu_ptr, seg_ptr, seg_tokens,
+    stride_kt, stride_wt, stride_ut, stride_gt, stride_es,
+    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """First pass of the segmented scan, all segments in parallel. Across a chunk the state
+    maps as S -> A S + B (A = exp(G_last) I - K^T W [DK, DK], B = K^T U), so across a segment
+    S_end = M S_begin + E with M the product of its A's. One program scans BV columns of
+    [E | M] from [0 | I] over its segment (the M columns see U = 0, nothing is stored on
+    the way) and writes them to e[segment]."""
+    DT: tl.constexpr = u_ptr.dtype.element_ty
+    NB: tl.constexpr = (DV + DK) // BV
+    i_sb, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_seg, i_c = i_sb // NB, i_sb % NB
+    start, length, begin, end = _segment(cu_ptr, i_b, i_seg, seg_tokens)
+    if begin >= length:
+        return
+    i_k = i_h // RATIO
+    o_dk = tl.arange(0, DK)
+    o_c = i_c * BV + tl.arange(0, BV)  # columns of [E | M]
+    o_t = tl.arange(0, 64)
+    b_s = tl.where(o_dk[:, None] == o_c[None, :] - DV, 1.0, 0.0)  # [0 | I]
+    for c0 in tl.range(begin, end, 64, num_stages=2):
+        rows = start + c0 + o_t
+        m_t = (c0 + o_t) < length
+        b_w = tl.load(w_ptr + rows[:, None] * stride_wt + i_h * DK + o_dk[None, :],
+                      mask=m_t[:, None], other=0.0)  # fmt: skip
+        b_u = tl.load(u_ptr + rows[:, None] * stride_ut + i_h * DV + o_c[None, :],
+                      mask=m_t[:, None] & (o_c < DV)[None, :], other=0.0).to(tl.float32)
+        b_s = _chunk_step(b_s, b_w, b_u, None, k_ptr, gc_ptr, start, c0, length, rows, m_t,
+                          i_h, i_k, stride_kt, stride_gt, DK, DT, False)  # fmt: skip
+    seg = tl.load(seg_ptr + i_b).to(tl.int64) + i_seg
+    tl.store(e_ptr + seg * stride_es + i_h * DK * (DV + DK) + o_dk[:, None] * (DV + DK)
+             + o_c[None, :], b_s)  # fmt: skip
+
+
+@triton.jit
+def _carry_kernel(
+    e_ptr, x_ptr, state_ptr, slot_ptr, cu_ptr, seg_ptr, seg_tokens,
+    stride_es, stride_xs, stride_ss, stride_sh,
+    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Second pass, sequential over a sequence's segments (few): x[segment] = the state
+    entering it, S <- M S + E from the first segment's incoming state (the pool's) to the
+    last one's outgoing state, written back to the pool. Program (BV columns, v-head,
+    sequence)."""
+    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.load(cu_ptr + i_b + 1) - tl.load(cu_ptr + i_b)
+    first = tl.load(seg_ptr + i_b).to(tl.int64)
+    o_dk = tl.arange(0, DK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_s = i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
+    p_s = state_ptr + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss + o_s
+    b_s = tl.load(p_s)
+    p_e = e_ptr + first * stride_es + i_h * DK * (DV + DK) + o_dk[:, None] * (DV + DK)
+    for i in range(0, tl.cdiv(length, seg_tokens)):
+        tl.store(x_ptr + (first + i) * stride_xs + o_s, b_s)
+        b_m = tl.load(p_e + i * stride_es + DV + o_dk[None, :])
+        b_s = _mm(b_m, b_s, PRECISION) + tl.load(p_e + i * stride_es + o_v[None, :])
     tl.store(p_s, b_s)
 
 
@@ -359,7 +460,9 @@ class ChunkTiles:
     (output_bv). Measured on the H200, the whole function for one layer at 8K / 32K tokens,
     one change at a time from state_bv 16 and an 8-warp output: 1.01 / 3.99 ms; state_bv 32
     0.93 / 3.65; output 4 warps 0.91 / 3.51; state_bv 8 1.16 / 4.68; blocks 8 warps 1.24 /
-    4.88; the solve variants within noise. Both winners together: not yet measured."""
+    4.88; the solve variants within noise. Both winners together: not yet measured.
+    segment_chunks: chunks per segment of a scan parallel over segments for sequences
+    longer than one segment (0: one sequential scan per sequence; not yet timed)."""
 
     blocks_warps: int = 4
     solve_bc: int = 32
@@ -368,6 +471,7 @@ class ChunkTiles:
     state_warps: int = 8
     output_bv: int = 64
     output_warps: int = 4
+    segment_chunks: int = 0
 
 
 def chunk_gated_delta_rule_varlen(
@@ -430,13 +534,8 @@ def chunk_gated_delta_rule_varlen(
         num_warps=tiles.solve_warps,
     )  # fmt: skip
     h = torch.empty(chunk_slots, hv, dk, dv, device=q.device, dtype=v.dtype)
-    block_v = min(tiles.state_bv, dv)
-    _state_kernel[(dv // block_v, hv, bsz)](
-        k, w, u, gc, h, states, slots, cu_seqlens, first_chunk,
-        k.stride(0), w.stride(0), u.stride(0), gc.stride(0), h.stride(0), states.stride(0),
-        states.stride(1),
-        RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, num_warps=tiles.state_warps,
-    )  # fmt: skip
+    _scan(k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, max_len or t, precision,
+          tiles)  # fmt: skip
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     out_v = min(tiles.output_bv, dv)
     _output_kernel[(chunks * (dv // out_v), hv, bsz)](
@@ -445,3 +544,47 @@ def chunk_gated_delta_rule_varlen(
         RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=tiles.output_warps,
     )  # fmt: skip
     return o
+
+
+def _scan(k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, max_len, precision,
+          tiles: ChunkTiles):  # fmt: skip
+    """The state scan (kernel 3): h[chunk] = each chunk's incoming state, u = U - W S in
+    place of U, the final states back to the pool. One sequential pass per sequence, or with
+    tiles.segment_chunks, segments of that many chunks scanned in parallel (`_segment_kernel`,
+    `_carry_kernel`, then `_state_kernel` per segment)."""
+    t, hv, dk = w.shape
+    dv = u.shape[2]
+    bsz = cu_seqlens.numel() - 1
+    block_v = min(tiles.state_bv, dv)
+    seg_tokens = tiles.segment_chunks * CHUNK
+    segmented = 0 < seg_tokens < max_len
+    strides = (k.stride(0), w.stride(0), u.stride(0), gc.stride(0))
+    meta = {"RATIO": hv // k.shape[1], "DK": dk, "DV": dv}
+    if not segmented:
+        _state_kernel[(dv // block_v, hv, bsz)](
+            k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, None, first_chunk,
+            max(t, 1), *strides, h.stride(0), states.stride(0), states.stride(1), 0,
+            BV=block_v, SEGMENTED=False, num_warps=tiles.state_warps, **meta,
+        )  # fmt: skip
+        return
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # first segment of each sequence, no sync
+    first_seg = torch.zeros(bsz, dtype=torch.int32, device=k.device)
+    first_seg[1:] = torch.cumsum(triton.cdiv(lengths, seg_tokens), 0)[:-1].to(torch.int32)
+    seg_slots, segs = t // seg_tokens + bsz, triton.cdiv(max_len, seg_tokens)
+    e = torch.empty(seg_slots, hv, dk, dv + dk, device=k.device, dtype=torch.float32)
+    x = torch.empty(seg_slots, hv, dk, dv, device=k.device, dtype=torch.float32)
+    block_e = min(block_v, dk)  # divides both DV and DK
+    _segment_kernel[(segs * (dv + dk) // block_e, hv, bsz)](
+        k, w, u, gc, e, cu_seqlens, first_seg, seg_tokens, *strides, e.stride(0),
+        BV=block_e, num_warps=tiles.state_warps, **meta,
+    )  # fmt: skip
+    _carry_kernel[(dv // block_v, hv, bsz)](
+        e, x, states, slots, cu_seqlens, first_seg, seg_tokens, e.stride(0), x.stride(0),
+        states.stride(0), states.stride(1), DK=dk, DV=dv, BV=block_v, PRECISION=precision,
+        num_warps=tiles.state_warps, num_stages=1,  # M is 64 KB: one copy in shared memory
+    )  # fmt: skip
+    _state_kernel[(segs * (dv // block_v), hv, bsz)](
+        k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, x, first_seg, seg_tokens,
+        *strides, h.stride(0), states.stride(0), states.stride(1), x.stride(0),
+        BV=block_v, SEGMENTED=True, num_warps=tiles.state_warps, **meta,
+    )  # fmt: skip
