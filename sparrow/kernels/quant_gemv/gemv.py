@@ -209,23 +209,14 @@ def _gemv_kernel(
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
-def row_tiles(x: torch.Tensor, k: int, spec: QuantSpec, block_n: int, block_k: int) -> dict:
-    """The compile-time arguments `gemv_rows` takes (BITS .. PACKED) for rows x of K values
-    and a block shape; kernels that call it pass these on."""
-    return {"BITS": spec.bits, "GROUP": spec.group_size, "BLOCK_N": block_n,
-            "BLOCK_K": fit_block_k(k, block_k, spec.group_size),
-            "PACKED": x.is_cuda and spec.bits == 4}  # fmt: skip
-
-
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
                 shared_w=None, prefetch: bool | None = None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
-    weights for the last of each token's top_k slots. prefetch: the weight
-    prefetch of `gemv_rows`, by default with programmatic dependent launch and without
-    experts."""
+    weights for the last of each token's top_k slots. prefetch: the weight prefetch of
+    `gemv_rows`, by default with programmatic dependent launch and without experts."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
@@ -243,7 +234,8 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         scales.stride(0) if experts else 0, scales.stride(-2), y.stride(0),
         TOP_K=top_k, EXPERTS=experts, SHARED=shared_w is not None, GATED=gated,
         APPLY_WEIGHT=rw is not None,
-        **row_tiles(x, k, spec, block_n, block_k),
+        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
+        BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=x.is_cuda and spec.bits == 4,
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
