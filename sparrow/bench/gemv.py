@@ -56,9 +56,11 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
         ),
         "configs": {},
     }
-    for bn, bk, nw, ns in configs if rows == 1 else [(None,) * 4]:
-        name = f"bn{bn}_bk{bk}_w{nw}_s{ns}" if bn else "default"
-        kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns} if bn else {}
+    for bn, bk, nw, ns, pf in configs if rows == 1 else [(None,) * 5]:
+        name = f"bn{bn}_bk{bk}_w{nw}_s{ns}" + {None: "", True: "_pf", False: "_nopf"}[pf]
+        kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns,
+              "prefetch": pf} if bn else {}  # fmt: skip
+        name = name if bn else "default"
         try:
             y = quant_gemv(x, *copies[0], spec, **kw)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -77,10 +79,11 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="bench-out/gemv.json")
-    p.add_argument("--quick", action="store_true", help="`default_config` only")
+    p.add_argument("--quick", action="store_true",
+                   help="`default_config` only, with and without the weight prefetch")
     p.add_argument("--rows", type=int, default=1, help="activation rows (1-16)")
     args = p.parse_args(argv)
-    sweep = [(bn, bk, nw, 2)  # 3 stages never beat 2 in the sweeps of 2026-11-30
+    sweep = [(bn, bk, nw, 2, None)  # 3 stages never beat 2 in the sweeps of 2026-11-30
              for bn, bk, nw in itertools.product([4, 8, 16, 32, 64], [512, 1024, 2048, 4096],
                                                  [1, 2, 4, 8])
              if bn * bk <= 64 * 2048]  # fmt: skip
@@ -88,7 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'shape':<28}{'floor us':>10}{'ours us':>10}{'frac bw':>9}{'bf16 us':>10}"
           f"{'deq+mm us':>11}  best config")  # fmt: skip
     for name, (n, k) in SHAPES.items():
-        configs = [(*default_config(n, k), 2)] if args.quick else [c for c in sweep if c[1] <= k]
+        # --quick: the default blocks with and without the weight prefetch
+        configs = ([(*default_config(n, k), 2, pf) for pf in (True, False)] if args.quick
+                   else [c for c in sweep if c[1] <= k])  # fmt: skip
         r = bench_shape(n, k, configs, args.rows)
         report["shapes"][name] = r
         print(f"{name:<28}{r['floor_us']:>10.2f}{r['best_us']:>10.2f}"

@@ -94,16 +94,19 @@ def _codes_dot_x(b_w, p_x, BITS: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, g0, o_g, o_gw, stride_wn, stride_sn,
-                 WPG: tl.constexpr):  # fmt: skip
-    """Words [GROUPS, BLOCK_N, WPG] of groups g0.. and their scales and biases [GROUPS,
-    BLOCK_N] (fp32)."""
-    b_w = tl.load(w_ptr + o_n[None, :, None] * stride_wn + g0 * WPG + o_gw[:, None, :],
-                  mask=m_n[None, :, None], other=0)  # fmt: skip
+def _words(w_ptr, o_n, m_n, g0, o_gw, stride_wn, WPG: tl.constexpr):
+    """Words [GROUPS, BLOCK_N, WPG] of groups g0.."""
+    return tl.load(w_ptr + o_n[None, :, None] * stride_wn + g0 * WPG + o_gw[:, None, :],
+                   mask=m_n[None, :, None], other=0)  # fmt: skip
+
+
+@triton.jit
+def _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn):
+    """Scales and biases [GROUPS, BLOCK_N] (fp32) of groups g0.."""
     o_s = o_n[None, :] * stride_sn + g0 + o_g[:, None]
     b_s = tl.load(s_ptr + o_s, mask=m_n[None, :], other=0.0).to(tl.float32)
     b_b = tl.load(b_ptr + o_s, mask=m_n[None, :], other=0.0).to(tl.float32)
-    return b_w, b_s, b_b
+    return b_s, b_b
 
 
 @triton.jit
@@ -136,22 +139,23 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
     b_acc = tl.zeros([GROUPS, BLOCK_N], dtype=tl.float32)
     num_groups = K // GROUP
     if PREFETCH:
-        b_w, b_s, b_b = _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, 0, o_g, o_gw, stride_wn,
-                                     stride_sn, WPG)  # fmt: skip
+        b_w = _words(w_ptr, o_n, m_n, 0, o_gw, stride_wn, WPG)
+        b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_n, 0, o_g, stride_sn)
         wait_previous(USE_PDL)
     for g0 in range(0, num_groups, GROUPS):
         if not PREFETCH:
-            b_w, b_s, b_b = _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, g0, o_g, o_gw,
-                                         stride_wn, stride_sn, WPG)  # fmt: skip
+            b_w = _words(w_ptr, o_n, m_n, g0, o_gw, stride_wn, WPG)
         b_qx, b_xs = _codes_dot_x(b_w, x_ptr + (g0 * WPG + o_gw) * PER_WORD, BITS, PACKED)
+        if not PREFETCH:  # loaded after the codes' use: fewer layout changes (SASS)
+            b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn)
         # per group: sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x; summing the
         # words of a group first keeps the [GROUPS, BLOCK_N, WPG] tile in one layout
         b_sf = b_s * (1 << BITS)
         b_acc += b_sf * tl.sum(b_qx, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[:, None]
         if PREFETCH:  # the next tile (none past the end)
             m_next = m_n & (o_n * 0 + g0 + GROUPS < num_groups)
-            b_w, b_s, b_b = _weight_tile(w_ptr, s_ptr, b_ptr, o_n, m_next, g0 + GROUPS, o_g,
-                                         o_gw, stride_wn, stride_sn, WPG)  # fmt: skip
+            b_w = _words(w_ptr, o_n, m_next, g0 + GROUPS, o_gw, stride_wn, WPG)
+            b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_next, g0 + GROUPS, o_g, stride_sn)
     return tl.sum(b_acc, axis=0)
 
 
@@ -289,12 +293,13 @@ def quant_gemv(
     num_warps: int | None = None,
     num_stages: int = 2,
     gated: bool = False,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """x: [M <= 16, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales, biases:
     [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation). One row runs the row
-    GEMV (block sizes and warps override `default_config`), 2-16 rows the tensor-core
-    kernel. gated: the rows are a fused gate_up [2I, K]; returns silu(gate) * up [M, I] (in
-    the kernel at one row)."""
+    GEMV (block sizes, warps and the weight prefetch override `default_config` and
+    `launch_gemv`'s choice), 2-16 rows the tensor-core kernel. gated: the rows are a fused
+    gate_up [2I, K]; returns silu(gate) * up [M, I] (in the kernel at one row)."""
     _check(x, packed, scales, biases, spec)
     n = packed.shape[0]
     if x.shape[0] > 1:
@@ -304,4 +309,4 @@ def quant_gemv(
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(1, n // 2 if gated else n, device=x.device, dtype=x.dtype)
     return launch_gemv(x, (packed, scales, biases), y, spec, block_n or bn, block_k or bk,
-                       num_warps or nw, num_stages, gated=gated)  # fmt: skip
+                       num_warps or nw, num_stages, gated=gated, prefetch=prefetch)  # fmt: skip
