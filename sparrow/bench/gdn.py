@@ -21,7 +21,7 @@ from triton.testing import do_bench
 
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
-from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
+from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen, state_pool
 from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import (
     fused_recurrent_step,
@@ -99,7 +99,7 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
         mixed = torch.randn(batch, CONV_DIM, generator=gen, device="cuda").bfloat16()
         ab = torch.randn(2, batch, HV, generator=gen, device="cuda").bfloat16()
         z = torch.randn(batch, HV, D, generator=gen, device="cuda").bfloat16()
-        conv = torch.zeros(batch, CONV_DIM, CONV_K - 1, device="cuda", dtype=torch.bfloat16)
+        conv = state_pool(batch, CONV_DIM, CONV_K, "cuda", torch.bfloat16)  # as the engine's
         state = torch.randn(batch, HV, D, D, generator=gen, device="cuda") * 0.1
         layers.append((mixed, ab, z, conv, state))
 

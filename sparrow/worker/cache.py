@@ -2,7 +2,8 @@
 
 Attention layers keep K/V in a paged pool ([num_blocks, block_size, Hkv, D] per layer, a
 request's blocks listed in its block table); Gated DeltaNet layers keep conv and recurrent
-states in slot pools ([num_slots, ...] per layer, one slot per running request). Which block
+states in slot pools ([num_slots, ...] per layer, one slot per running request; the conv
+pool position-major in memory, `state_pool`). Which block
 and which slot a request owns is decided on the CPU (`sparrow.core`); this module holds the
 tensors and turns a step's plan into `StepMetadata`.
 """
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow.kernels.causal_conv1d.conv import state_pool
 from sparrow.kernels.gated_delta_rule.chunk import first_chunks
 
 
@@ -45,7 +47,8 @@ class ModelCache:
         self.k = [torch.zeros(kv_shape, device=device, dtype=dtype)
                   for _ in range(spec.num_attention_layers)]  # fmt: skip
         self.v = [torch.zeros_like(k) for k in self.k]
-        self.conv = [torch.zeros(num_slots, *spec.conv_shape, device=device, dtype=dtype)
+        channels, kernel = spec.conv_shape[0], spec.conv_shape[1] + 1
+        self.conv = [state_pool(num_slots, channels, kernel, device, dtype)
                      for _ in range(spec.num_recurrent_layers)]  # fmt: skip
         self.state = [torch.zeros(num_slots, *spec.state_shape, device=device,
                                   dtype=torch.float32)

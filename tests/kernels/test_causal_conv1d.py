@@ -4,27 +4,31 @@ import pytest
 import torch
 
 from sparrow.kernels.causal_conv1d import naive
-from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
+from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen, state_pool
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _case(lengths, c, device, dtype=torch.float32, seed=0):
+def _case(lengths, c, device, dtype=torch.float32, seed=0, position_major=False):
+    """position_major: the pool as the engine lays it out (`state_pool`), else contiguous."""
     gen = torch.Generator().manual_seed(seed)
     # rows strided, as the layer passes them (a view of the fused in-projection)
     x = torch.randn(sum(lengths), c + 5, generator=gen).to(device, dtype)[:, 5:]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     states = torch.randn(len(lengths) + 3, c, 3, generator=gen).to(device, dtype)
+    if position_major:
+        states = state_pool(len(lengths) + 3, c, 4, device, dtype).copy_(states)
     slots = torch.randperm(len(lengths) + 3, generator=gen)[: len(lengths)].to(torch.int32)
     weight = torch.randn(c, 4, generator=gen).to(device, dtype)
     return x, cu.to(device), states, slots.to(device), weight
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("position_major", [False, True])
 @pytest.mark.parametrize("lengths, c", [([1], 8), ([2, 1, 5], 60), ([63, 64, 65], 130),
                                         ([1, 1, 1, 1], 256), ([200], 96)])  # fmt: skip
-def test_matches_reference(device, lengths, c):
-    x, cu, states, slots, weight = _case(lengths, c, device)
+def test_matches_reference(device, lengths, c, position_major):
+    x, cu, states, slots, weight = _case(lengths, c, device, position_major=position_major)
     ref_states = states.cpu().clone()  # a CPU copy the reference updates in place
     expected = naive.causal_conv1d_varlen(x.cpu(), cu.cpu(), ref_states, slots.cpu(),
                                           weight.cpu())  # fmt: skip
@@ -35,7 +39,7 @@ def test_matches_reference(device, lengths, c):
 
 @pytest.mark.gpu
 def test_real_sizes_gpu():
-    test_matches_reference("cuda", [1, 63, 64, 65, 1000], 8192)
+    test_matches_reference("cuda", [1, 63, 64, 65, 1000], 8192, position_major=True)
 
 
 def test_chunked_equals_whole():
