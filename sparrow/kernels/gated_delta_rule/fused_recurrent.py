@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.pdl import launch_args, wait_for_previous
+from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 
 
 @triton.jit
@@ -32,19 +32,16 @@ def decay_and_beta(a, b, a_log, dt_bias):
 
 
 @triton.jit
-def _delta_step(b_q, b_k, b_v, p_ab, p_alog, p_dtb, p_s, DK: tl.constexpr):
-    """One token's update of BV state columns (p_s: [DK, BV] fp32, in place) from its q, k
-    [DK] and v [BV] (fp32, before the L2-norm) and its gate projections (p_ab: pointers to
-    a and b). Returns the output columns q . S (fp32 [BV])."""
+def _delta_step(b_q, b_k, b_v, b_s, g, beta, DK: tl.constexpr):
+    """One token's update of BV state columns b_s [DK, BV] (fp32) from its q, k [DK] and v
+    [BV] (fp32, before the L2-norm), decay g and strength beta. Returns (the new columns,
+    the output columns q . S [BV])."""
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-    g, beta = decay_and_beta(tl.load(p_ab[0]), tl.load(p_ab[1]), tl.load(p_alog),
-                             tl.load(p_dtb))  # fmt: skip
-    b_s = tl.load(p_s) * tl.exp(g)
+    b_s = b_s * tl.exp(g)
     b_delta = (b_v - tl.sum(b_s * b_k[:, None], axis=0)) * beta
     b_s += b_k[:, None] * b_delta[None, :]
-    tl.store(p_s, b_s)
-    return tl.sum(b_s * b_q[:, None], axis=0)
+    return b_s, tl.sum(b_s * b_q[:, None], axis=0)
 
 
 @triton.jit
@@ -66,19 +63,28 @@ def _recurrent_step_kernel(
     KEY_DIM, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_for_previous(USE_PDL)
+    """With PDL the state columns (and the layer's A_log, dt_bias) are loaded before waiting
+    for the previous kernel: a state pool is written only by this kernel, once per layer and
+    step, and by PyTorch and prefill kernels launched without PDL, and between two steps
+    there is always a graph boundary or such a kernel, so every earlier write is complete."""
+    let_next_launch(USE_PDL)
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_k = i_h // RATIO  # the q/k head this v-head reads
     o_dk = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
+    slot = tl.load(slot_ptr + i_b).to(tl.int64)
+    p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
+    b_s = tl.load(p_s)
+    a_log, dt_bias = tl.load(alog_ptr + i_h), tl.load(dtb_ptr + i_h)
+    wait_previous(USE_PDL)  # q, k, v, a, b come from the kernels just before
     p_row = qkv_ptr + i_b * stride_qkv
     b_q = tl.load(p_row + i_k * DK + o_dk).to(tl.float32)
     b_k = tl.load(p_row + KEY_DIM + i_k * DK + o_dk).to(tl.float32)
     b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v).to(tl.float32)
-    slot = tl.load(slot_ptr + i_b).to(tl.int64)
-    p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
-    p_ab = (a_ptr + i_b * stride_ab + i_h, b_ptr + i_b * stride_ab + i_h)
-    b_o = _delta_step(b_q, b_k, b_v, p_ab, alog_ptr + i_h, dtb_ptr + i_h, p_s, DK)
+    g, beta = decay_and_beta(tl.load(a_ptr + i_b * stride_ab + i_h),
+                             tl.load(b_ptr + i_b * stride_ab + i_h), a_log, dt_bias)  # fmt: skip
+    b_s, b_o = _delta_step(b_q, b_k, b_v, b_s, g, beta, DK)
+    tl.store(p_s, b_s)
     tl.store(o_ptr + i_b * stride_o + i_h * DV + o_v, b_o)
 
 
