@@ -11,7 +11,17 @@ from tests.conftest import rel_err
 
 def test_never_on_cpu():
     assert not pdl.enabled(torch.device("cpu"))
-    assert pdl.launch_args(torch.zeros(1)) == {"USE_PDL": False}
+    assert pdl.launch_args(torch.zeros(1), (1,)) == {"USE_PDL": False}
+
+
+def test_only_small_grids(monkeypatch):
+    """Where PDL is available, launches of up to MAX_PROGRAMS programs take it."""
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    t = torch.zeros(1)
+    assert pdl.launch_args(t, (16, 8, 1)) == {"USE_PDL": True, "launch_pdl": True}
+    assert pdl.launch_args(t, (pdl.MAX_PROGRAMS,))["USE_PDL"]
+    assert pdl.launch_args(t, (pdl.MAX_PROGRAMS + 1,)) == {"USE_PDL": False}
+    assert pdl.launch_args(t, (4096, 32)) == {"USE_PDL": False}  # a prefill norm
 
 
 @pytest.mark.gpu

@@ -234,19 +234,21 @@ def paged_decode_attention(
     acc = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, splits, 2, device=q.device, dtype=torch.float32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _decode_split_kernel[(splits, hkv, bsz)](
+    grid = (splits, hkv, bsz)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, acc, ml, block_tables, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale,
         S=splits, G=g, D=d, ROWS=max(16, triton.next_power_of_2(g)),
         BLOCK_N=min(block_n or min(64, 8192 // d), cache_block),  # D = 256: 32 keys, no spills
-        CACHE_BLOCK=cache_block, PRECISION=precision, **launch_args(acc),
+        CACHE_BLOCK=cache_block, PRECISION=precision, **launch_args(acc, grid),
     )  # fmt: skip
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
     gate_strides = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
     _decode_merge_kernel[(hq, bsz)](
         acc, ml, gate if gate is not None else q, out, out.stride(0), out.stride(1),
         *gate_strides, hq,
-        S=splits, SP=max(2, splits), D=d, HAS_GATE=gate is not None, **launch_args(out),
+        S=splits, SP=max(2, splits), D=d, HAS_GATE=gate is not None,
+        **launch_args(out, (hq, bsz)),
     )  # fmt: skip
     return out

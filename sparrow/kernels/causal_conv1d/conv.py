@@ -118,6 +118,6 @@ def causal_conv1d_varlen(
     _conv_kernel[grid](
         x, y, weight, conv_states, cu_seqlens, slots,
         c, x.stride(0), y.stride(0), *conv_states.stride(),
-        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **launch_args(y),
+        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **launch_args(y, grid),
     )  # fmt: skip
     return y

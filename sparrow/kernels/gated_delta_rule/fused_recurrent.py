@@ -137,7 +137,7 @@ def fused_recurrent_step(
     _recurrent_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, states, slots, o,
         qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), o.stride(0),
-        key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v, **launch_args(o),
+        key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v, **launch_args(o, grid),
     )  # fmt: skip
     return o
 
@@ -192,5 +192,5 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         z = z.contiguous()
     y = torch.empty(z.shape, device=z.device, dtype=z.dtype)
     _gated_norm_kernel[(t * h,)](o, z, weight, y, eps, h, z.stride(0), D=d, num_warps=1,
-                                 **launch_args(y))  # fmt: skip
+                                 **launch_args(y, (t * h,)))  # fmt: skip
     return y

@@ -147,9 +147,10 @@ def _combine(partial, top_k, out_dtype, shared: Shared | None = None):
         s, g = shared.output.contiguous(), shared.gate  # gate [T, 1]: any row stride
     else:
         s, g = partial, partial
-    _combine_kernel[(t, triton.cdiv(d, 1024))](partial, s, g, out, d, g.stride(0),
-                                               TOP_K=top_k, HAS_SHARED=shared is not None,
-                                               BLOCK=1024, **launch_args(out))  # fmt: skip
+    grid = (t, triton.cdiv(d, 1024))
+    _combine_kernel[grid](partial, s, g, out, d, g.stride(0), TOP_K=top_k,
+                          HAS_SHARED=shared is not None, BLOCK=1024,
+                          **launch_args(out, grid))  # fmt: skip
     return out
 
 

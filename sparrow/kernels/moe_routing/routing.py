@@ -111,7 +111,7 @@ def topk_route(
         _topk_kernel[(t,)](logits, weights, ids, gate, e, logits.stride(0), gate.stride(0), K=k,
                            SHARED=shared_gate is not None,
                            BLOCK_E=triton.next_power_of_2(e), num_warps=1,
-                           **launch_args(logits))  # fmt: skip
+                           **launch_args(logits, (t,)))  # fmt: skip
     return weights, ids
 
 

@@ -230,8 +230,8 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     sw = (shared_w[0].view(torch.int32), *shared_w[1:]) if shared_w is not None else (None,) * 3
     if prefetch and experts:
         raise ValueError("the expert GEMV cannot prefetch: its weights follow the routing")
-    pdl = launch_args(y)
     grid = (triton.cdiv(n, block_n), y.shape[0])
+    pdl = launch_args(y, grid)
     _gemv_kernel[grid](
         x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
         n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),

@@ -153,7 +153,7 @@ def quant_mma(
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     grid = (triton.cdiv(n, cfg["block_n"]),)
     if split == 1:
-        _mma_kernel[grid](*args, **meta, **launch_args(y))
+        _mma_kernel[grid](*args, **meta, **launch_args(y, grid))
     else:
-        _mma_split_kernel[grid](*args, SPLIT=split, **meta, **launch_args(y))
+        _mma_split_kernel[grid](*args, SPLIT=split, **meta, **launch_args(y, grid))
     return y

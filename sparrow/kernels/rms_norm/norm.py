@@ -61,7 +61,8 @@ def _launch(x, residual, weight, eps):
     r = residual.contiguous() if residual is not None else x
     _add_norm_kernel[(x.numel() // d,)](
         x, r, s, y, weight, eps, HAS_RESIDUAL=residual is not None, D=d,
-        BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1, **launch_args(y),
+        BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1,
+        **launch_args(y, (x.numel() // d,)),
     )  # fmt: skip
     return s, y
 
@@ -124,6 +125,6 @@ def rms_norm_rope(
         x, y, weight, cos, sin, eps, x.stride(0), x.stride(1), cos.stride(0),
         v, k_cache, v_cache, rows, v.stride(0),
         H=h, D=d, R=r, TO_CACHE=cache is not None, num_warps=1 if d <= 256 else 4,
-        **launch_args(y),
+        **launch_args(y, (t, h)),
     )  # fmt: skip
     return y
