@@ -40,7 +40,7 @@ CASES = {
     "rms_norm_rope": (norm._norm_rope_kernel, {"*": "bf16", "rows_ptr": "i64"},
                       {"H": 2, "D": 256, "R": 64, "TO_CACHE": True}, {"num_warps": 1}),
     "gated_rms_norm": (fused_recurrent._gated_norm_kernel, {"*": "bf16", "o_ptr": "fp32"},
-                       {"D": 128}, {"num_warps": 1}),
+                       {"D": 128, "ROWS": 8}, {"num_warps": 4}),
     "gdn_decode_step": (fused_recurrent._recurrent_step_kernel,
                         {"*": "bf16", "state_ptr": "fp32", "slot_ptr": "i32", "o_ptr": "fp32"},
                         {"RATIO": 2, "DK": 128, "DV": 128, "BV": 32},

@@ -46,12 +46,12 @@ def _delta_step(b_q, b_k, b_v, b_s, g, beta, DK: tl.constexpr):
 
 @triton.jit
 def _gated_norm(b_o, b_z, w_ptr, eps, D: tl.constexpr, DT: tl.constexpr):
-    """w * rms_norm(o) * silu(z) for one head's D values, rounding like the layer (o and the
-    normed o in DT, the activation dtype)."""
+    """w * rms_norm(o) * silu(z) for rows [R, D] of one head each, rounding like the layer
+    (o and the normed o in DT, the activation dtype)."""
     o_d = tl.arange(0, D)
     b_o = b_o.to(DT).to(tl.float32)
-    b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / D + eps)
-    b_o = (b_o.to(DT) * tl.load(w_ptr + o_d)).to(tl.float32)
+    b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o, axis=1) / D + eps)[:, None]
+    b_o = (b_o.to(DT) * tl.load(w_ptr + o_d)[None, :]).to(tl.float32)
     b_z = b_z.to(tl.float32)
     return (b_o * (b_z / (1.0 + tl.exp(-b_z)))).to(DT)
 
@@ -171,16 +171,22 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, stride_zt, D: tl.constexpr,
-                       USE_PDL: tl.constexpr):  # fmt: skip
-    """One row (token i // H, head i % H) of D values: y = w * rms_norm(o) * silu(z),
-    rounding like the layer. z's heads are packed, its tokens stride_zt apart."""
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, N, stride_zt, D: tl.constexpr,
+                       ROWS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    """ROWS of the N rows (row i: token i // H, head i % H) of D values: y = w * rms_norm(o)
+    * silu(z), rounding like the layer. z's heads are packed, its tokens stride_zt apart."""
     wait_for_previous(USE_PDL)
-    i = tl.program_id(0).to(tl.int64)
-    o_d = tl.arange(0, D)
-    b_o = tl.load(o_ptr + i * D + o_d)
-    b_z = tl.load(z_ptr + (i // H) * stride_zt + (i % H) * D + o_d)
-    tl.store(y_ptr + i * D + o_d, _gated_norm(b_o, b_z, w_ptr, eps, D, y_ptr.dtype.element_ty))
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    m = (i < N)[:, None]
+    o_d = tl.arange(0, D)[None, :]
+    b_o = tl.load(o_ptr + i[:, None] * D + o_d, mask=m, other=0.0)
+    b_z = tl.load(z_ptr + (i // H)[:, None] * stride_zt + (i % H)[:, None] * D + o_d, mask=m,
+                  other=0.0)  # fmt: skip
+    b_y = _gated_norm(b_o, b_z, w_ptr, eps, D, y_ptr.dtype.element_ty)
+    tl.store(y_ptr + i[:, None] * D + o_d, b_y, mask=m)
+
+
+GATED_NORM_ROWS = 8  # rows per program: one row per program was 131K programs at 4K tokens
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -191,6 +197,8 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if z.stride(2) != 1 or z.stride(1) != d:
         z = z.contiguous()
     y = torch.empty(z.shape, device=z.device, dtype=z.dtype)
-    _gated_norm_kernel[(t * h,)](o, z, weight, y, eps, h, z.stride(0), D=d, num_warps=1,
-                                 **launch_args(y, (t * h,)))  # fmt: skip
+    grid = (triton.cdiv(t * h, GATED_NORM_ROWS),)
+    _gated_norm_kernel[grid](o, z, weight, y, eps, h, t * h, z.stride(0), D=d,
+                             ROWS=GATED_NORM_ROWS, num_warps=4,
+                             **launch_args(y, grid))  # fmt: skip
     return y
