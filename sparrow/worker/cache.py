@@ -3,9 +3,9 @@
 Attention layers keep K/V in a paged pool ([num_blocks, block_size, Hkv, D] per layer, a
 request's blocks listed in its block table); Gated DeltaNet layers keep conv and recurrent
 states in slot pools ([num_slots, ...] per layer, one slot per running request; the conv
-pool position-major in memory, `state_pool`). Which block
-and which slot a request owns is decided on the CPU (`sparrow.core`); this module holds the
-tensors and turns a step's plan into `StepMetadata`.
+pool position-major in memory, `state_pool`). Which block and which slot a request owns is
+decided on the CPU (`sparrow.core`); this module holds the tensors and turns a step's plan
+into `StepMetadata`.
 """
 
 from __future__ import annotations
