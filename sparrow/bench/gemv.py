@@ -57,10 +57,11 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
         "configs": {},
     }
     for bn, bk, nw, ns, pf in configs if rows == 1 else [(None,) * 5]:
-        name = f"bn{bn}_bk{bk}_w{nw}_s{ns}" + {None: "", True: "_pf", False: "_nopf"}[pf]
-        kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns,
-              "prefetch": pf} if bn else {}  # fmt: skip
-        name = name if bn else "default"
+        name, kw = "default", {}
+        if bn:
+            name = f"bn{bn}_bk{bk}_w{nw}_s{ns}" + {None: "", True: "_pf", False: "_nopf"}[pf]
+            kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns,
+                  "prefetch": pf}  # fmt: skip
         try:
             y = quant_gemv(x, *copies[0], spec, **kw)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()

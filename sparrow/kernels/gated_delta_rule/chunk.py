@@ -390,7 +390,7 @@ def _carry_kernel(
     last one's outgoing state, written back to the pool. Program (BV columns, v-head,
     sequence)."""
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    length = tl.load(cu_ptr + i_b + 1) - tl.load(cu_ptr + i_b)
+    length = _length(cu_ptr, i_b)
     first = tl.load(seg_ptr + i_b).to(tl.int64)
     o_dk = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -450,6 +450,15 @@ def first_chunks(seq_lens: list[int]) -> list[int]:
     starts = [0]
     for n in seq_lens[:-1]:
         starts.append(starts[-1] + -(-n // CHUNK))
+    return starts
+
+
+def _first_blocks(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
+    """`first_chunks` on the device for blocks of `block` tokens (int32 [B], no sync): where
+    each sequence's blocks start when every sequence's blocks are numbered back to back."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = torch.zeros(lengths.numel(), dtype=torch.int32, device=cu_seqlens.device)
+    starts[1:] = torch.cumsum(triton.cdiv(lengths, block), 0)[:-1].to(torch.int32)
     return starts
 
 
@@ -516,11 +525,7 @@ def chunk_gated_delta_rule_varlen(
     u = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     gc = torch.empty(t, hv, device=q.device, dtype=torch.float32)
     kinv = torch.empty(t, hv, device=q.device, dtype=torch.float32)
-    first_chunk = chunk_starts
-    if first_chunk is None:  # on the device: no sync
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        first_chunk = torch.zeros(bsz, dtype=torch.int32, device=q.device)
-        first_chunk[1:] = torch.cumsum(triton.cdiv(lengths, CHUNK), 0)[:-1].to(torch.int32)
+    first_chunk = chunk_starts if chunk_starts is not None else _first_blocks(cu_seqlens, CHUNK)
     chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
     _blocks_kernel[(chunks, hv, bsz)](
@@ -567,9 +572,7 @@ def _scan(k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, max_len, preci
             BV=block_v, SEGMENTED=False, num_warps=tiles.state_warps, **meta,
         )  # fmt: skip
         return
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # first segment of each sequence, no sync
-    first_seg = torch.zeros(bsz, dtype=torch.int32, device=k.device)
-    first_seg[1:] = torch.cumsum(triton.cdiv(lengths, seg_tokens), 0)[:-1].to(torch.int32)
+    first_seg = _first_blocks(cu_seqlens, seg_tokens)
     seg_slots, segs = t // seg_tokens + bsz, triton.cdiv(max_len, seg_tokens)
     e = torch.empty(seg_slots, hv, dk, dv + dk, device=k.device, dtype=torch.float32)
     x = torch.empty(seg_slots, hv, dk, dv, device=k.device, dtype=torch.float32)
