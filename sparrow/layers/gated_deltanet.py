@@ -112,6 +112,5 @@ class GatedDeltaNet(Projections, nn.Module):
             return gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         o = chunk_gated_delta_rule_varlen(*self._split_heads(qkv), g, beta, meta.cu_seqlens,
-                                          state_pool, slots, max_len=meta.max_q_len,
-                                          chunk_starts=meta.chunk_starts)  # fmt: skip
+                                          state_pool, slots, max_len=meta.max_q_len)  # fmt: skip
         return gated_rms_norm(o, z, self.norm.weight, self.norm.eps)

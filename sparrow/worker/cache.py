@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels.causal_conv1d.conv import state_pool
-from sparrow.kernels.gated_delta_rule.chunk import first_chunks
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,6 @@ class StepMetadata:
     state_slots: torch.Tensor  # [B] int32, recurrent-state slot per sequence
     max_q_len: int
     prefix_free: bool = False  # every sequence starts at position 0 (no cached prefix; host)
-    chunk_starts: torch.Tensor | None = None  # [B] int32, GDN chunked prefill (`first_chunks`)
 
 
 def build_metadata(
@@ -126,5 +124,4 @@ def build_metadata(
         state_slots=as_tensor(state_slots, torch.int32),
         max_q_len=max(seq_lens),
         prefix_free=not any(computed),
-        chunk_starts=as_tensor(first_chunks(seq_lens), torch.int32),
     )

@@ -138,45 +138,20 @@ def _chunk_reference(q, k, v, g, beta, cu, states, slots):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("lengths", [[1], [63], [64], [65], [130], [1, 64, 17, 100]])
+@pytest.mark.parametrize("lengths", [[1], [63], [64], [65], [130], [1, 64, 17, 100],
+                                     [130, 1, 64, 0, 400], [63, 63, 63, 63, 130]])
 def test_chunk_matches_reference(device, lengths):
-    """Several sequences: chunk starts given (as the model passes them), else computed."""
-    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen, first_chunks
+    """Several sequences, empty ones and ones that start mid-chunk: each sequence's chunks
+    take their own slots in the per-chunk buffers (`_first_chunk`)."""
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 
     q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 2, 4, 16, 32, device)
     ref_states = states.clone().cpu()
     expected = _chunk_reference(*(x.cpu() for x in (q, k, v, g, beta, cu)), ref_states,
                                 slots.cpu())  # fmt: skip
-    starts = None
-    if len(lengths) > 1:
-        assert first_chunks(lengths) == [0, 1, 2, 3]
-        starts = torch.tensor(first_chunks(lengths), dtype=torch.int32, device=device)
-    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots, chunk_starts=starts)
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)
     assert rel_err(o.cpu(), expected) < 1e-4
     assert rel_err(states.cpu(), ref_states) < 1e-4
-
-
-@pytest.mark.parametrize("lengths, segment, dk, dv", [([300], 1, 16, 32),
-                                                     ([130, 1, 64, 0, 400], 2, 16, 32),
-                                                     ([257, 128], 3, 32, 16)])  # fmt: skip
-def test_segmented_scan_matches_sequential(lengths, segment, dk, dv):
-    """The scan parallel over segments of `segment` chunks (last segments partial, sequences
-    shorter than one segment or empty) gives the sequential scan's outputs and states."""
-    from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta_rule_varlen
-
-    q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 2, 4, dk, dv, "cpu")
-    outs, pools = [], []
-    for chunks in (0, segment):
-        pool = states.clone()
-        tiles = ChunkTiles(state_bv=16, segment_chunks=chunks)
-        outs.append(chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, pool, slots,
-                                                  tiles=tiles))  # fmt: skip
-        pools.append(pool)
-    assert rel_err(outs[1], outs[0]) < 1e-5
-    assert rel_err(pools[1], pools[0]) < 1e-5
-    expected_states = states.clone()
-    expected = _chunk_reference(q, k, v, g, beta, cu, expected_states, slots)
-    assert rel_err(outs[1], expected) < 1e-4 and rel_err(pools[1], expected_states) < 1e-4
 
 
 def test_chunk_two_pieces_equal_one():
@@ -212,16 +187,14 @@ def test_chunk_reads_views_of_the_conv_output():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths", [[1, 63, 64, 65, 1000], [4096]])
-@pytest.mark.parametrize("segment_chunks", [0, 4])  # sequential scan, 4-chunk segments
-def test_chunk_real_sizes_gpu(lengths, segment_chunks):
-    from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta_rule_varlen
+def test_chunk_real_sizes_gpu(lengths):
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 
     q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 16, 32, 128, 128, "cuda",
                                                       dtype=torch.bfloat16)  # fmt: skip
     ref_states = states.clone()
     expected = _chunk_reference(q, k, v, g, beta, cu, ref_states, slots)
-    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots,
-                                      tiles=ChunkTiles(segment_chunks=segment_chunks))
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)
     # bf16 inputs keep W, U and the per-chunk states in bf16 and use tf32 dots
     assert rel_err(o, expected) < 1e-2 and rel_err(states, ref_states) < 1e-2
 

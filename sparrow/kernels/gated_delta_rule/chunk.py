@@ -17,14 +17,13 @@ depend on the state. Four kernels, only the third sequential:
 3. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
    BV columns of the state), the state S [Dk, BV] in registers the whole way: it stores each
    chunk's incoming state, then  u = U - W S  (in place of U)  and
-   S = exp(G_last) S + (k * exp(G_last - G))^T u.  Two small dots per chunk. Optionally
-   (`ChunkTiles.segment_chunks`) parallel over segments of a sequence: S maps affinely
-   across a segment, S_end = M S_begin + E; `_segment_kernel` finds each segment's (E, M)
-   in parallel, `_carry_kernel` chains them (one step per segment), and `_state_kernel` then
-   scans each segment from its incoming state.
+   S = exp(G_last) S + (k * exp(G_last - G))^T u.  Two small dots per chunk; the k row norms
+   come from kernel 1, so nothing but the dots and the decay sits on the sequential path.
 4. `_output_kernel`, parallel again:  o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u.
 
-L2-norm and scale of q/k are fused in. W, U, u and the per-chunk states are stored in the
+L2-norm and scale of q/k are fused in. Sequence b's chunks use the per-chunk buffer slots
+from cu_seqlens[b] // 64 + b on (`_first_chunk`): unique without a prefix sum over the
+lengths, and below T // 64 + B. W, U, u and the per-chunk states are stored in the
 activation dtype (bf16 in the model: half the traffic; fp32 in the exactness tests). Dots use
 tensor cores for 16-bit inputs (tf32 in the solve; the state and output dots round their
 operands to the stored dtype, as W, U and the chunk states already are) and exact fp32
@@ -113,6 +112,14 @@ def _length(cu_ptr, i_b):
 
 
 @triton.jit
+def _first_chunk(cu_ptr, i_b):
+    """Sequence i_b's first slot in the per-chunk buffers: cu_seqlens[b] // 64 + b. Sequence
+    b needs ceil(L_b / 64) slots and cu[b] // 64 + ceil(L_b / 64) <= cu[b + 1] // 64 + 1, so
+    no two sequences share one; all lie below T // 64 + B."""
+    return (tl.load(cu_ptr + i_b) // 64 + i_b).to(tl.int64)
+
+
+@triton.jit
 def _mat_offsets():
     o = tl.arange(0, 16)
     return o[:, None] * 16 + o[None, :]
@@ -120,7 +127,7 @@ def _mat_offsets():
 
 @triton.jit
 def _blocks_kernel(
-    k_ptr, g_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, cu_ptr, chunk_ptr,
+    k_ptr, g_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, cu_ptr,
     stride_kt, stride_gt, RATIO: tl.constexpr, DK: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, head): G, the inverse k norms, and the ten 16x16 blocks of the solve
@@ -178,7 +185,7 @@ def _blocks_kernel(
     tl.store(kinv_ptr + p_row + 16 * stride_gt, n1, mask=c0 + 16 + o_r < length)
     tl.store(kinv_ptr + p_row + 32 * stride_gt, n2, mask=c0 + 32 + o_r < length)
     tl.store(kinv_ptr + p_row + 48 * stride_gt, n3, mask=c0 + 48 + o_r < length)
-    chunk = tl.load(chunk_ptr + i_b).to(tl.int64) + i_c
+    chunk = _first_chunk(cu_ptr, i_b) + i_c
     p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256) + _mat_offsets()
     strict = _lower(True)
     tl.store(p_m, _inverse_unit_lower(_scaled(kk00, n0, n0, gc0, gc0, be0) * strict))
@@ -210,7 +217,7 @@ def _rows16(ptr, row0, length, stride_t, i_h):
 
 @triton.jit
 def _solve_kernel(
-    k_ptr, v_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, w_ptr, u_ptr, cu_ptr, chunk_ptr,
+    k_ptr, v_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, w_ptr, u_ptr, cu_ptr,
     stride_kt, stride_vt, stride_gt, stride_wt, stride_ut,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -235,7 +242,7 @@ def _solve_kernel(
     be2, be3 = _rows16(b_seq, c0 + 32, length, sg, i_h), _rows16(b_seq, c0 + 48, length, sg, i_h)
     n0, n1 = _rows16(n_seq, c0, length, sg, i_h), _rows16(n_seq, c0 + 16, length, sg, i_h)
     n2, n3 = _rows16(n_seq, c0 + 32, length, sg, i_h), _rows16(n_seq, c0 + 48, length, sg, i_h)
-    chunk = tl.load(chunk_ptr + i_b).to(tl.int64) + i_c
+    chunk = _first_chunk(cu_ptr, i_b) + i_c
     p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256) + _mat_offsets()
     t0, t1, t2, t3 = tl.load(p_m), tl.load(p_m + 256), tl.load(p_m + 512), tl.load(p_m + 768)
     a10, a20, a30 = tl.load(p_m + 1024), tl.load(p_m + 1280), tl.load(p_m + 1536)
@@ -272,63 +279,26 @@ def _norm_rows(ptr, rows, m_t, col, stride_t, scale, DK: tl.constexpr):
 
 
 @triton.jit
-def _chunk_step(b_s, b_w, b_u, p_u, k_ptr, gc_ptr, start, c0, length, rows, m_t, i_h, i_k,
-                stride_kt, stride_gt, DK: tl.constexpr, DT: tl.constexpr,
-                STORE_U: tl.constexpr):  # fmt: skip
-    """One chunk of the scan from its incoming state S [DK, BV] (fp32), its W rows [64, DK]
-    and U columns [64, BV]: u = U - W S (STORE_U: stored at p_u), then
-    S <- exp(G_last) S + (k exp(G_last - G))^T u. Returns the next S."""
-    b_u -= _mm_as(b_w, b_s, DT)
-    if STORE_U:
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_t[:, None])
-    b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-    g_last = tl.load(gc_ptr + (start + tl.minimum(c0 + 63, length - 1)) * stride_gt + i_h)
-    b_k = _norm_rows(k_ptr, rows, m_t, i_k * DK, stride_kt, 1.0, DK)
-    b_kd = b_k * tl.exp(g_last - b_gc)[:, None]
-    return tl.exp(g_last) * b_s + _mm_as(tl.trans(b_kd), b_u, DT)
-
-
-@triton.jit
-def _segment(cu_ptr, i_b, i_seg, seg_tokens):
-    """Sequence i_b's first row, its length, and the token range [begin, end) of its segment
-    i_seg (segments of seg_tokens tokens, whole chunks)."""
-    start = tl.load(cu_ptr + i_b)
-    length = tl.load(cu_ptr + i_b + 1) - start
-    begin = i_seg * seg_tokens
-    return start, length, begin, tl.minimum(length, begin + seg_tokens)
-
-
-@triton.jit
 def _state_kernel(
-    k_ptr, w_ptr, u_ptr, gc_ptr, h_ptr, state_ptr, slot_ptr, cu_ptr, chunk_ptr, x_ptr, seg_ptr,
-    seg_tokens, stride_kt, stride_wt, stride_ut, stride_gt, stride_hc, stride_ss, stride_sh,
-    stride_xs, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    SEGMENTED: tl.constexpr,
+    k_ptr, w_ptr, u_ptr, gc_ptr, kinv_ptr, h_ptr, state_ptr, slot_ptr, cu_ptr,
+    stride_kt, stride_wt, stride_ut, stride_gt, stride_hc, stride_ss, stride_sh,
+    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """The sequential scan of one sequence's chunks (or, SEGMENTED, of one segment of them,
-    from the incoming state `_carry_kernel` left at x[segment]). Program (segment x BV
-    columns, v-head, sequence); the state S [DK, BV] stays in registers the whole way."""
+    """The sequential scan of one sequence's chunks. Program (BV columns, v-head, sequence);
+    the state S [DK, BV] stays in registers the whole way."""
     DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
-    NV: tl.constexpr = DV // BV
-    i_sv, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_seg, i_v = i_sv // NV, i_sv % NV
-    start, length, begin, end = _segment(cu_ptr, i_b, i_seg, seg_tokens)
-    if SEGMENTED and begin >= length:
-        return
+    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, length = tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
     i_k = i_h // RATIO
-    first_chunk = tl.load(chunk_ptr + i_b).to(tl.int64)
     o_dk = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, 64)
-    o_s = i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
-    if SEGMENTED:
-        seg = tl.load(seg_ptr + i_b).to(tl.int64) + i_seg
-        b_s = tl.load(x_ptr + seg * stride_xs + o_s)
-    else:
-        p_s = state_ptr + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss + o_s
-        b_s = tl.load(p_s)  # [DK, BV] fp32, carried in registers across all chunks
-    p_h = h_ptr + first_chunk * stride_hc + i_h * DK * DV + o_dk[:, None] * DV + o_v[None, :]
-    for c0 in tl.range(begin, end, 64, num_stages=2):
+    p_s = (state_ptr + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss + i_h * stride_sh
+           + o_dk[:, None] * DV + o_v[None, :])  # fmt: skip
+    b_s = tl.load(p_s)  # [DK, BV] fp32, carried in registers across all chunks
+    p_h = (h_ptr + _first_chunk(cu_ptr, i_b) * stride_hc + i_h * DK * DV + o_dk[:, None] * DV
+           + o_v[None, :])  # fmt: skip
+    for c0 in tl.range(0, length, 64, num_stages=2):
         tl.store(p_h + (c0 // 64) * stride_hc, b_s.to(h_ptr.dtype.element_ty))
         rows = start + c0 + o_t
         m_t = (c0 + o_t) < length
@@ -336,78 +306,22 @@ def _state_kernel(
                       mask=m_t[:, None], other=0.0)  # fmt: skip
         p_u = u_ptr + rows[:, None] * stride_ut + i_h * DV + o_v[None, :]
         b_u = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_s = _chunk_step(b_s, b_w, b_u, p_u, k_ptr, gc_ptr, start, c0, length, rows, m_t, i_h,
-                          i_k, stride_kt, stride_gt, DK, DT, True)  # fmt: skip
-    if not SEGMENTED:
-        tl.store(p_s, b_s)
-
-
-@triton.jit
-def _segment_kernel(
-    k_ptr, w_ptr, u_ptr, gc_ptr, e_ptr, cu_ptr, seg_ptr, seg_tokens,
-    stride_kt, stride_wt, stride_ut, stride_gt, stride_es,
-    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
-    """First pass of the segmented scan, all segments in parallel. Across a chunk the state
-    maps as S -> A S + B (A = exp(G_last) I - K^T W [DK, DK], B = K^T U), so across a segment
-    S_end = M S_begin + E with M the product of its A's. One program scans BV columns of
-    [E | M] from [0 | I] over its segment (the M columns see U = 0, nothing is stored on
-    the way) and writes them to e[segment]."""
-    DT: tl.constexpr = u_ptr.dtype.element_ty
-    NB: tl.constexpr = (DV + DK) // BV
-    i_sb, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_seg, i_c = i_sb // NB, i_sb % NB
-    start, length, begin, end = _segment(cu_ptr, i_b, i_seg, seg_tokens)
-    if begin >= length:
-        return
-    i_k = i_h // RATIO
-    o_dk = tl.arange(0, DK)
-    o_c = i_c * BV + tl.arange(0, BV)  # columns of [E | M]
-    o_t = tl.arange(0, 64)
-    b_s = tl.where(o_dk[:, None] == o_c[None, :] - DV, 1.0, 0.0)  # [0 | I]
-    for c0 in tl.range(begin, end, 64, num_stages=2):
-        rows = start + c0 + o_t
-        m_t = (c0 + o_t) < length
-        b_w = tl.load(w_ptr + rows[:, None] * stride_wt + i_h * DK + o_dk[None, :],
-                      mask=m_t[:, None], other=0.0)  # fmt: skip
-        b_u = tl.load(u_ptr + rows[:, None] * stride_ut + i_h * DV + o_c[None, :],
-                      mask=m_t[:, None] & (o_c < DV)[None, :], other=0.0).to(tl.float32)
-        b_s = _chunk_step(b_s, b_w, b_u, None, k_ptr, gc_ptr, start, c0, length, rows, m_t,
-                          i_h, i_k, stride_kt, stride_gt, DK, DT, False)  # fmt: skip
-    seg = tl.load(seg_ptr + i_b).to(tl.int64) + i_seg
-    tl.store(e_ptr + seg * stride_es + i_h * DK * (DV + DK) + o_dk[:, None] * (DV + DK)
-             + o_c[None, :], b_s)  # fmt: skip
-
-
-@triton.jit
-def _carry_kernel(
-    e_ptr, x_ptr, state_ptr, slot_ptr, cu_ptr, seg_ptr, seg_tokens,
-    stride_es, stride_xs, stride_ss, stride_sh,
-    DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Second pass, sequential over a sequence's segments (few): x[segment] = the state
-    entering it, S <- M S + E from the first segment's incoming state (the pool's) to the
-    last one's outgoing state, written back to the pool. Program (BV columns, v-head,
-    sequence)."""
-    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    length = _length(cu_ptr, i_b)
-    first = tl.load(seg_ptr + i_b).to(tl.int64)
-    o_dk = tl.arange(0, DK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_s = i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
-    p_s = state_ptr + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss + o_s
-    b_s = tl.load(p_s)
-    p_e = e_ptr + first * stride_es + i_h * DK * (DV + DK) + o_dk[:, None] * (DV + DK)
-    for i in range(0, tl.cdiv(length, seg_tokens)):
-        tl.store(x_ptr + (first + i) * stride_xs + o_s, b_s)
-        b_m = tl.load(p_e + i * stride_es + DV + o_dk[None, :])
-        b_s = _mm(b_m, b_s, PRECISION) + tl.load(p_e + i * stride_es + o_v[None, :])
+        # the state-independent part first: decayed, normalised k rows of the chunk
+        b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
+        b_n = tl.load(kinv_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
+        g_last = tl.load(gc_ptr + (start + tl.minimum(c0 + 63, length - 1)) * stride_gt + i_h)
+        b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + o_dk[None, :],
+                      mask=m_t[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        b_kd = b_k * (b_n * tl.exp(g_last - b_gc))[:, None]
+        b_u -= _mm_as(b_w, b_s, DT)  # u = U - W S
+        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_t[:, None])
+        b_s = tl.exp(g_last) * b_s + _mm_as(tl.trans(b_kd), b_u, DT)
     tl.store(p_s, b_s)
 
 
 @triton.jit
 def _output_kernel(
-    q_ptr, k_ptr, u_ptr, gc_ptr, h_ptr, o_ptr, cu_ptr, chunk_ptr,
+    q_ptr, k_ptr, u_ptr, gc_ptr, kinv_ptr, h_ptr, o_ptr, cu_ptr,
     stride_qt, stride_ut, stride_gt, stride_hc, stride_ot,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
@@ -421,13 +335,15 @@ def _output_kernel(
     if c0 >= length:
         return
     i_k = i_h // RATIO
-    chunk = tl.load(chunk_ptr + i_b).to(tl.int64) + c0 // 64
+    chunk = _first_chunk(cu_ptr, i_b) + c0 // 64
     o_t = tl.arange(0, 64)
     o_dk = tl.arange(0, DK)
     rows = start + c0 + o_t
     m_t = (c0 + o_t) < length
     b_q = _norm_rows(q_ptr, rows, m_t, i_k * DK, stride_qt, 1.0 / tl.sqrt(DK * 1.0), DK)
-    b_k = _norm_rows(k_ptr, rows, m_t, i_k * DK, stride_qt, 1.0, DK)  # k is laid out like q
+    b_k = tl.load(k_ptr + rows[:, None] * stride_qt + i_k * DK + o_dk[None, :],
+                  mask=m_t[:, None], other=0.0).to(tl.float32)  # k is laid out like q
+    b_k *= tl.load(kinv_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)[:, None]
     b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
     b_h = tl.load(h_ptr + chunk * stride_hc + i_h * DK * DV + o_dk[:, None] * DV
                   + o_v[None, :]).to(tl.float32)  # fmt: skip
@@ -441,27 +357,6 @@ def _output_kernel(
              b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
 
 
-CHUNK = 64  # tokens per chunk
-
-
-def first_chunks(seq_lens: list[int]) -> list[int]:
-    """Where each sequence's chunks start in the per-chunk buffers (host side): the running
-    sum of ceil(length / CHUNK)."""
-    starts = [0]
-    for n in seq_lens[:-1]:
-        starts.append(starts[-1] + -(-n // CHUNK))
-    return starts
-
-
-def _first_blocks(cu_seqlens: torch.Tensor, block: int) -> torch.Tensor:
-    """`first_chunks` on the device for blocks of `block` tokens (int32 [B], no sync): where
-    each sequence's blocks start when every sequence's blocks are numbered back to back."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    starts = torch.zeros(lengths.numel(), dtype=torch.int32, device=cu_seqlens.device)
-    starts[1:] = torch.cumsum(triton.cdiv(lengths, block), 0)[:-1].to(torch.int32)
-    return starts
-
-
 @dataclass(frozen=True)
 class ChunkTiles:
     """Launch shapes of the four kernels: warps, [W | U] columns per solve step (solve_bc),
@@ -470,8 +365,10 @@ class ChunkTiles:
     one change at a time from state_bv 16 and an 8-warp output: 1.01 / 3.99 ms; state_bv 32
     0.93 / 3.65; output 4 warps 0.91 / 3.51; state_bv 8 1.16 / 4.68; blocks 8 warps 1.24 /
     4.88; the solve variants within noise. Both winners together: not yet measured.
-    segment_chunks: chunks per segment of a scan parallel over segments for sequences
-    longer than one segment (0: one sequential scan per sequence; not yet timed)."""
+    A scan parallel over segments of 4-32 chunks (each segment's affine map S -> M S + E in
+    parallel, a carry across segments, then the scan per segment) measured 1.5-1.7x slower
+    than the sequential scan at 512 to 32K tokens (1.30 vs 0.83 ms at 8K, 4.94 vs 3.18 at
+    32K): the M products cost more than the sequential steps they save."""
 
     blocks_warps: int = 4
     solve_bc: int = 32
@@ -480,7 +377,6 @@ class ChunkTiles:
     state_warps: int = 8
     output_bv: int = 64
     output_warps: int = 4
-    segment_chunks: int = 0
 
 
 def chunk_gated_delta_rule_varlen(
@@ -494,14 +390,11 @@ def chunk_gated_delta_rule_varlen(
     slots: torch.Tensor,
     max_len: int | None = None,
     tiles: ChunkTiles = ChunkTiles(),
-    chunk_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (log-decay, write strength);
     sequences back to back (cu_seqlens [B + 1] int32); states: [S, Hv, Dk, Dv] fp32 pool, each
     sequence starts from states[slots[b]] and its final state is written back there.
     max_len bounds the longest sequence (default T; known on the host, no device read).
-    chunk_starts: `first_chunks` of the sequence lengths as int32 [B] on the device (computed
-    here from cu_seqlens if not given: six small kernels, per layer).
     Returns o: [T, Hv, Dv] in v's dtype. q/k are L2-normalised and q scaled by Dk^-0.5 here."""
     t, hk, dk = q.shape
     _, hv, dv = v.shape
@@ -525,69 +418,30 @@ def chunk_gated_delta_rule_varlen(
     u = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     gc = torch.empty(t, hv, device=q.device, dtype=torch.float32)
     kinv = torch.empty(t, hv, device=q.device, dtype=torch.float32)
-    first_chunk = chunk_starts if chunk_starts is not None else _first_blocks(cu_seqlens, CHUNK)
-    chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)
+    chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)  # see `_first_chunk`
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
     _blocks_kernel[(chunks, hv, bsz)](
-        k, g, beta, mats, gc, kinv, cu_seqlens, first_chunk, k.stride(0), g.stride(0),
+        k, g, beta, mats, gc, kinv, cu_seqlens, k.stride(0), g.stride(0),
         RATIO=hv // hk, DK=dk, num_warps=tiles.blocks_warps,
     )  # fmt: skip
     _solve_kernel[(chunks, hv, bsz)](
-        k, v, beta, mats, gc, kinv, w, u, cu_seqlens, first_chunk,
+        k, v, beta, mats, gc, kinv, w, u, cu_seqlens,
         k.stride(0), v.stride(0), g.stride(0), w.stride(0), u.stride(0),
         RATIO=hv // hk, DK=dk, DV=dv, BC=min(tiles.solve_bc, dk, dv), PRECISION=precision,
         num_warps=tiles.solve_warps,
     )  # fmt: skip
     h = torch.empty(chunk_slots, hv, dk, dv, device=q.device, dtype=v.dtype)
-    _scan(k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, max_len or t, precision,
-          tiles)  # fmt: skip
+    block_v = min(tiles.state_bv, dv)
+    _state_kernel[(dv // block_v, hv, bsz)](
+        k, w, u, gc, kinv, h, states, slots, cu_seqlens,
+        k.stride(0), w.stride(0), u.stride(0), gc.stride(0), h.stride(0), states.stride(0),
+        states.stride(1), RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, num_warps=tiles.state_warps,
+    )  # fmt: skip
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     out_v = min(tiles.output_bv, dv)
     _output_kernel[(chunks * (dv // out_v), hv, bsz)](
-        q, k, u, gc, h, o, cu_seqlens, first_chunk,
+        q, k, u, gc, kinv, h, o, cu_seqlens,
         q.stride(0), u.stride(0), gc.stride(0), h.stride(0), o.stride(0),
         RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=tiles.output_warps,
     )  # fmt: skip
     return o
-
-
-def _scan(k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, max_len, precision,
-          tiles: ChunkTiles):  # fmt: skip
-    """The state scan (kernel 3): h[chunk] = each chunk's incoming state, u = U - W S in
-    place of U, the final states back to the pool. One sequential pass per sequence, or with
-    tiles.segment_chunks, segments of that many chunks scanned in parallel (`_segment_kernel`,
-    `_carry_kernel`, then `_state_kernel` per segment)."""
-    t, hv, dk = w.shape
-    dv = u.shape[2]
-    bsz = cu_seqlens.numel() - 1
-    block_v = min(tiles.state_bv, dv)
-    seg_tokens = tiles.segment_chunks * CHUNK
-    segmented = 0 < seg_tokens < max_len
-    strides = (k.stride(0), w.stride(0), u.stride(0), gc.stride(0))
-    meta = {"RATIO": hv // k.shape[1], "DK": dk, "DV": dv}
-    if not segmented:
-        _state_kernel[(dv // block_v, hv, bsz)](
-            k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, None, first_chunk,
-            max(t, 1), *strides, h.stride(0), states.stride(0), states.stride(1), 0,
-            BV=block_v, SEGMENTED=False, num_warps=tiles.state_warps, **meta,
-        )  # fmt: skip
-        return
-    first_seg = _first_blocks(cu_seqlens, seg_tokens)
-    seg_slots, segs = t // seg_tokens + bsz, triton.cdiv(max_len, seg_tokens)
-    e = torch.empty(seg_slots, hv, dk, dv + dk, device=k.device, dtype=torch.float32)
-    x = torch.empty(seg_slots, hv, dk, dv, device=k.device, dtype=torch.float32)
-    block_e = min(block_v, dk)  # divides both DV and DK
-    _segment_kernel[(segs * (dv + dk) // block_e, hv, bsz)](
-        k, w, u, gc, e, cu_seqlens, first_seg, seg_tokens, *strides, e.stride(0),
-        BV=block_e, num_warps=tiles.state_warps, **meta,
-    )  # fmt: skip
-    _carry_kernel[(dv // block_v, hv, bsz)](
-        e, x, states, slots, cu_seqlens, first_seg, seg_tokens, e.stride(0), x.stride(0),
-        states.stride(0), states.stride(1), DK=dk, DV=dv, BV=block_v, PRECISION=precision,
-        num_warps=tiles.state_warps, num_stages=1,  # M is 64 KB: one copy in shared memory
-    )  # fmt: skip
-    _state_kernel[(segs * (dv // block_v), hv, bsz)](
-        k, w, u, gc, h, states, slots, cu_seqlens, first_chunk, x, first_seg, seg_tokens,
-        *strides, h.stride(0), states.stride(0), states.stride(1), x.stride(0),
-        BV=block_v, SEGMENTED=True, num_warps=tiles.state_warps, **meta,
-    )  # fmt: skip
