@@ -50,6 +50,8 @@ CASES = {
                   {"BLOCK": 1024}, {"num_warps": 4}),
     "causal_conv1d": (conv._conv_kernel, {"*": "bf16", "cu_ptr": "i32", "slot_ptr": "i32"},
                       {"KW": 4, "BLOCK_T": 16, "BLOCK_C": 128, "stride_sc": 1}, {"num_warps": 4}),
+    "causal_conv1d_step": (conv._conv_step_kernel, {"*": "bf16", "slot_ptr": "i32"},
+                           {"KW": 4, "BLOCK_C": 128, "stride_sc": 1}, {"num_warps": 4}),
     "gdn_blocks": (chunk._blocks_kernel, {"*": "bf16", "g_ptr": "fp32", "b_ptr": "fp32",
                                           "mats_ptr": "fp32", "gc_ptr": "fp32",
                                           "kinv_ptr": "fp32", "cu_ptr": "i32"},

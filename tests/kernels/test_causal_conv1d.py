@@ -26,7 +26,8 @@ def _case(lengths, c, device, dtype=torch.float32, seed=0, position_major=False)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("position_major", [False, True])
 @pytest.mark.parametrize("lengths, c", [([1], 8), ([2, 1, 5], 60), ([63, 64, 65], 130),
-                                        ([1, 1, 1, 1], 256), ([200], 96)])  # fmt: skip
+                                        ([1, 1, 1, 1], 256), ([1, 1, 1], 200),
+                                        ([200], 96)])  # fmt: skip
 def test_matches_reference(device, lengths, c, position_major):
     x, cu, states, slots, weight = _case(lengths, c, device, position_major=position_major)
     ref_states = states.cpu().clone()  # a CPU copy the reference updates in place
@@ -40,6 +41,7 @@ def test_matches_reference(device, lengths, c, position_major):
 @pytest.mark.gpu
 def test_real_sizes_gpu():
     test_matches_reference("cuda", [1, 63, 64, 65, 1000], 8192, position_major=True)
+    test_matches_reference("cuda", [1] * 64, 8192, position_major=True)  # decode
 
 
 def test_chunked_equals_whole():

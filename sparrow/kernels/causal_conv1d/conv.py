@@ -8,6 +8,10 @@ first token block reads the old state, so that program also writes the new one (
 K - 1 inputs, from x, or from the old state for sequences shorter than K - 1) after its
 reads: no other program touches the slot. The first version walked each sequence's tokens in
 one program (64 programs at 4K tokens x 8192 channels): 743 us per layer on the H200.
+
+Decode (every sequence one token) takes `_conv_step_kernel`: its state, weights and slot do
+not depend on the kernel before it in a step, so it loads them before waiting for that
+kernel (PDL) and only the new input after.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.pdl import launch_args, wait_for_previous
+from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 
 
 @triton.jit
@@ -69,6 +73,34 @@ def _conv_kernel(
             tl.store(p_state + j * stride_sp, b_new.to(state_ptr.dtype.element_ty), mask=m_c)
 
 
+@triton.jit
+def _conv_step_kernel(
+    x_ptr, y_ptr, w_ptr, state_ptr, slot_ptr,
+    C, stride_xt, stride_yt, stride_ss, stride_sc, stride_sp,
+    KW: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One token per sequence: row i_b of x belongs to sequence i_b. The state's last writer
+    is this kernel a step earlier (a graph replay or a kernel without PDL in between), so
+    the state, weights and slot are read before the wait for the previous kernel."""
+    let_next_launch(USE_PDL)
+    i_c, i_b = tl.program_id(0), tl.program_id(1)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    p_state = state_ptr + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss + o_c * stride_sc
+    b_y = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(KW - 1):
+        b_s = tl.load(p_state + j * stride_sp, mask=m_c, other=0.0)
+        b_y += b_s.to(tl.float32) * tl.load(w_ptr + o_c * KW + j, mask=m_c).to(tl.float32)
+        if j > 0:  # the window moves by one: position j of the old state is j - 1 of the new
+            tl.store(p_state + (j - 1) * stride_sp, b_s, mask=m_c)
+    wait_previous(USE_PDL)
+    b_x = tl.load(x_ptr + i_b * stride_xt + o_c, mask=m_c, other=0.0)
+    b_y += b_x.to(tl.float32) * tl.load(w_ptr + o_c * KW + KW - 1, mask=m_c).to(tl.float32)
+    b_y = b_y / (1.0 + tl.exp(-b_y))
+    tl.store(y_ptr + i_b * stride_yt + o_c, b_y.to(y_ptr.dtype.element_ty), mask=m_c)
+    tl.store(p_state + (KW - 2) * stride_sp, b_x.to(state_ptr.dtype.element_ty), mask=m_c)
+
+
 def state_pool(num_slots: int, channels: int, kernel: int, device, dtype) -> torch.Tensor:
     """A zeroed conv-state pool [S, C, K - 1] stored position-major ([S, K - 1, C] in memory):
     a state position's channels are contiguous, as x's are, so the kernel reads the state
@@ -92,8 +124,8 @@ def causal_conv1d_varlen(
     conv_states: [S, C, K - 1] pool (any strides; `state_pool` lays it out for the kernel),
     updated in place at `slots` [B]; weight: [C, K].
     max_len bounds the longest sequence (default T; known on the host, no device read).
-    block_t: tokens per program, by default 16, or 1 when max_len is 1 (decode: in a CUDA
-    graph on the H200, 1.8 vs 2.7 us per layer at batch 1, 7.7 vs 32.4 us at batch 64).
+    block_t: tokens per program of the prefill kernel, by default 16. max_len 1 (decode)
+    takes the one-token kernel.
     Returns silu(causal depthwise conv) [T, C] in x's dtype. Decode is the case of
     sequences of length 1."""
     t, c = x.shape
@@ -113,11 +145,18 @@ def causal_conv1d_varlen(
     # In-place reads of the old state and writes of the new one: the same program does both,
     # so a sequence's state is never read after another program overwrote it. Slots must be
     # distinct.
-    block_t = block_t or (1 if max_len == 1 else 16)
+    strides = (x.stride(0), y.stride(0), *conv_states.stride())
+    if max_len == 1:
+        grid = (triton.cdiv(c, block_c), b)
+        _conv_step_kernel[grid](x, y, weight, conv_states, slots, c, *strides, KW=kw,
+                                BLOCK_C=block_c, num_warps=num_warps,
+                                **launch_args(y, grid))  # fmt: skip
+        return y
+    block_t = block_t or 16
     grid = (triton.cdiv(c, block_c), b, triton.cdiv(max_len or t, block_t))
     _conv_kernel[grid](
         x, y, weight, conv_states, cu_seqlens, slots,
-        c, x.stride(0), y.stride(0), *conv_states.stride(),
-        KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps, **launch_args(y, grid),
+        c, *strides, KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        **launch_args(y, grid),
     )  # fmt: skip
     return y
