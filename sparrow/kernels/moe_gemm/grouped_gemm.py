@@ -43,6 +43,18 @@ def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, stride_wn, stride_sn,
 
 
 @triton.jit
+def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, HALVES * BLOCK_N] -> [BLOCK_M, BLOCK_N]: silu(gate) * up of the two halves
+    (HALVES = 2), or the tile as it is."""
+    if HALVES == 2:
+        b_3 = tl.permute(tl.reshape(b_acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1])
+        b_g, b_u = tl.split(b_3)
+        return b_g / (1.0 + tl.exp(-b_g)) * b_u
+    else:
+        return b_acc
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr,
     sorted_ptr, block_expert_ptr, num_rows_ptr,
@@ -66,21 +78,21 @@ def _moe_gemm_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
+    # GATED: the gate rows o_n and the up rows o_n + N (N rows below) as one tile of 2 BLOCK_N
+    # weight rows, so each K step is one MMA twice as wide instead of two (each waited on)
+    HALVES: tl.constexpr = 1 + GATED
+    o_h = tl.arange(0, HALVES * BLOCK_N)
+    o_w = i_n * BLOCK_N + o_h % BLOCK_N + (o_h // BLOCK_N) * N
+    m_w = i_n * BLOCK_N + o_h % BLOCK_N < N
     o_k = tl.arange(0, GROUP)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    b_acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, HALVES * BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, GROUP):
         p_a = a_ptr + a_rows[:, None] * stride_am + (k0 + o_k)[None, :]
         b_a = tl.load(p_a, mask=m_rows[:, None], other=0.0)
-        b_w = _dequant_tile(w_e, s_e, b_e, o_n, m_n, k0, stride_wn, stride_sn, BITS, GROUP,
+        b_w = _dequant_tile(w_e, s_e, b_e, o_w, m_w, k0, stride_wn, stride_sn, BITS, GROUP,
                             PACKED)  # fmt: skip
         b_acc += tl.dot(b_a, b_w.to(b_a.dtype), input_precision=PRECISION)
-        if GATED:  # the up rows sit N rows below the gate rows
-            b_u = _dequant_tile(w_e, s_e, b_e, o_n + N, m_n, k0, stride_wn, stride_sn,
-                                BITS, GROUP, PACKED)  # fmt: skip
-            b_acc_up += tl.dot(b_a, b_u.to(b_a.dtype), input_precision=PRECISION)
-    if GATED:
-        b_acc = b_acc / (1.0 + tl.exp(-b_acc)) * b_acc_up
+    b_acc = _gate(b_acc, HALVES, BLOCK_M, BLOCK_N)
     if APPLY_WEIGHT:
         b_acc *= tl.load(rw_ptr + rows, mask=m_rows, other=0.0)[:, None]
     p_c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + o_n[None, :]
