@@ -120,8 +120,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     n, dev = flat.numel(), ids.device
     max_blocks = triton.cdiv(n, block_m) + num_experts
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    cursor = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    counts, cursor = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)  # one fill
     offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
     sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
