@@ -112,12 +112,15 @@ def fused_recurrent_step(
     slots: torch.Tensor,
     num_k_heads: int,
     block_v: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """qkv: [B, 2 * Hk * Dk + Hv * Dv] (after the conv); a, b: [B, Hv] (projections);
     a_log, dt_bias: [Hv]; states: [S, Hv, Dk, Dv] fp32 pool, updated in place at slots [B].
     block_v: state columns per program; by default the widest of 64, 32, 16 that still
     makes 256 programs (measured in graphs of 30 layers on the H200: at batch 1 16 columns
     4.2 us, 32 4.7, 64 5.0; at batch 8 64 columns 11.8 us, 32 12.8; at 64 71.3 vs 72.5).
+    num_warps: 4 by default; with 1 warp the reductions over Dk stay in shuffles (sm_90 SASS
+    at 16 columns: 2 barriers instead of 17; `bench.gdn` times 1, 2 and 4).
     Returns o: [B, Hv, Dv] fp32 (before the gated norm)."""
     bsz = qkv.shape[0]
     _, hv, dk, dv = states.shape
@@ -137,7 +140,8 @@ def fused_recurrent_step(
     _recurrent_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, states, slots, o,
         qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), o.stride(0),
-        key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v, **launch_args(o, grid),
+        key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v, num_warps=num_warps,
+        **launch_args(o, grid),
     )  # fmt: skip
     return o
 
