@@ -27,17 +27,21 @@ from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, b_ptr, o_n, m_n, k0, stride_wn, stride_sn,
+def _group_scales(s_ptr, b_ptr, o_n, m_n, group, stride_sn):
+    """Scale and bias [N] of weight rows o_n for quantisation group `group`."""
+    o_s = o_n * stride_sn + group
+    return tl.load(s_ptr + o_s, mask=m_n, other=0.0), tl.load(b_ptr + o_s, mask=m_n, other=0.0)
+
+
+@triton.jit
+def _dequant_tile(w_ptr, b_s, b_b, o_n, m_n, k0, stride_wn,
                   BITS: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
-    """Weight rows o_n, columns k0..k0+GROUP (one quantisation group), as [GROUP, N] in the
-    scales' dtype: K-major for `tl.dot`. Loads GROUP*BITS/32 words per row and one scale and
-    bias (`unpack_codes`: two 4-bit codes per instruction on the GPU)."""
+    """Weight rows o_n, columns k0..k0+GROUP (one quantisation group, scales b_s and biases
+    b_b [N]), as [GROUP, N] in the scales' dtype: K-major for `tl.dot`. Loads GROUP*BITS/32
+    words per row (`unpack_codes`: two 4-bit codes per instruction on the GPU)."""
     WPG: tl.constexpr = GROUP * BITS // 32
     o_w = k0 // GROUP * WPG + tl.arange(0, WPG)
     b_w = tl.load(w_ptr + o_n[:, None] * stride_wn + o_w[None, :], mask=m_n[:, None], other=0)
-    o_s = o_n * stride_sn + k0 // GROUP
-    b_s = tl.load(s_ptr + o_s, mask=m_n, other=0.0)
-    b_b = tl.load(b_ptr + o_s, mask=m_n, other=0.0)
     b_v = unpack_codes(b_w, b_s[:, None], b_b[:, None], BITS, PACKED)  # [N, WPG, per word]
     return tl.trans(tl.reshape(b_v, [o_n.shape[0], GROUP]))
 
@@ -87,12 +91,18 @@ def _moe_gemm_kernel(
     m_w = i_n * BLOCK_N + o_h % BLOCK_N < N
     o_k = tl.arange(0, GROUP)
     b_acc = tl.zeros([BLOCK_M, HALVES * BLOCK_N], dtype=tl.float32)
+    # scales and biases one group ahead: the compiler's pipelining moves the codes and the
+    # activations through shared memory but loads these [N] vectors where they are used, so
+    # without the prefetch each K step waited for them
+    b_s, b_b = _group_scales(s_e, b_e, o_w, m_w, 0, stride_sn)
     for k0 in range(0, K, GROUP):
         p_a = a_ptr + a_rows[:, None] * stride_am + (k0 + o_k)[None, :]
         b_a = tl.load(p_a, mask=m_rows[:, None], other=0.0)
-        b_w = _dequant_tile(w_e, s_e, b_e, o_w, m_w, k0, stride_wn, stride_sn, BITS, GROUP,
-                            PACKED)  # fmt: skip
+        next_group = tl.minimum(k0 + GROUP, K - GROUP) // GROUP  # the last step reloads its own
+        b_s_next, b_b_next = _group_scales(s_e, b_e, o_w, m_w, next_group, stride_sn)
+        b_w = _dequant_tile(w_e, b_s, b_b, o_w, m_w, k0, stride_wn, BITS, GROUP, PACKED)
         b_acc += tl.dot(b_a, b_w.to(b_a.dtype), input_precision=PRECISION)
+        b_s, b_b = b_s_next, b_b_next
     b_acc = _gate(b_acc, HALVES, BLOCK_M, BLOCK_N)
     if APPLY_WEIGHT:
         b_acc *= tl.load(rw_ptr + rows, mask=m_rows, other=0.0)[:, None]
