@@ -31,17 +31,25 @@ MMA_ROWS = 16  # activation rows padded to the MMA's minimum N
 
 
 @triton.jit
-def _tile(w_ptr, s_ptr, b_ptr, o_n, m_n, o_g, stride_wn, stride_sn,
+def _tile_scales(s_ptr, b_ptr, o_n, m_n, o_g, stride_sn):
+    """Scales and biases [..., BLOCK_N, GROUPS, 1] of groups o_g of rows o_n (see `_tile`)."""
+    b_s = tl.load(s_ptr + o_n * stride_sn + o_g, mask=m_n, other=0.0)
+    return b_s, tl.load(b_ptr + o_n * stride_sn + o_g, mask=m_n, other=0.0)
+
+
+@triton.jit
+def _tile(w_ptr, b_s, b_b, o_n, m_n, o_g, stride_wn,
           BITS: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
     """Groups o_g of rows o_n as values [..., BLOCK_N, GROUPS, words per group, codes per
     word]. o_n, m_n: [..., BLOCK_N, 1, 1]; o_g: [..., 1, GROUPS, 1]. Words are loaded
-    [..., BLOCK_N, GROUPS, words per group] and scales [..., BLOCK_N, GROUPS, 1], so a word's
-    scale is a broadcast, not a gather."""
+    [..., BLOCK_N, GROUPS, words per group] and the scales b_s, b_b come as
+    [..., BLOCK_N, GROUPS, 1] (`_tile_scales`), so a word's scale is a broadcast, not a
+    gather. The kernels load the scales one K step ahead: the compiler's pipelining moves
+    the codes through shared memory but loads these where they are used, so without the
+    prefetch each K step waited for them."""
     WPG: tl.constexpr = GROUP * BITS // 32
     o_w = o_g * WPG + tl.arange(0, WPG)
     b_w = tl.load(w_ptr + o_n * stride_wn + o_w, mask=m_n, other=0)
-    b_s = tl.load(s_ptr + o_n * stride_sn + o_g, mask=m_n, other=0.0)
-    b_b = tl.load(b_ptr + o_n * stride_sn + o_g, mask=m_n, other=0.0)
     return unpack_codes(b_w, b_s, b_b, BITS, PACKED)
 
 
@@ -63,9 +71,15 @@ def _mma_kernel(
     o_m = tl.arange(0, 16)
     o_k = tl.arange(0, BLOCK_K)
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    n3, m3, last = o_n[:, None, None], m_n[:, None, None], K // GROUP - GROUPS
+    b_s, b_b = _tile_scales(s_ptr, b_ptr, n3, m3, o_g[None, :, None], stride_sn)
     for g0 in range(0, K // GROUP, GROUPS):
-        b_a = _tile(w_ptr, s_ptr, b_ptr, o_n[:, None, None], m_n[:, None, None],
-                    (g0 + o_g)[None, :, None], stride_wn, stride_sn, BITS, GROUP, PACKED)
+        g_next = tl.minimum(g0 + GROUPS, last)  # the last step reloads its own
+        b_s_next, b_b_next = _tile_scales(s_ptr, b_ptr, n3, m3, (g_next + o_g)[None, :, None],
+                                          stride_sn)  # fmt: skip
+        b_a = _tile(w_ptr, b_s, b_b, n3, m3, (g0 + o_g)[None, :, None], stride_wn, BITS, GROUP,
+                    PACKED)  # fmt: skip
+        b_s, b_b = b_s_next, b_b_next
         b_a = tl.reshape(b_a, [BLOCK_N, BLOCK_K])
         p_x = x_ptr + o_m[:, None] * stride_xm + g0 * GROUP + o_k[None, :]
         b_x = tl.load(p_x, mask=(o_m < M)[:, None], other=0.0)
@@ -99,9 +113,13 @@ def _mma_split_kernel(
     p_x = (x_ptr + o_m[None, :, None] * stride_xm
            + (o_p * groups_split * GROUP)[:, None, None] + o_k[None, None, :])  # fmt: skip
     m_x = (o_m < M)[None, :, None]
+    n4, m4, last = o_n[None, :, None, None], m_n[None, :, None, None], groups_split - GROUPS
+    b_s, b_b = _tile_scales(s_ptr, b_ptr, n4, m4, o_gs, stride_sn)
     for g0 in range(0, groups_split, GROUPS):
-        b_a = _tile(w_ptr, s_ptr, b_ptr, o_n[None, :, None, None], m_n[None, :, None, None],
-                    g0 + o_gs, stride_wn, stride_sn, BITS, GROUP, PACKED)
+        g_next = tl.minimum(g0 + GROUPS, last)  # the last step reloads its own
+        b_s_next, b_b_next = _tile_scales(s_ptr, b_ptr, n4, m4, g_next + o_gs, stride_sn)
+        b_a = _tile(w_ptr, b_s, b_b, n4, m4, g0 + o_gs, stride_wn, BITS, GROUP, PACKED)
+        b_s, b_b = b_s_next, b_b_next
         b_a = tl.reshape(b_a, [SPLIT, BLOCK_N, BLOCK_K])
         b_x = tl.load(p_x + g0 * GROUP, mask=m_x, other=0.0)
         b_acc = tl.dot(b_a.to(b_x.dtype), tl.permute(b_x, (0, 2, 1)), b_acc,
