@@ -58,6 +58,15 @@ def packed_unpack(dtype: torch.dtype, bits: int, device: torch.device) -> bool:
 
 
 @triton.jit
+def group_scales(s_ptr, b_ptr, o_n, m_n, o_g, stride_sn):
+    """Scales and biases of rows o_n for quantisation groups o_g (any shapes that broadcast
+    together; m_n masks the rows): o_n * stride_sn + o_g in the [N, K / group] tensors. The
+    tensor-core GEMV and the grouped GEMM load theirs with it, one K step ahead."""
+    b_s = tl.load(s_ptr + o_n * stride_sn + o_g, mask=m_n, other=0.0)
+    return b_s, tl.load(b_ptr + o_n * stride_sn + o_g, mask=m_n, other=0.0)
+
+
+@triton.jit
 def _code(words, j: tl.constexpr, BITS: tl.constexpr):
     return ((words >> (BITS * j)) & ((1 << BITS) - 1)).to(tl.float32)
 

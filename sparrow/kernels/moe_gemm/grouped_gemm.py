@@ -19,18 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.dequant.unpack import packed_unpack, unpack_codes
+from sparrow.kernels.dequant.unpack import group_scales, packed_unpack, unpack_codes
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.kernels.quant_gemv.gemv import launch_gemv
 from sparrow.quant.affine import QuantSpec
-
-
-@triton.jit
-def _group_scales(s_ptr, b_ptr, o_n, m_n, group, stride_sn):
-    """Scale and bias [N] of weight rows o_n for quantisation group `group`."""
-    o_s = o_n * stride_sn + group
-    return tl.load(s_ptr + o_s, mask=m_n, other=0.0), tl.load(b_ptr + o_s, mask=m_n, other=0.0)
 
 
 @triton.jit
@@ -94,12 +87,12 @@ def _moe_gemm_kernel(
     # scales and biases one group ahead: the compiler's pipelining moves the codes and the
     # activations through shared memory but loads these [N] vectors where they are used, so
     # without the prefetch each K step waited for them
-    b_s, b_b = _group_scales(s_e, b_e, o_w, m_w, 0, stride_sn)
+    b_s, b_b = group_scales(s_e, b_e, o_w, m_w, 0, stride_sn)
     for k0 in range(0, K, GROUP):
         p_a = a_ptr + a_rows[:, None] * stride_am + (k0 + o_k)[None, :]
         b_a = tl.load(p_a, mask=m_rows[:, None], other=0.0)
         next_group = tl.minimum(k0 + GROUP, K - GROUP) // GROUP  # the last step reloads its own
-        b_s_next, b_b_next = _group_scales(s_e, b_e, o_w, m_w, next_group, stride_sn)
+        b_s_next, b_b_next = group_scales(s_e, b_e, o_w, m_w, next_group, stride_sn)
         b_w = _dequant_tile(w_e, b_s, b_b, o_w, m_w, k0, stride_wn, BITS, GROUP, PACKED)
         b_acc += tl.dot(b_a, b_w.to(b_a.dtype), input_precision=PRECISION)
         b_s, b_b = b_s_next, b_b_next

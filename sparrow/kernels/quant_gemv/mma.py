@@ -23,18 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.dequant.unpack import fit_block_k, packed_unpack, unpack_codes
+from sparrow.kernels.dequant.unpack import fit_block_k, group_scales, packed_unpack, unpack_codes
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.quant.affine import QuantSpec
 
 MMA_ROWS = 16  # activation rows padded to the MMA's minimum N
-
-
-@triton.jit
-def _tile_scales(s_ptr, b_ptr, o_n, m_n, o_g, stride_sn):
-    """Scales and biases [..., BLOCK_N, GROUPS, 1] of groups o_g of rows o_n (see `_tile`)."""
-    b_s = tl.load(s_ptr + o_n * stride_sn + o_g, mask=m_n, other=0.0)
-    return b_s, tl.load(b_ptr + o_n * stride_sn + o_g, mask=m_n, other=0.0)
 
 
 @triton.jit
@@ -43,7 +36,7 @@ def _tile(w_ptr, b_s, b_b, o_n, m_n, o_g, stride_wn,
     """Groups o_g of rows o_n as values [..., BLOCK_N, GROUPS, words per group, codes per
     word]. o_n, m_n: [..., BLOCK_N, 1, 1]; o_g: [..., 1, GROUPS, 1]. Words are loaded
     [..., BLOCK_N, GROUPS, words per group] and the scales b_s, b_b come as
-    [..., BLOCK_N, GROUPS, 1] (`_tile_scales`), so a word's scale is a broadcast, not a
+    [..., BLOCK_N, GROUPS, 1] (`group_scales`), so a word's scale is a broadcast, not a
     gather. The kernels load the scales one K step ahead: the compiler's pipelining moves
     the codes through shared memory but loads these where they are used, so without the
     prefetch each K step waited for them."""
@@ -72,10 +65,10 @@ def _mma_kernel(
     o_k = tl.arange(0, BLOCK_K)
     b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     n3, m3, last = o_n[:, None, None], m_n[:, None, None], K // GROUP - GROUPS
-    b_s, b_b = _tile_scales(s_ptr, b_ptr, n3, m3, o_g[None, :, None], stride_sn)
+    b_s, b_b = group_scales(s_ptr, b_ptr, n3, m3, o_g[None, :, None], stride_sn)
     for g0 in range(0, K // GROUP, GROUPS):
         g_next = tl.minimum(g0 + GROUPS, last)  # the last step reloads its own
-        b_s_next, b_b_next = _tile_scales(s_ptr, b_ptr, n3, m3, (g_next + o_g)[None, :, None],
+        b_s_next, b_b_next = group_scales(s_ptr, b_ptr, n3, m3, (g_next + o_g)[None, :, None],
                                           stride_sn)  # fmt: skip
         b_a = _tile(w_ptr, b_s, b_b, n3, m3, (g0 + o_g)[None, :, None], stride_wn, BITS, GROUP,
                     PACKED)  # fmt: skip
@@ -114,10 +107,10 @@ def _mma_split_kernel(
            + (o_p * groups_split * GROUP)[:, None, None] + o_k[None, None, :])  # fmt: skip
     m_x = (o_m < M)[None, :, None]
     n4, m4, last = o_n[None, :, None, None], m_n[None, :, None, None], groups_split - GROUPS
-    b_s, b_b = _tile_scales(s_ptr, b_ptr, n4, m4, o_gs, stride_sn)
+    b_s, b_b = group_scales(s_ptr, b_ptr, n4, m4, o_gs, stride_sn)
     for g0 in range(0, groups_split, GROUPS):
         g_next = tl.minimum(g0 + GROUPS, last)  # the last step reloads its own
-        b_s_next, b_b_next = _tile_scales(s_ptr, b_ptr, n4, m4, g_next + o_gs, stride_sn)
+        b_s_next, b_b_next = group_scales(s_ptr, b_ptr, n4, m4, g_next + o_gs, stride_sn)
         b_a = _tile(w_ptr, b_s, b_b, n4, m4, g0 + o_gs, stride_wn, BITS, GROUP, PACKED)
         b_s, b_b = b_s_next, b_b_next
         b_a = tl.reshape(b_a, [SPLIT, BLOCK_N, BLOCK_K])
