@@ -54,6 +54,11 @@ def test_one_expert_takes_all_and_most_get_none():
          tiles=GemmTiles(block_m=16), tol=1e-5)  # fmt: skip
 
 
+def test_128_row_tiles():
+    _run(70, e=4, k=2, d=128, inter=64, dtype=torch.float16, device="cpu", tol=2e-3,
+         tiles=GemmTiles(block_m=128, num_warps=8))  # fmt: skip
+
+
 def test_sizes_not_multiples_of_the_tiles():
     # N (192 and 192) is not a multiple of BLOCK_N = 128.
     _run(5, e=6, k=2, d=192, inter=192, dtype=torch.float32, device="cpu", tol=1e-5,
@@ -61,7 +66,7 @@ def test_sizes_not_multiples_of_the_tiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 8, 64, 1000, 2048])
+@pytest.mark.parametrize("t", [1, 8, 64, 1000, 2048, 8192])  # 8,192: 128-row tiles, 8 warps
 def test_real_sizes_gpu(t):
     _run(t, e=256, k=8, d=2048, inter=512, dtype=torch.bfloat16, device="cuda", tol=2e-2)
 

@@ -112,15 +112,16 @@ def fused_recurrent_step(
     slots: torch.Tensor,
     num_k_heads: int,
     block_v: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """qkv: [B, 2 * Hk * Dk + Hv * Dv] (after the conv); a, b: [B, Hv] (projections);
     a_log, dt_bias: [Hv]; states: [S, Hv, Dk, Dv] fp32 pool, updated in place at slots [B].
     block_v: state columns per program; by default the widest of 64, 32, 16 that still
     makes 256 programs (measured in graphs of 30 layers on the H200: at batch 1 16 columns
     4.2 us, 32 4.7, 64 5.0; at batch 8 64 columns 11.8 us, 32 12.8; at 64 71.3 vs 72.5).
-    num_warps: 4 by default; with 1 warp the reductions over Dk stay in shuffles (sm_90 SASS
-    at 16 columns: 2 barriers instead of 17; `bench.gdn` times 1, 2 and 4).
+    num_warps: by default 2 for up to 32 columns per program, else 4 (`bench.gdn`, graphs of
+    30 steps on the H200, 4 / 2 / 1 warps: batch 1 (16 columns) 3.35 / 3.06 / 3.04 us, batch 8
+    (64) 11.50 / 11.44 / 68.3, batch 64 70.6 / 73.7 / 466).
     Returns o: [B, Hv, Dv] fp32 (before the gated norm)."""
     bsz = qkv.shape[0]
     _, hv, dk, dv = states.shape
@@ -136,6 +137,7 @@ def fused_recurrent_step(
     a, b = _one_row_stride(a, b)
     o = torch.empty(bsz, hv, dv, device=qkv.device, dtype=torch.float32)
     block_v = min(block_v or _block_v(dv, hv, bsz), dv)
+    num_warps = num_warps or (2 if block_v <= 32 else 4)
     grid = (dv // block_v, hv, bsz)
     _recurrent_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, states, slots, o,

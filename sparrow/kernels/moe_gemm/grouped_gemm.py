@@ -202,11 +202,17 @@ class GemmTiles:
 
 
 def tiles_for(num_assignments: int, num_experts: int) -> GemmTiles:
-    """BLOCK_M from the expected rows per expert (less padding when groups are small).
-    Measured on the H200 at 2048 tokens (about 64 rows per expert), both GEMMs: BLOCK_M 64
-    955 us, 32 1436 us, 16 2068 us (BLOCK_N 64)."""
+    """Tiles from the expected rows per expert. Measured on the H200 (`bench.moe --sweep`,
+    the routed experts in a CUDA graph, best of 48 configs): up to 8 rows per expert 16-row
+    tiles (64 tokens 329 us, 64-row 353; 256 tokens 382 vs 391); from 16 rows 64 x 64 (512
+    tokens 389 us, 16-row 522; 1,024 395 vs 654; 2,048 568, 128-row 612); at 256 rows
+    128 x 64 with 8 warps (8,192 tokens 1,680 us, 64 x 64 1,859)."""
     per_expert = num_assignments / num_experts
-    return GemmTiles(block_m=16 if per_expert <= 16 else (32 if per_expert <= 48 else 64))
+    if per_expert <= 8:
+        return GemmTiles(block_m=16)
+    if per_expert <= 128:
+        return GemmTiles(block_m=64)
+    return GemmTiles(block_m=128, num_warps=8)
 
 
 def moe_experts(
