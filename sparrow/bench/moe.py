@@ -3,7 +3,8 @@ shared expert): our 4-bit kernels vs HF's bf16 `Qwen3_5MoeSparseMoeBlock` (group
 dequantise-then-matmul baseline, in one run. Decode sizes (<= 8 tokens) are timed inside a
 CUDA graph, larger ones eagerly; medians of several rounds. Our layer is also timed inside a
 graph at every size ("graph us": GPU time without the host's launch cost, which sets the
-eager time up to ~2K tokens on the H200's host).
+eager time up to ~2K tokens on the H200's host), and with the shared expert run as its own
+layers instead of as one more assignment in the experts' kernels ("apart").
 
     python -m sparrow.bench.moe --out bench-out/moe.json
 """
@@ -22,6 +23,7 @@ from sparrow.config import ModelConfig, QuantConfig
 from sparrow.kernels import set_backend
 from sparrow.kernels.moe_gemm.grouped_gemm import GemmTiles, moe_experts, tiles_for
 from sparrow.layers.moe import SparseMoE
+from sparrow.quant import modules
 from sparrow.quant.modules import quantized_copy
 
 TOKENS = (1, 8, 64, 512, 2048, 8192)
@@ -71,6 +73,11 @@ def bench_tokens(hf, ours, cfg: ModelConfig, t: int) -> dict:
         ours_us = _time(lambda: ours(x), t)
         graph_us = graph_time_us([lambda: ours(x)], replays=20)
         out = ours(x)
+        # the alternative: the shared expert as its own layers (dequantise + cuBLAS)
+        fold_limit, modules.SHARED_AS_EXPERT_TOKENS = modules.SHARED_AS_EXPERT_TOKENS, 0
+        apart_us = _time(lambda: ours(x), t)
+        apart_graph_us = graph_time_us([lambda: ours(x)], replays=20)
+        modules.SHARED_AS_EXPERT_TOKENS = fold_limit
         set_backend("reference")  # dequantise each expert, then matmul
         ref = ours(x)
         deq_us = _eager_us(lambda: ours(x), rounds=3) if t <= 512 else float("nan")
@@ -86,6 +93,8 @@ def bench_tokens(hf, ours, cfg: ModelConfig, t: int) -> dict:
         "dequant_matmul_us": deq_us,
         "ours_us": ours_us,
         "ours_graph_us": graph_us,
+        "shared_apart_us": apart_us,
+        "shared_apart_graph_us": apart_graph_us,
         "speedup_vs_hf": hf_us / ours_us,
         "tflops": flops / ours_us / 1e6,
         "gbps": nbytes / ours_us / 1e3,
@@ -142,13 +151,14 @@ def main(argv: list[str] | None = None) -> dict:
     sweep = sweep_tiles(ours, cfg, args.sweep) if args.sweep else None
     rows = []
     print(f"{'tokens':>7}{'hf bf16 us':>12}{'deq+mm us':>11}{'ours us':>10}{'graph us':>10}"
-          f"{'vs hf':>8}"
+          f"{'vs hf':>8}{'apart us':>10}{'apart graph':>12}"
           f"{'TF/s':>8}{'GB/s':>8}{'roofline':>10}{'rel err':>10}")  # fmt: skip
     for t in args.tokens:
         r = bench_tokens(hf, ours, cfg, t)
         rows.append(r)
         print(f"{t:>7}{r['hf_bf16_us']:>12.1f}{r['dequant_matmul_us']:>11.1f}"
               f"{r['ours_us']:>10.1f}{r['ours_graph_us']:>10.1f}{r['speedup_vs_hf']:>7.2f}x"
+              f"{r['shared_apart_us']:>10.1f}{r['shared_apart_graph_us']:>12.1f}"
               f"{r['tflops']:>8.1f}"
               f"{r['gbps']:>8.0f}{r['fraction_of_roofline']:>10.1%}"
               f"{r['rel_err_vs_reference']:>10.1e}")  # fmt: skip

@@ -28,7 +28,7 @@ from torch import nn
 from sparrow.config import QuantConfig
 from sparrow.kernels import use_triton
 from sparrow.kernels.dequant.dequant import dequantize as dequantize_kernel
-from sparrow.kernels.moe_gemm.grouped_gemm import GEMV_TOKENS, Shared, moe_experts
+from sparrow.kernels.moe_gemm.grouped_gemm import Shared, moe_experts
 from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
 from sparrow.layers.linear import fuse_all
 from sparrow.layers.moe import Experts
@@ -98,6 +98,11 @@ class QuantizedEmbedding(nn.Module):
         )
 
 
+# Up to this many tokens a shared expert runs as one more assignment in the routed experts'
+# kernels (above: dequantise + cuBLAS for its two projections, which is 6 launches more).
+SHARED_AS_EXPERT_TOKENS = 1 << 30
+
+
 class QuantizedExperts(Experts):
     """Experts with 4-bit gate_up [E, 2I, hidden] and down [E, hidden, I] weights."""
 
@@ -115,16 +120,17 @@ class QuantizedExperts(Experts):
     def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                       shared: nn.Module | None = None,
                       shared_gate: torch.Tensor | None = None):  # fmt: skip
-        """With the Triton backend: GPU routing + grouped fused-dequant GEMMs and the combine
-        with the shared expert in one kernel, no host sync. At decode sizes a shared expert
-        quantised like one routed expert runs inside the experts' GEMVs (one more assignment
-        per token) instead of as its own layers."""
+        """With the Triton backend: GPU routing + fused-dequant expert GEMVs or grouped GEMMs,
+        no host sync. A shared expert quantised like one routed expert runs inside the
+        experts' kernels (one more assignment per token) up to SHARED_AS_EXPERT_TOKENS
+        tokens; otherwise as its own layers, its output added in the combine kernel."""
         if not use_triton(x):
             return super().route_and_run(x, router_logits, top_k, shared, shared_gate)
         rows = x.reshape(-1, x.shape[-1])
         side = None
         if shared is not None:
-            weights = self._like_an_expert(shared) if rows.shape[0] <= GEMV_TOKENS else None
+            fold = rows.shape[0] <= SHARED_AS_EXPERT_TOKENS
+            weights = self._like_an_expert(shared) if fold else None
             side = Shared(shared_gate, output=None if weights else shared(x), weights=weights)
         return moe_experts(
             rows, router_logits, top_k,

@@ -87,9 +87,10 @@ def test_combine_with_shared_expert(t):
     assert rel_err(out, routed + torch.sigmoid(gate) * shared) < 1e-5
 
 
-@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("t", [1, 5, 50])  # GEMV, GEMV, grouped GEMM
 def test_shared_expert_as_one_more_assignment(t):
-    """GEMV path: the shared expert's weights run as a (k + 1)-th assignment per token."""
+    """The shared expert's weights run as a (k + 1)-th assignment per token (in the grouped
+    GEMM: a group of rows of its own, expert id E)."""
     spec = QuantSpec(4, 64)
     e, k, d, inter = 8, 2, 128, 64
     gate_up, down = _weights(e, d, inter, spec, torch.float32, "cpu", seed=7)

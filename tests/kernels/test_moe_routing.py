@@ -49,7 +49,9 @@ def _check_align(ids, num_experts, block_m):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("t, k, block_m", [(1, 8, 16), (3, 2, 16), (17, 4, 32), (100, 8, 64)])
+@pytest.mark.parametrize(
+    "t, k, block_m", [(1, 8, 16), (3, 2, 16), (17, 4, 32), (100, 8, 64), (300, 8, 16)]
+)  # the last: 3 programs of the count and of the scan
 def test_align_random(device, t, k, block_m):
     e = 24
     gen = torch.Generator().manual_seed(t * k)

@@ -22,7 +22,7 @@ import triton.language as tl
 from sparrow.kernels.dequant.unpack import group_scales, packed_unpack, unpack_codes
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
-from sparrow.kernels.quant_gemv.gemv import launch_gemv
+from sparrow.kernels.quant_gemv.gemv import launch_gemv, shared_expert_args
 from sparrow.quant.affine import QuantSpec
 
 
@@ -53,15 +53,17 @@ def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr,
+    a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sw_ptr, ss_ptr, sb_ptr,
     sorted_ptr, block_expert_ptr, num_rows_ptr,
-    N, K, num_valid,
+    N, K, num_valid, num_experts,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
-    TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, SHARED: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
-    """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0."""
+    """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0.
+    SHARED: blocks of expert id num_experts read the shared expert's weights (sw, ss, sb: one
+    expert's shape) instead."""
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the padded rows in use: the grid is sized without reading the routing
@@ -75,6 +77,9 @@ def _moe_gemm_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     w_e, s_e, b_e = w_ptr + i_e * stride_we, s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
+    if SHARED:
+        if i_e == num_experts:
+            w_e, s_e, b_e = sw_ptr, ss_ptr, sb_ptr
     # GATED: the gate rows o_n and the up rows o_n + N (N rows below) as one tile of 2 BLOCK_N
     # weight rows, so each K step is one MMA twice as wide instead of two (each waited on):
     # both GEMMs 549 -> 523 us at 2,048 tokens, 1,738 -> 1,648 at 8,192 on the H200
@@ -113,7 +118,7 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None):
                 rw=rw, top_k=top_k, shared_w=shared_w)  # fmt: skip
 
 
-def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
+def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles, shared_w=None):
     packed, scales, biases = w
     sorted_ids, block_expert, num_rows = routing
     k = a.shape[1]
@@ -123,11 +128,12 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles):
     grid = (block_expert.numel(), triton.cdiv(n, tiles.block_n))
     _moe_gemm_kernel[grid](
         a, packed.view(torch.int32), scales, biases, c, rw,
+        *shared_expert_args(shared_w, packed, scales),
         sorted_ids, block_expert, num_rows,
-        n, k, c.shape[0],
+        n, k, c.shape[0], packed.shape[0],
         a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
         c.stride(0),
-        TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None,
+        TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None, SHARED=shared_w is not None,
         BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         PACKED=packed_unpack(scales.dtype, spec.bits, a.device) and scales.dtype == a.dtype,
@@ -229,29 +235,34 @@ def moe_experts(
     tokens (unless tiles are given) take the GEMV path, else the grouped GEMM.
     x: [T, D]; router_logits: [T, E]; gate_up: (packed [E, 2I, D*bits/32], scales, biases
     [E, 2I, D/g]); down: (packed [E, D, I*bits/32], scales, biases). Returns [T, D]; with a
-    shared expert, the layer's output (`naive.combine`): its output added in the combine
-    kernel, or on the GEMV path its weights run as a (top_k + 1)-th assignment."""
+    shared expert, the layer's output (`naive.combine`): given its weights, they run as a
+    (top_k + 1)-th assignment of every token (expert id E in the grouped GEMM's routing),
+    given its output, that is added in the combine kernel."""
     t, d = x.shape
     e, two_i = gate_up[0].shape[:2]
     inter = two_i // 2
     x = x.contiguous()
     gemv = t <= GEMV_TOKENS and tiles is None
-    fold = gemv and shared is not None and shared.weights is not None
+    fold = shared is not None and shared.weights is not None
     if shared is not None and not fold and shared.output is None:
-        raise ValueError("the grouped GEMM path needs the shared expert's output")
-    weights, ids = topk_route(router_logits, top_k, shared.gate if fold else None)
-    slots = top_k + fold  # the folded shared expert is one more slot per token
+        raise ValueError("a shared expert needs its weights or its output")
+    shared_gate_up, shared_down = shared.weights if fold else (None, None)
+    # the folded shared expert: one more slot per token, id 0 for the GEMVs (which tell it by
+    # its slot), E for the grouped GEMM's routing (its own group of rows)
+    weights, ids = topk_route(router_logits, top_k, shared.gate if fold else None,
+                              shared_id=0 if gemv else e)  # fmt: skip
+    slots = top_k + fold
     h = torch.empty(t * slots, inter, device=x.device, dtype=x.dtype)
     # weighted expert rows, summed per token by the combine: fp32 for a few decode tokens, the
     # activation dtype in prefill (t * k rows of D: at 4K tokens 268 MB each way in fp32)
     partial = torch.empty(t * slots, d, device=x.device, dtype=torch.float32 if gemv else x.dtype)
     if gemv:
-        shared_gate_up, shared_down = shared.weights if fold else (None, None)
         _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up)
         _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down)
-        return _combine(partial, slots, x.dtype, None if fold else shared)
-    tiles = tiles or tiles_for(t * top_k, e)
-    routing = align(ids, e, tiles.block_m)
-    _launch(x, gate_up, h, None, routing, inter, top_k, True, spec, tiles)
-    _launch(h, down, partial, weights.reshape(-1), routing, d, top_k, False, spec, tiles)
-    return _combine(partial, top_k, x.dtype, shared)
+    else:
+        tiles = tiles or tiles_for(t * top_k, e)
+        routing = align(ids, e + fold, tiles.block_m)
+        _launch(x, gate_up, h, None, routing, inter, slots, True, spec, tiles, shared_gate_up)
+        _launch(h, down, partial, weights.reshape(-1), routing, d, slots, False, spec, tiles,
+                shared_down)  # fmt: skip
+    return _combine(partial, slots, x.dtype, None if fold else shared)

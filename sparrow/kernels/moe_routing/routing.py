@@ -3,9 +3,9 @@
     topk_route:  router logits [T, E] -> weights [T, k] fp32, expert ids [T, k] int32
     align:       ids -> (sorted_ids, block_expert, num_rows), see naive.align
 
-`align` is three small kernels: a histogram of assignments per expert (atomics), one program
-that scans the padded counts into group offsets and writes the block -> expert map, and a
-scatter of each assignment to its slot (an atomic cursor per expert). Output sizes depend
+`align` is three small kernels: a histogram of assignments per expert (one per program, added
+with atomics), a scan of the padded counts into group offsets and the block -> expert map,
+and a scatter of each assignment to its slot (an atomic cursor per expert). Output sizes depend
 only on T, k, E and block_m, never on the routing itself.
 """
 
@@ -19,12 +19,12 @@ from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g,
+def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g, shared_id,
                  K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
                  USE_PDL: tl.constexpr):  # fmt: skip
     """One token per program: softmax over E, then K rounds of argmax-and-mask. SHARED: a
-    (K + 1)-th column, weight sigmoid(gate[t]) and id 0, for a shared expert run as one more
-    assignment. Each round is one max over int64 keys (the probability's bits, which order
+    (K + 1)-th column, weight sigmoid(gate[t]) and id shared_id, for a shared expert run as
+    one more assignment. Each round is one max over int64 keys (the probability's bits, which order
     like the values for p >= 0, above the reversed index: ties go to the lowest index, like
     torch.topk on distinct values); one warp, so every reduction stays in shuffles."""
     wait_for_previous(USE_PDL)
@@ -51,35 +51,41 @@ def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g,
     if SHARED:
         b_g = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
         tl.store(w_ptr + i_t * (K + 1) + K, tl.sigmoid(b_g))
-        tl.store(ids_ptr + i_t * (K + 1) + K, 0)
+        tl.store(ids_ptr + i_t * (K + 1) + K, shared_id)
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Assignments per expert: a histogram of BLOCK ids per program, then one atomic add per
+    expert (an atomic per assignment queued up to 8K deep on one counter at 8K tokens)."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     b_e = tl.load(ids_ptr + o, mask=m, other=0)
-    tl.atomic_add(counts_ptr + b_e, 1, mask=m)
+    b_h = tl.histogram(b_e, BLOCK_E, mask=m)
+    o_e = tl.arange(0, BLOCK_E)
+    tl.atomic_add(counts_ptr + o_e, b_h, mask=b_h > 0)
 
 
 @triton.jit
 def _scan_kernel(counts_ptr, offsets_ptr, block_expert_ptr, num_rows_ptr, E, max_blocks,
                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
-    """Single program: padded group sizes -> exclusive offsets; block -> expert map."""
+    """Padded group sizes -> exclusive offsets (program 0); the block -> expert map, BLOCK_B
+    blocks per program (each program scans the E counts again: one program walking all
+    blocks took 28 us at 8K tokens)."""
     o_e = tl.arange(0, BLOCK_E)
     b_c = tl.load(counts_ptr + o_e, mask=o_e < E, other=0)
     b_pad = (b_c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     b_end = tl.cumsum(b_pad, axis=0)
-    tl.store(offsets_ptr + o_e, b_end - b_pad, mask=o_e < E)
     total = tl.sum(b_pad, axis=0)
-    tl.store(num_rows_ptr, total)
-    for b0 in range(0, max_blocks, BLOCK_B):
-        o_b = b0 + tl.arange(0, BLOCK_B)
-        start = o_b * BLOCK_M
-        # expert of a block = number of groups that end at or before its first row
-        b_x = tl.sum((b_end[None, :] <= start[:, None]).to(tl.int32), axis=1)
-        b_x = tl.where(start < total, b_x, -1)
-        tl.store(block_expert_ptr + o_b, b_x, mask=o_b < max_blocks)
+    if tl.program_id(0) == 0:
+        tl.store(offsets_ptr + o_e, b_end - b_pad, mask=o_e < E)
+        tl.store(num_rows_ptr, total)
+    o_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    start = o_b * BLOCK_M
+    # expert of a block = number of groups that end at or before its first row
+    b_x = tl.sum((b_end[None, :] <= start[:, None]).to(tl.int32), axis=1)
+    b_x = tl.where(start < total, b_x, -1)
+    tl.store(block_expert_ptr + o_b, b_x, mask=o_b < max_blocks)
 
 
 @triton.jit
@@ -93,11 +99,12 @@ def _scatter_kernel(ids_ptr, offsets_ptr, cursor_ptr, sorted_ptr, n, BLOCK: tl.c
 
 
 def topk_route(
-    logits: torch.Tensor, k: int, shared_gate: torch.Tensor | None = None
+    logits: torch.Tensor, k: int, shared_gate: torch.Tensor | None = None, shared_id: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] -> (weights [T, k] fp32 summing to 1, ids [T, k] int32). With
-    shared_gate [T, 1] (logits), one more column: weight sigmoid(gate), id 0 (a placeholder:
-    the shared expert's weights are not among the E)."""
+    shared_gate [T, 1] (logits), one more column: weight sigmoid(gate), id shared_id (the
+    shared expert's weights are not among the E: 0 as a placeholder, or E for a routing
+    that gives it a group of its own)."""
     t, e = logits.shape
     if not 0 < k <= e:
         raise ValueError(f"top-k {k} out of range for {e} experts")
@@ -108,7 +115,8 @@ def topk_route(
     ids = torch.empty(t, cols, device=logits.device, dtype=torch.int32)
     if t:
         gate = shared_gate if shared_gate is not None else logits
-        _topk_kernel[(t,)](logits, weights, ids, gate, e, logits.stride(0), gate.stride(0), K=k,
+        _topk_kernel[(t,)](logits, weights, ids, gate, e, logits.stride(0), gate.stride(0),
+                           shared_id, K=k,
                            SHARED=shared_gate is not None,
                            BLOCK_E=triton.next_power_of_2(e), num_warps=1,
                            **launch_args(logits, (t,)))  # fmt: skip
@@ -127,9 +135,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     num_rows = torch.empty(1, dtype=torch.int32, device=dev)
     block = 1024
     grid = (max(1, triton.cdiv(n, block)),)
-    _count_kernel[grid](flat, counts, n, BLOCK=block)
-    _scan_kernel[(1,)](counts, offsets, block_expert, num_rows, num_experts, max_blocks,
-                       BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
-                       BLOCK_B=64)  # fmt: skip
+    block_e = triton.next_power_of_2(num_experts)
+    _count_kernel[grid](flat, counts, n, BLOCK=block, BLOCK_E=block_e)
+    _scan_kernel[(triton.cdiv(max_blocks, 64),)](counts, offsets, block_expert, num_rows,
+                                                 num_experts, max_blocks, BLOCK_M=block_m,
+                                                 BLOCK_E=block_e, BLOCK_B=64)  # fmt: skip
     _scatter_kernel[grid](flat, offsets, cursor, sorted_ids, n, BLOCK=block)
     return sorted_ids, block_expert, num_rows

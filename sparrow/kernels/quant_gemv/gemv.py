@@ -213,6 +213,16 @@ def _gemv_kernel(
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
+def shared_expert_args(shared_w, packed: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """The (packed words, scales, biases) kernel arguments of a shared expert run beside the
+    routed experts `packed`, `scales` ([E, rows, ...]); (None,) * 3 without one."""
+    if shared_w is None:
+        return (None,) * 3
+    if shared_w[0].stride(0) != packed.stride(-2) or shared_w[1].stride(0) != scales.stride(-2):
+        raise ValueError("the shared expert's rows must be laid out like a routed expert's")
+    return (shared_w[0].view(torch.int32), *shared_w[1:])
+
+
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
                 shared_w=None, prefetch: bool | None = None):  # fmt: skip
@@ -224,10 +234,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
-    if shared_w is not None and (shared_w[0].stride(0) != packed.stride(-2)
-                                 or shared_w[1].stride(0) != scales.stride(-2)):  # fmt: skip
-        raise ValueError("the shared expert's rows must be laid out like a routed expert's")
-    sw = (shared_w[0].view(torch.int32), *shared_w[1:]) if shared_w is not None else (None,) * 3
+    sw = shared_expert_args(shared_w, packed, scales)
     if prefetch and experts:
         raise ValueError("the expert GEMV cannot prefetch: its weights follow the routing")
     grid = (triton.cdiv(n, block_n), y.shape[0])
