@@ -111,9 +111,8 @@ def sweep_tiles(ours, cfg: ModelConfig, tokens: list[int]) -> dict:
     e = ours.experts
     gate_up = (e.gate_up_proj, e.gate_up_proj_scales, e.gate_up_proj_biases)
     down = (e.down_proj, e.down_proj_scales, e.down_proj_biases)
-    # (BLOCK_M 32 and 2 stages never won in the seventh and eighth sessions' sweeps)
-    configs = [GemmTiles(bm, bn, nw, ns, g) for bm, bn, nw, ns, g in itertools.product(
-        (16, 64, 128), (64, 128), (4, 8), (3, 4), (1, 2))]  # fmt: skip
+    configs = [GemmTiles(bm, bn, nw, ns) for bm, bn, nw, ns in itertools.product(
+        (16, 32, 64, 128), (64, 128), (4, 8), (2, 3, 4))]  # fmt: skip
     table = {}
     for t in tokens:
         x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)

@@ -112,7 +112,7 @@ CASES = {
                                                  "num_rows_ptr": "i32"},
                  {"TOP_K": 9, "GATED": True, "APPLY_WEIGHT": False, "SHARED": True, "BITS": 4,
                   "GROUP": 64,
-                  "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "GROUPS": 1, "PACKED": True},
+                  "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "PACKED": True},
                  {"num_warps": 4, "num_stages": 3}),
     "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16"},
                     {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024}, {"num_warps": 4}),

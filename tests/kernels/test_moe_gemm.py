@@ -54,12 +54,6 @@ def test_one_expert_takes_all_and_most_get_none():
          tiles=GemmTiles(block_m=16), tol=1e-5)  # fmt: skip
 
 
-@pytest.mark.parametrize("groups", [2, 4])  # K = 256: 4 groups of 64
-def test_several_groups_per_k_step(groups):
-    _run(20, e=6, k=2, d=256, inter=128, dtype=torch.float32, device="cpu", tol=1e-5,
-         tiles=GemmTiles(block_m=16, groups=groups))  # fmt: skip
-
-
 def test_128_row_tiles():
     _run(70, e=4, k=2, d=128, inter=64, dtype=torch.float16, device="cpu", tol=2e-3,
          tiles=GemmTiles(block_m=128, num_warps=8))  # fmt: skip
@@ -75,13 +69,6 @@ def test_sizes_not_multiples_of_the_tiles():
 @pytest.mark.parametrize("t", [1, 8, 64, 1000, 2048, 8192])  # 8,192: 128-row tiles, 8 warps
 def test_real_sizes_gpu(t):
     _run(t, e=256, k=8, d=2048, inter=512, dtype=torch.bfloat16, device="cuda", tol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [GemmTiles(groups=2), GemmTiles(128, num_warps=8, groups=2)])
-def test_several_groups_per_k_step_gpu(tiles):
-    _run(2048, e=256, k=8, d=2048, inter=512, dtype=torch.bfloat16, device="cuda", tol=2e-2,
-         tiles=tiles)  # fmt: skip
 
 
 @pytest.mark.parametrize("t", [2, 50])  # GEMV and grouped GEMM paths
