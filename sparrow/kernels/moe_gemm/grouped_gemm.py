@@ -195,8 +195,10 @@ GEMV_TOKENS = 48
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """K always advances one quantisation group per step: a variant taking several groups
-    per step (extra reshapes of the scales) measured 1.5x slower at 2048 tokens. Computing
+    """K always advances one quantisation group per step: two groups per step (one MMA of
+    K 128, scales [N, 2]) measured slower at every size, best configs in a graph on the H200
+    (eighth session): 512 tokens 428 vs 380 us, 2,048 618 vs 554, 4,096 1,047 vs 896, 8,192
+    1,801 vs 1,624; four groups spill registers. Computing
     the transposed tile (expanded weight as the MMA's register operand, rows on its narrow
     side) measured the same: 637 vs 631 us at 2048 tokens, 1,884 vs 1,916 at 8192 (the
     expanded tile still passes through shared memory to reach the MMA layout)."""
@@ -210,15 +212,13 @@ class GemmTiles:
 def tiles_for(num_assignments: int, num_experts: int) -> GemmTiles:
     """Tiles from the expected rows per expert. Measured on the H200 (`bench.moe --sweep`,
     the routed experts in a CUDA graph, best of 48 configs): up to 8 rows per expert 16-row
-    tiles (64 tokens 329 us, 64-row 353; 256 tokens 382 vs 391); from 16 rows 64 x 64 (512
-    tokens 389 us, 16-row 522; 1,024 395 vs 654; 2,048 568, 128-row 612); at 256 rows
-    128 x 64 with 8 warps (8,192 tokens 1,680 us, 64 x 64 1,859)."""
+    tiles (64 tokens 329 us, 64-row 353; 256 tokens 382 vs 391); 16 to 64 rows 64 x 64 (512
+    tokens 380 us, 16-row 522; 1,024 395 vs 654; 2,048 554, 128-row 602); from 128 rows
+    128 x 64 (4,096 tokens 896 vs 926; 8,192 1,624 vs 1,735)."""
     per_expert = num_assignments / num_experts
     if per_expert <= 8:
         return GemmTiles(block_m=16)
-    if per_expert <= 128:
-        return GemmTiles(block_m=64)
-    return GemmTiles(block_m=128, num_warps=8)
+    return GemmTiles(block_m=64 if per_expert <= 64 else 128)
 
 
 def moe_experts(
