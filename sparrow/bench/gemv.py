@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us
+from sparrow.kernels.quant_gemv import gemv
 from sparrow.kernels.quant_gemv.gemv import default_config, quant_gemv
 from sparrow.kernels.quant_gemv.naive import quant_matmul
 from sparrow.quant.affine import QuantSpec, quantize
@@ -56,12 +57,15 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
         ),
         "configs": {},
     }
-    for bn, bk, nw, ns, pf in configs if rows == 1 else [(None,) * 5]:
+    for bn, bk, nw, ns, pf, f16 in configs if rows == 1 else [(None,) * 6]:
         name, kw = "default", {}
         if bn:
             name = f"bn{bn}_bk{bk}_w{nw}_s{ns}" + {None: "", True: "_pf", False: "_nopf"}[pf]
+            name += {None: "", True: "_f16dot", False: "_f32dot"}[f16]
             kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns,
                   "prefetch": pf}  # fmt: skip
+        default_dot = gemv.PACKED_F16_DOT
+        gemv.PACKED_F16_DOT = default_dot if f16 is None else f16
         try:
             y = quant_gemv(x, *copies[0], spec, **kw)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -69,6 +73,7 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
             result["configs"][name] = {"us": t, "rel_err": err}
         except Exception as e:  # a config the compiler rejects (registers, shared memory)
             result["configs"][name] = {"error": str(e)[:200]}
+        gemv.PACKED_F16_DOT = default_dot
     ok = {c: r for c, r in result["configs"].items() if "us" in r}
     best = min(ok, key=lambda c: ok[c]["us"])
     result["best"] = best
@@ -81,10 +86,11 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="bench-out/gemv.json")
     p.add_argument("--quick", action="store_true",
-                   help="`default_config` only, with and without the weight prefetch")
+                   help="`default_config` only, with and without the weight prefetch, "
+                        "products in fp16 pairs or fp32")  # fmt: skip
     p.add_argument("--rows", type=int, default=1, help="activation rows (1-16)")
     args = p.parse_args(argv)
-    sweep = [(bn, bk, nw, 2, None)  # 3 stages never beat 2 in the sweeps of 2026-11-30
+    sweep = [(bn, bk, nw, 2, None, None)  # 3 stages never beat 2 in the sweeps of 2026-11-30
              for bn, bk, nw in itertools.product([4, 8, 16, 32, 64], [512, 1024, 2048, 4096],
                                                  [1, 2, 4, 8])
              if bn * bk <= 64 * 2048]  # fmt: skip
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'deq+mm us':>11}  best config")  # fmt: skip
     for name, (n, k) in SHAPES.items():
         # --quick: the default blocks with and without the weight prefetch
-        configs = ([(*default_config(n, k), 2, pf) for pf in (True, False)] if args.quick
+        configs = ([(*default_config(n, k), 2, pf, f16) for pf in (True, False)
+                    for f16 in (True, False)] if args.quick
                    else [c for c in sweep if c[1] <= k])  # fmt: skip
         r = bench_shape(n, k, configs, args.rows)
         report["shapes"][name] = r
