@@ -295,7 +295,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         raise ValueError("the expert GEMV cannot prefetch: its weights follow the routing")
     grid = (triton.cdiv(n, block_n), y.shape[0])
     pdl = launch_args(y, grid)
-    packed = x.is_cuda and spec.bits == 4
+    ptx = x.is_cuda and spec.bits == 4  # the packed PTX paths
     _gemv_kernel[grid](
         x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
         n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),
@@ -303,8 +303,8 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         TOP_K=top_k, EXPERTS=experts, SHARED=shared_w is not None, GATED=gated,
         APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
-        BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=packed,
-        F16_DOT=packed and PACKED_F16_DOT,
+        BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=ptx,
+        F16_DOT=ptx and PACKED_F16_DOT,
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
