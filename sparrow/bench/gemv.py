@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us
-from sparrow.kernels.quant_gemv import gemv
 from sparrow.kernels.quant_gemv.gemv import default_config, quant_gemv
 from sparrow.kernels.quant_gemv.naive import quant_matmul
 from sparrow.quant.affine import QuantSpec, quantize
@@ -63,9 +62,7 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
             name = f"bn{bn}_bk{bk}_w{nw}_s{ns}" + {None: "", True: "_pf", False: "_nopf"}[pf]
             name += {None: "", True: "_f16dot", False: "_f32dot"}[f16]
             kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns,
-                  "prefetch": pf}  # fmt: skip
-        default_dot = gemv.PACKED_F16_DOT
-        gemv.PACKED_F16_DOT = default_dot if f16 is None else f16
+                  "prefetch": pf, "f16_dot": f16}  # fmt: skip
         try:
             y = quant_gemv(x, *copies[0], spec, **kw)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -73,7 +70,6 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
             result["configs"][name] = {"us": t, "rel_err": err}
         except Exception as e:  # a config the compiler rejects (registers, shared memory)
             result["configs"][name] = {"error": str(e)[:200]}
-        gemv.PACKED_F16_DOT = default_dot
     ok = {c: r for c, r in result["configs"].items() if "us" in r}
     best = min(ok, key=lambda c: ok[c]["us"])
     result["best"] = best

@@ -31,7 +31,8 @@ FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
 GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
              "sw_ptr": "i32"}
 GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
-        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False}
+        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False,
+        "F16_DOT": False}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
 TF32 = {"PRECISION": "tf32"}
 CASES = {
@@ -105,7 +106,12 @@ CASES = {
                 {"num_warps": 4}),
     "moe_gemv": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
                  GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "APPLY_WEIGHT": True,
-                         "BLOCK_N": 16, "PACKED": True}, {"num_warps": 4}),
+                         "BLOCK_N": 32, "BLOCK_K": 512, "PACKED": True, "F16_DOT": True},
+                 {"num_warps": 2}),  # the down projection's launch
+    "moe_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
+                       GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "GATED": True,
+                               "BLOCK_N": 16, "PACKED": True, "F16_DOT": True},
+                       {"num_warps": 4}),  # gate_up's
     "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
                                                  "sw_ptr": "i32", "sorted_ptr": "i32",
                                                  "block_expert_ptr": "i32",

@@ -275,18 +275,22 @@ def shared_expert_args(shared_w, packed: torch.Tensor, scales: torch.Tensor) -> 
     return (shared_w[0].view(torch.int32), *shared_w[1:])
 
 
-# The row GEMV's 4-bit products in packed fp16 (`_codes_dot_x_f16`) on the GPU.
-PACKED_F16_DOT = True
-
-
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
-                shared_w=None, prefetch: bool | None = None):  # fmt: skip
+                shared_w=None, prefetch: bool | None = None,
+                f16_dot: bool | None = None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
     weights for the last of each token's top_k slots. prefetch: the weight prefetch of
-    `gemv_rows`, by default with programmatic dependent launch and without experts."""
+    `gemv_rows`, by default with programmatic dependent launch and without experts.
+    f16_dot: the 4-bit products in packed fp16 pairs (`_codes_dot_x_f16`), by default for
+    experts only. Measured on the H200 (`bench.gemv --quick`, `bench.moe`): the MoE layer
+    at 1 / 8 / 32 tokens 16.9 / 55.8 / 155.6 us against 18.9 / 64.5 / 192 with fp32
+    products; the dense shapes' 8-row, 1-2-warp blocks slower (2048 -> 12352 7.44 vs 6.52
+    us, 4096 -> 2048 3.99 vs 3.68; lm_head 94.5 vs 86.4). Error against the dequantised
+    reference (max-normalised) 3-6e-3 against 1e-6..2e-3 in fp32, below the layer's bf16
+    output rounding."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
@@ -304,7 +308,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
         BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=ptx,
-        F16_DOT=ptx and PACKED_F16_DOT,
+        F16_DOT=ptx and (experts if f16_dot is None else f16_dot),
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
@@ -359,12 +363,14 @@ def quant_gemv(
     num_stages: int = 2,
     gated: bool = False,
     prefetch: bool | None = None,
+    f16_dot: bool | None = None,
 ) -> torch.Tensor:
     """x: [M <= 16, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales, biases:
     [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation). One row runs the row
     GEMV (block sizes, warps and the weight prefetch override `default_config` and
-    `launch_gemv`'s choice), 2-16 rows the tensor-core kernel. gated: the rows are a fused
-    gate_up [2I, K]; returns silu(gate) * up [M, I] (in the kernel at one row)."""
+    `launch_gemv`'s choice; f16_dot: see there), 2-16 rows the tensor-core kernel. gated: the
+    rows are a fused gate_up [2I, K]; returns silu(gate) * up [M, I] (in the kernel at one
+    row)."""
     _check(x, packed, scales, biases, spec)
     n = packed.shape[0]
     if x.shape[0] > 1:
@@ -374,4 +380,5 @@ def quant_gemv(
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(1, n // 2 if gated else n, device=x.device, dtype=x.dtype)
     return launch_gemv(x, (packed, scales, biases), y, spec, block_n or bn, block_k or bk,
-                       num_warps or nw, num_stages, gated=gated, prefetch=prefetch)  # fmt: skip
+                       num_warps or nw, num_stages, gated=gated, prefetch=prefetch,
+                       f16_dot=f16_dot)  # fmt: skip
