@@ -85,8 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="`default_config` only, with and without the weight prefetch, "
                         "products in fp16 pairs or fp32")  # fmt: skip
     p.add_argument("--rows", type=int, default=1, help="activation rows (1-16)")
+    p.add_argument("--f16-dot", action="store_true",
+                   help="sweep with the products in packed fp16 pairs (`launch_gemv`)")
     args = p.parse_args(argv)
-    sweep = [(bn, bk, nw, 2, None, None)  # 3 stages never beat 2 in the sweeps of 2026-11-30
+    f16 = True if args.f16_dot else None
+    sweep = [(bn, bk, nw, 2, None, f16)  # 3 stages never beat 2 in the sweeps of 2026-11-30
              for bn, bk, nw in itertools.product([4, 8, 16, 32, 64], [512, 1024, 2048, 4096],
                                                  [1, 2, 4, 8])
              if bn * bk <= 64 * 2048]  # fmt: skip
