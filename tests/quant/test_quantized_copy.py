@@ -24,8 +24,9 @@ def test_quantized_copy_of_a_moe_layer():
 
 
 def test_kernel_path_of_the_quantized_layer_matches_reference():
-    """Decode sizes (the shared expert folded into the expert GEMVs) and a prefill size (its
-    own projections, the grouped GEMM) through the kernels equal the reference path."""
+    """Decode sizes (expert GEMVs) and a prefill size (grouped GEMM; more than GEMV_TOKENS)
+    through the kernels, the shared expert one more assignment in both, equal the reference
+    path."""
     from sparrow.kernels import get_backend, set_backend
     from tests.conftest import rel_err
 
@@ -37,7 +38,7 @@ def test_kernel_path_of_the_quantized_layer_matches_reference():
     assert q.fused("gates") is not None and q.shared_expert.fused("gate_up") is not None
     previous = get_backend()
     try:
-        for tokens in (1, 3, 12):
+        for tokens in (1, 3, 12, 60):
             x = torch.randn(tokens, 64)
             set_backend("reference")
             expected = q(x)
