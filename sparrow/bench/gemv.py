@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'shape':<28}{'floor us':>10}{'ours us':>10}{'frac bw':>9}{'bf16 us':>10}"
           f"{'deq+mm us':>11}  best config")  # fmt: skip
     for name, (n, k) in SHAPES.items():
-        # --quick: the default blocks with and without the weight prefetch
+        # --quick: the default blocks, with and without the weight prefetch, fp16 or fp32 products
         configs = ([(*default_config(n, k), 2, pf, f16) for pf in (True, False)
                     for f16 in (True, False)] if args.quick
                    else [c for c in sweep if c[1] <= k])  # fmt: skip
