@@ -8,9 +8,10 @@ start and S0 the incoming state, the delta rule's writes u solve
 so u = U - W S0 with U = (I + A)^-1 (beta v) and W = (I + A)^-1 (beta exp(G) k), which do not
 depend on the state. Four kernels, only the third sequential:
 
-1. `_blocks_kernel`, one program per (chunk, head), all in parallel: G, the k row norms and
-   the ten 16x16 blocks of the solve over four 16-row sub-blocks (off-diagonal blocks of A;
-   diagonal blocks inverted exactly by forward substitution).
+1. `_blocks_kernel`, one program per (chunk, q/k head), all in parallel: k k^T once for the
+   v-heads that share it, then per v-head G, the k row norms and the ten 16x16 blocks of the
+   solve over four 16-row sub-blocks (off-diagonal blocks of A; diagonal blocks inverted by
+   the nilpotent series, `_inverse_unit_lower`).
 2. `_solve_kernel`, same grid: U and W by block forward substitution, 32 columns of [W | U]
    at a time. (One kernel doing both spilled 1.7 KB of registers at sm_90; split, neither
    spills: ptxas via tests/kernels/sm90_cases.py.)
@@ -19,13 +20,14 @@ depend on the state. Four kernels, only the third sequential:
    chunk's incoming state, then  u = U - W S  (in place of U)  and
    S = exp(G_last) S + (k * exp(G_last - G))^T u.  Two small dots per chunk; the k row norms
    come from kernel 1, so nothing but the dots and the decay sits on the sequential path.
-4. `_output_kernel`, parallel again:  o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u.
+4. `_output_kernel`, parallel again, one program per (chunk and columns, q/k head):
+   o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u, q k^T once for its v-heads.
 
 L2-norm and scale of q/k are fused in. Sequence b's chunks use the per-chunk buffer slots
 from cu_seqlens[b] // 64 + b on (`_first_chunk`): unique without a prefix sum over the
 lengths, and below T // 64 + B. W, U, u and the per-chunk states are stored in the
 activation dtype (bf16 in the model: half the traffic; fp32 in the exactness tests). Dots use
-tensor cores for 16-bit inputs (tf32 in the solve; the state and output dots round their
+tensor cores for 16-bit inputs (tf32 in the solve and the inverses; the state and output dots round their
 operands to the stored dtype, as W, U and the chunk states already are) and exact fp32
 (`ieee`) for fp32 inputs; the carried state and the decay math are fp32.
 """
@@ -69,18 +71,20 @@ def _lower(strict: tl.constexpr):
 
 
 @triton.jit
-def _inverse_unit_lower(a):
+def _inverse_unit_lower(a, PRECISION: tl.constexpr):
     """(I + a)^-1 for strictly lower triangular a [16, 16]. a is nilpotent (a^16 = 0), so the
     inverse is the series I - a + a^2 - ... - a^15 = (I - a)(I + a^2)(I + a^4)(I + a^8): six
-    exact fp32 products (row-by-row substitution needs a reduction across warps per row)."""
+    products at PRECISION (row-by-row substitution needs a reduction across warps per row;
+    exact fp32 products go through shared memory for their operands, which bound the
+    kernel: 91% of L1 throughput under Nsight Compute, tf32 tensor cores 20% faster)."""
     o = tl.arange(0, 16)
     eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-    a2 = tl.dot(a, a, input_precision="ieee")
-    a4 = tl.dot(a2, a2, input_precision="ieee")
-    a8 = tl.dot(a4, a4, input_precision="ieee")
-    inv = tl.dot(eye - a, eye + a2, input_precision="ieee")
-    inv = tl.dot(inv, eye + a4, input_precision="ieee")
-    return tl.dot(inv, eye + a8, input_precision="ieee")
+    a2 = tl.dot(a, a, input_precision=PRECISION)
+    a4 = tl.dot(a2, a2, input_precision=PRECISION)
+    a8 = tl.dot(a4, a4, input_precision=PRECISION)
+    inv = tl.dot(eye - a, eye + a2, input_precision=PRECISION)
+    inv = tl.dot(inv, eye + a4, input_precision=PRECISION)
+    return tl.dot(inv, eye + a8, input_precision=PRECISION)
 
 
 @triton.jit
@@ -128,15 +132,15 @@ def _mat_offsets():
 @triton.jit
 def _blocks_kernel(
     k_ptr, g_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, cu_ptr,
-    stride_kt, stride_gt, RATIO: tl.constexpr, DK: tl.constexpr,
+    stride_kt, stride_gt, RATIO: tl.constexpr, DK: tl.constexpr, INV_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, head): G, the inverse k norms, and the ten 16x16 blocks of the solve
-    (inverted diagonal blocks t_i, off-diagonal blocks a_ij of A) into `mats`."""
-    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Per (chunk, q/k head): the dot products of the chunk's k rows once, then for each of
+    the RATIO v-heads that read them G, the inverse k norms and the ten 16x16 blocks of the
+    solve (inverted diagonal blocks t_i, off-diagonal blocks a_ij of A) into `mats`."""
+    i_c, i_k, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
     if c0 >= length:
         return
-    i_k = i_h // RATIO
     DT: tl.constexpr = k_ptr.dtype.element_ty  # k k^T in the stored dtype (`_mm_as`)
     BK: tl.constexpr = 32 if DK > 32 else DK
     k_seq = k_ptr + start * stride_kt + i_k * DK
@@ -166,38 +170,50 @@ def _blocks_kernel(
         kk33 += _mm_as(x3, tl.trans(x3), DT)
     n0, n1 = tl.rsqrt(ss0 + 1e-6), tl.rsqrt(ss1 + 1e-6)
     n2, n3 = tl.rsqrt(ss2 + 1e-6), tl.rsqrt(ss3 + 1e-6)
-    g_seq, b_seq, sg = g_ptr + start * stride_gt, b_ptr + start * stride_gt, stride_gt
-    g0, g1 = _rows16(g_seq, c0, length, sg, i_h), _rows16(g_seq, c0 + 16, length, sg, i_h)
-    g2, g3 = _rows16(g_seq, c0 + 32, length, sg, i_h), _rows16(g_seq, c0 + 48, length, sg, i_h)
-    be0, be1 = _rows16(b_seq, c0, length, sg, i_h), _rows16(b_seq, c0 + 16, length, sg, i_h)
-    be2, be3 = _rows16(b_seq, c0 + 32, length, sg, i_h), _rows16(b_seq, c0 + 48, length, sg, i_h)
-    gc0 = tl.cumsum(g0, axis=0)
-    gc1 = tl.sum(g0, axis=0) + tl.cumsum(g1, axis=0)
-    gc2 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.cumsum(g2, axis=0)
-    gc3 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0) + tl.cumsum(g3, axis=0)
-    o_r = tl.arange(0, 16)
-    p_row = (start + c0 + o_r) * stride_gt + i_h
-    tl.store(gc_ptr + p_row, gc0, mask=c0 + o_r < length)
-    tl.store(gc_ptr + p_row + 16 * stride_gt, gc1, mask=c0 + 16 + o_r < length)
-    tl.store(gc_ptr + p_row + 32 * stride_gt, gc2, mask=c0 + 32 + o_r < length)
-    tl.store(gc_ptr + p_row + 48 * stride_gt, gc3, mask=c0 + 48 + o_r < length)
-    tl.store(kinv_ptr + p_row, n0, mask=c0 + o_r < length)
-    tl.store(kinv_ptr + p_row + 16 * stride_gt, n1, mask=c0 + 16 + o_r < length)
-    tl.store(kinv_ptr + p_row + 32 * stride_gt, n2, mask=c0 + 32 + o_r < length)
-    tl.store(kinv_ptr + p_row + 48 * stride_gt, n3, mask=c0 + 48 + o_r < length)
     chunk = _first_chunk(cu_ptr, i_b) + i_c
-    p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256) + _mat_offsets()
     strict = _lower(True)
-    tl.store(p_m, _inverse_unit_lower(_scaled(kk00, n0, n0, gc0, gc0, be0) * strict))
-    tl.store(p_m + 256, _inverse_unit_lower(_scaled(kk11, n1, n1, gc1, gc1, be1) * strict))
-    tl.store(p_m + 512, _inverse_unit_lower(_scaled(kk22, n2, n2, gc2, gc2, be2) * strict))
-    tl.store(p_m + 768, _inverse_unit_lower(_scaled(kk33, n3, n3, gc3, gc3, be3) * strict))
-    tl.store(p_m + 1024, _scaled(kk10, n1, n0, gc1, gc0, be1))
-    tl.store(p_m + 1280, _scaled(kk20, n2, n0, gc2, gc0, be2))
-    tl.store(p_m + 1536, _scaled(kk30, n3, n0, gc3, gc0, be3))
-    tl.store(p_m + 1792, _scaled(kk21, n2, n1, gc2, gc1, be2))
-    tl.store(p_m + 2048, _scaled(kk31, n3, n1, gc3, gc1, be3))
-    tl.store(p_m + 2304, _scaled(kk32, n3, n2, gc3, gc2, be3))
+    o_r = tl.arange(0, 16)
+    m0, m1 = c0 + o_r < length, c0 + 16 + o_r < length
+    m2, m3 = c0 + 32 + o_r < length, c0 + 48 + o_r < length
+    g_seq, b_seq, sg = g_ptr + start * stride_gt, b_ptr + start * stride_gt, stride_gt
+    for r in range(RATIO):
+        i_h = i_k * RATIO + r
+        g0, g1 = _rows16(g_seq, c0, length, sg, i_h), _rows16(g_seq, c0 + 16, length, sg, i_h)
+        g2 = _rows16(g_seq, c0 + 32, length, sg, i_h)
+        g3 = _rows16(g_seq, c0 + 48, length, sg, i_h)
+        be0 = _rows16(b_seq, c0, length, sg, i_h)
+        be1 = _rows16(b_seq, c0 + 16, length, sg, i_h)
+        be2 = _rows16(b_seq, c0 + 32, length, sg, i_h)
+        be3 = _rows16(b_seq, c0 + 48, length, sg, i_h)
+        gc0 = tl.cumsum(g0, axis=0)
+        gc1 = tl.sum(g0, axis=0) + tl.cumsum(g1, axis=0)
+        gc2 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.cumsum(g2, axis=0)
+        gc3 = (tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
+               + tl.cumsum(g3, axis=0))  # fmt: skip
+        p_row = (start + c0 + o_r) * stride_gt + i_h
+        tl.store(gc_ptr + p_row, gc0, mask=m0)
+        tl.store(gc_ptr + p_row + 16 * stride_gt, gc1, mask=m1)
+        tl.store(gc_ptr + p_row + 32 * stride_gt, gc2, mask=m2)
+        tl.store(gc_ptr + p_row + 48 * stride_gt, gc3, mask=m3)
+        tl.store(kinv_ptr + p_row, n0, mask=m0)
+        tl.store(kinv_ptr + p_row + 16 * stride_gt, n1, mask=m1)
+        tl.store(kinv_ptr + p_row + 32 * stride_gt, n2, mask=m2)
+        tl.store(kinv_ptr + p_row + 48 * stride_gt, n3, mask=m3)
+        p_m = mats_ptr + (chunk * tl.num_programs(1) * RATIO + i_h) * (10 * 256) + _mat_offsets()
+        t0 = _inverse_unit_lower(_scaled(kk00, n0, n0, gc0, gc0, be0) * strict, INV_PRECISION)
+        t1 = _inverse_unit_lower(_scaled(kk11, n1, n1, gc1, gc1, be1) * strict, INV_PRECISION)
+        t2 = _inverse_unit_lower(_scaled(kk22, n2, n2, gc2, gc2, be2) * strict, INV_PRECISION)
+        t3 = _inverse_unit_lower(_scaled(kk33, n3, n3, gc3, gc3, be3) * strict, INV_PRECISION)
+        tl.store(p_m, t0)
+        tl.store(p_m + 256, t1)
+        tl.store(p_m + 512, t2)
+        tl.store(p_m + 768, t3)
+        tl.store(p_m + 1024, _scaled(kk10, n1, n0, gc1, gc0, be1))
+        tl.store(p_m + 1280, _scaled(kk20, n2, n0, gc2, gc0, be2))
+        tl.store(p_m + 1536, _scaled(kk30, n3, n0, gc3, gc0, be3))
+        tl.store(p_m + 1792, _scaled(kk21, n2, n1, gc2, gc1, be2))
+        tl.store(p_m + 2048, _scaled(kk31, n3, n1, gc3, gc1, be3))
+        tl.store(p_m + 2304, _scaled(kk32, n3, n2, gc3, gc2, be3))
 
 
 @triton.jit
@@ -283,6 +299,7 @@ def _state_kernel(
     k_ptr, w_ptr, u_ptr, gc_ptr, kinv_ptr, h_ptr, state_ptr, slot_ptr, cu_ptr,
     stride_kt, stride_wt, stride_ut, stride_gt, stride_hc, stride_ss, stride_sh,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """The sequential scan of one sequence's chunks. Program (BV columns, v-head, sequence);
     the state S [DK, BV] stays in registers the whole way."""
@@ -298,7 +315,7 @@ def _state_kernel(
     b_s = tl.load(p_s)  # [DK, BV] fp32, carried in registers across all chunks
     p_h = (h_ptr + _first_chunk(cu_ptr, i_b) * stride_hc + i_h * DK * DV + o_dk[:, None] * DV
            + o_v[None, :])  # fmt: skip
-    for c0 in tl.range(0, length, 64, num_stages=2):
+    for c0 in tl.range(0, length, 64, num_stages=STAGES):
         tl.store(p_h + (c0 // 64) * stride_hc, b_s.to(h_ptr.dtype.element_ty))
         rows = start + c0 + o_t
         m_t = (c0 + o_t) < length
@@ -325,16 +342,17 @@ def _output_kernel(
     stride_qt, stride_ut, stride_gt, stride_hc, stride_ot,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
+    """Per (chunk and BV output columns, q/k head): q k^T once, then the output of each of
+    the RATIO v-heads that read them."""
     DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
     NV: tl.constexpr = DV // BV
-    i_cv, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_cv, i_k, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c0 = (i_cv // NV) * 64
     o_v = (i_cv % NV) * BV + tl.arange(0, BV)
     start = tl.load(cu_ptr + i_b)
     length = tl.load(cu_ptr + i_b + 1) - start
     if c0 >= length:
         return
-    i_k = i_h // RATIO
     chunk = _first_chunk(cu_ptr, i_b) + c0 // 64
     o_t = tl.arange(0, 64)
     o_dk = tl.arange(0, DK)
@@ -343,38 +361,54 @@ def _output_kernel(
     b_q = _norm_rows(q_ptr, rows, m_t, i_k * DK, stride_qt, 1.0 / tl.sqrt(DK * 1.0), DK)
     b_k = tl.load(k_ptr + rows[:, None] * stride_qt + i_k * DK + o_dk[None, :],
                   mask=m_t[:, None], other=0.0).to(tl.float32)  # k is laid out like q
-    b_k *= tl.load(kinv_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)[:, None]
-    b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-    b_h = tl.load(h_ptr + chunk * stride_hc + i_h * DK * DV + o_dk[:, None] * DV
-                  + o_v[None, :]).to(tl.float32)  # fmt: skip
-    b_u = tl.load(u_ptr + rows[:, None] * stride_ut + i_h * DV + o_v[None, :],
-                  mask=m_t[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    # the k norms are the same for the RATIO v-heads (stored per v-head by `_blocks_kernel`)
+    b_k *= tl.load(kinv_ptr + rows * stride_gt + i_k * RATIO, mask=m_t, other=0.0)[:, None]
+    b_qk = _mm_as(b_q, tl.trans(b_k), DT)
     causal = o_t[:, None] >= o_t[None, :]
-    decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
-    b_qk = _mm_as(b_q, tl.trans(b_k), DT) * decay
-    b_o = tl.exp(b_gc)[:, None] * _mm_as(b_q, b_h, DT) + _mm_as(b_qk, b_u, DT)
-    tl.store(o_ptr + rows[:, None] * stride_ot + i_h * DV + o_v[None, :],
-             b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
+    for r in range(RATIO):
+        i_h = i_k * RATIO + r
+        b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
+        b_h = tl.load(h_ptr + chunk * stride_hc + i_h * DK * DV + o_dk[:, None] * DV
+                      + o_v[None, :]).to(tl.float32)  # fmt: skip
+        b_u = tl.load(u_ptr + rows[:, None] * stride_ut + i_h * DV + o_v[None, :],
+                      mask=m_t[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
+        b_o = tl.exp(b_gc)[:, None] * _mm_as(b_q, b_h, DT) + _mm_as(b_qk * decay, b_u, DT)
+        tl.store(o_ptr + rows[:, None] * stride_ot + i_h * DV + o_v[None, :],
+                 b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ChunkTiles:
     """Launch shapes of the four kernels: warps, [W | U] columns per solve step (solve_bc),
-    state columns per program of the sequential kernel (state_bv), output columns per program
-    (output_bv). Measured on the H200, the whole function for one layer at 8K / 32K tokens,
-    one change at a time from state_bv 16 and an 8-warp output: 1.01 / 3.99 ms; state_bv 32
-    0.93 / 3.65; output 4 warps 0.91 / 3.51; state_bv 8 1.16 / 4.68; blocks 8 warps 1.24 /
-    4.88; the solve variants within noise. Both winners together: not yet measured.
+    state columns per program of the sequential kernel (state_bv) and its loads in flight
+    (state_stages: the chunks ahead whose W, U and k are being fetched, plus the one in use),
+    output columns per program (output_bv), and the dot precision of the blocks kernel's
+    16x16 inverses for 16-bit inputs (inverse; fp32 inputs always take exact fp32).
+
+    Measured on the H200, the whole function for one layer, bf16, 2K / 8K / 32K tokens
+    (`scratch`-style A/B in one run, ninth session): the defaults 0.181 / 0.645 / 2.51 ms;
+    state_stages 2 (before: each chunk's loads were waited on at the start of the step
+    that used them, nothing in flight across a step) 0.20 / 0.74 / 2.87; inverse "ieee"
+    0.188 / 0.683 / 2.66 (output differs from it by 4e-3 of its largest value, the final
+    state by 2.6e-3: the level of the bf16 rounding of W, U and the chunk states),
+    "tf32x3" 0.216 / 0.766 / 2.93; state_bv 16 with 4 warps 0.20 / 0.74 / 2.92, state_bv
+    64 0.21 / 0.76 / 2.95; output 128 columns with 8 warps 0.20 / 0.71 / 2.79, 64 with 8
+    warps 0.21 / 0.76 / 2.98. Before the blocks and output kernels took a q/k head per
+    program (the RATIO v-heads that read it share k k^T and q k^T) and the stages change:
+    0.218 / 0.792 / 3.11.
     A scan parallel over segments of 4-32 chunks (each segment's affine map S -> M S + E in
     parallel, a carry across segments, then the scan per segment) measured 1.5-1.7x slower
     than the sequential scan at 512 to 32K tokens (1.30 vs 0.83 ms at 8K, 4.94 vs 3.18 at
     32K): the M products cost more than the sequential steps they save."""
 
     blocks_warps: int = 4
+    inverse: str = "tf32"
     solve_bc: int = 32
     solve_warps: int = 4
     state_bv: int = 32
     state_warps: int = 8
+    state_stages: int = 3
     output_bv: int = 64
     output_warps: int = 4
 
@@ -420,9 +454,10 @@ def chunk_gated_delta_rule_varlen(
     kinv = torch.empty(t, hv, device=q.device, dtype=torch.float32)
     chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)  # see `_first_chunk`
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
-    _blocks_kernel[(chunks, hv, bsz)](
+    _blocks_kernel[(chunks, hk, bsz)](
         k, g, beta, mats, gc, kinv, cu_seqlens, k.stride(0), g.stride(0),
-        RATIO=hv // hk, DK=dk, num_warps=tiles.blocks_warps,
+        RATIO=hv // hk, DK=dk, INV_PRECISION="ieee" if q.dtype == torch.float32 else tiles.inverse,
+        num_warps=tiles.blocks_warps,
     )  # fmt: skip
     _solve_kernel[(chunks, hv, bsz)](
         k, v, beta, mats, gc, kinv, w, u, cu_seqlens,
@@ -435,11 +470,12 @@ def chunk_gated_delta_rule_varlen(
     _state_kernel[(dv // block_v, hv, bsz)](
         k, w, u, gc, kinv, h, states, slots, cu_seqlens,
         k.stride(0), w.stride(0), u.stride(0), gc.stride(0), h.stride(0), states.stride(0),
-        states.stride(1), RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, num_warps=tiles.state_warps,
+        states.stride(1), RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, STAGES=tiles.state_stages,
+        num_warps=tiles.state_warps,
     )  # fmt: skip
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     out_v = min(tiles.output_bv, dv)
-    _output_kernel[(chunks * (dv // out_v), hv, bsz)](
+    _output_kernel[(chunks * (dv // out_v), hk, bsz)](
         q, k, u, gc, kinv, h, o, cu_seqlens,
         q.stride(0), u.stride(0), gc.stride(0), h.stride(0), o.stride(0),
         RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=tiles.output_warps,
