@@ -64,7 +64,10 @@ def _moe_gemm_kernel(
     """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0.
     SHARED: blocks of expert id num_experts read the shared expert's weights (sw, ss, sb: one
     expert's shape) instead."""
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    # the N blocks of one row block are neighbours in launch order: they run together and
+    # share that block's activation rows in L2
+    num_n = tl.cdiv(N, BLOCK_N)
+    i_m, i_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
     if i_m * BLOCK_M >= tl.load(num_rows_ptr):
         return  # past the padded rows in use: the grid is sized without reading the routing
     i_e = tl.load(block_expert_ptr + i_m).to(tl.int64)
@@ -125,7 +128,7 @@ def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles, share
     if k % spec.group_size:
         raise ValueError(f"input dim {k} is not a multiple of group_size {spec.group_size}")
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 means fp32
-    grid = (block_expert.numel(), triton.cdiv(n, tiles.block_n))
+    grid = (block_expert.numel() * triton.cdiv(n, tiles.block_n),)
     _moe_gemm_kernel[grid](
         a, packed.view(torch.int32), scales, biases, c, rw,
         *shared_expert_args(shared_w, packed, scales),
