@@ -387,7 +387,9 @@ class ChunkTiles:
     16x16 inverses for 16-bit inputs (inverse; fp32 inputs always take exact fp32).
 
     Measured on the H200, the whole function for one layer, bf16, 2K / 8K / 32K tokens
-    (`scratch`-style A/B in one run, ninth session): the defaults 0.181 / 0.645 / 2.51 ms;
+    (`scratch`-style A/B in one run, ninth session): the defaults with an 8-warp state scan
+    0.181 / 0.645 / 2.51 ms, with 4 warps (now) 0.170 / 0.608 / 2.36 in a second run (8
+    warps 0.180 / 0.644 / 2.50 there);
     state_stages 2 (before: each chunk's loads were waited on at the start of the step
     that used them, nothing in flight across a step) 0.20 / 0.74 / 2.87; inverse "ieee"
     0.188 / 0.683 / 2.66 (output differs from it by 4e-3 of its largest value, the final
@@ -396,7 +398,9 @@ class ChunkTiles:
     64 0.21 / 0.76 / 2.95; output 128 columns with 8 warps 0.20 / 0.71 / 2.79, 64 with 8
     warps 0.21 / 0.76 / 2.98. Before the blocks and output kernels took a q/k head per
     program (the RATIO v-heads that read it share k k^T and q k^T) and the stages change:
-    0.218 / 0.792 / 3.11.
+    0.218 / 0.792 / 3.11. The output computed inside the scan (q S and P u per step, P =
+    decayed q k^T from a parallel kernel; no per-chunk states in memory) measured the same
+    as the separate output kernel: 0.608 / 2.33 ms at 8K / 32K with 4 warps (not kept).
     A scan parallel over segments of 4-32 chunks (each segment's affine map S -> M S + E in
     parallel, a carry across segments, then the scan per segment) measured 1.5-1.7x slower
     than the sequential scan at 512 to 32K tokens (1.30 vs 0.83 ms at 8K, 4.94 vs 3.18 at
@@ -407,7 +411,7 @@ class ChunkTiles:
     solve_bc: int = 32
     solve_warps: int = 4
     state_bv: int = 32
-    state_warps: int = 8
+    state_warps: int = 4
     state_stages: int = 3
     output_bv: int = 64
     output_warps: int = 4
