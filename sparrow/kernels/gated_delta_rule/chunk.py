@@ -27,9 +27,9 @@ L2-norm and scale of q/k are fused in. Sequence b's chunks use the per-chunk buf
 from cu_seqlens[b] // 64 + b on (`_first_chunk`): unique without a prefix sum over the
 lengths, and below T // 64 + B. W, U, u and the per-chunk states are stored in the
 activation dtype (bf16 in the model: half the traffic; fp32 in the exactness tests). Dots use
-tensor cores for 16-bit inputs (tf32 in the solve and the inverses; the state and output dots round their
-operands to the stored dtype, as W, U and the chunk states already are) and exact fp32
-(`ieee`) for fp32 inputs; the carried state and the decay math are fp32.
+tensor cores for 16-bit inputs (tf32 in the solve and the inverses; the state and output dots
+round their operands to the stored dtype, as W, U and the chunk states already are) and exact
+fp32 (`ieee`) for fp32 inputs; the carried state and the decay math are fp32.
 """
 
 from __future__ import annotations
@@ -400,7 +400,10 @@ class ChunkTiles:
     program (the RATIO v-heads that read it share k k^T and q k^T) and the stages change:
     0.218 / 0.792 / 3.11. The output computed inside the scan (q S and P u per step, P =
     decayed q k^T from a parallel kernel; no per-chunk states in memory) measured the same
-    as the separate output kernel: 0.608 / 2.33 ms at 8K / 32K with 4 warps (not kept).
+    as the separate output kernel: 0.608 / 2.33 ms at 8K / 32K with 4 warps (not kept). So
+    did one sequence in 2-8 pieces with piece i + 1's blocks and solve on one stream beside
+    piece i's scan and output on a second (32K: 2.37 ms in one pass, 2.36-2.45 in pieces; the
+    kernels slow each other down: the scan 755 -> 1,035 us in 4 pieces; 2K and 8K slower).
     A scan parallel over segments of 4-32 chunks (each segment's affine map S -> M S + E in
     parallel, a carry across segments, then the scan per segment) measured 1.5-1.7x slower
     than the sequential scan at 512 to 32K tokens (1.30 vs 0.83 ms at 8K, 4.94 vs 3.18 at
