@@ -404,14 +404,21 @@ class ChunkTiles:
     did one sequence in 2-8 pieces with piece i + 1's blocks and solve on one stream beside
     piece i's scan and output on a second (32K: 2.37 ms in one pass, 2.36-2.45 in pieces; the
     kernels slow each other down: the scan 755 -> 1,035 us in 4 pieces; 2K and 8K slower).
+    Swept again after those changes (same harness, one change at a time from the defaults of
+    then, blocks 4 warps and solve_bc 32; 2K / 8K / 32K: 0.170 / 0.608 / 2.36 ms): blocks 2
+    warps 0.155 / 0.554 / 2.14 (16 bytes spilled at sm_90), 8 warps 0.206 / 0.756 / 2.93;
+    solve_bc 64 0.161 / 0.575 / 2.23, 16 0.213 / 0.776 / 3.00; solve 2 warps 0.161 / 0.578 /
+    2.27, 8 warps 0.199 / 0.721 / 2.82; output 32 / 128 columns 0.706 / 0.621 ms at 8K, 2 / 8
+    warps 0.605 / 0.688; state_bv 16 / 64 0.706 / 0.712; state_stages 4 0.624. Now blocks 2
+    warps and solve_bc 64.
     A scan parallel over segments of 4-32 chunks (each segment's affine map S -> M S + E in
     parallel, a carry across segments, then the scan per segment) measured 1.5-1.7x slower
     than the sequential scan at 512 to 32K tokens (1.30 vs 0.83 ms at 8K, 4.94 vs 3.18 at
     32K): the M products cost more than the sequential steps they save."""
 
-    blocks_warps: int = 4
+    blocks_warps: int = 2
     inverse: str = "tf32"
-    solve_bc: int = 32
+    solve_bc: int = 64
     solve_warps: int = 4
     state_bv: int = 32
     state_warps: int = 4
