@@ -56,7 +56,13 @@ def test_one_expert_takes_all_and_most_get_none():
 
 def test_128_row_tiles():
     _run(70, e=4, k=2, d=128, inter=64, dtype=torch.float16, device="cpu", tol=2e-3,
-         tiles=GemmTiles(block_m=128, num_warps=8))  # fmt: skip
+         tiles=GemmTiles(block_m=128, num_warps=8, down_block_n=128))  # fmt: skip
+
+
+def test_down_tiles_of_their_own():
+    # gate_up on 32-column tiles, down on 128 (N = 192: its last tile is half empty)
+    _run(9, e=6, k=2, d=192, inter=64, dtype=torch.float32, device="cpu", tol=1e-5,
+         tiles=GemmTiles(block_m=16, block_n=32, down_block_n=128))  # fmt: skip
 
 
 def test_sizes_not_multiples_of_the_tiles():

@@ -13,7 +13,7 @@ with a = t * top_k + slot the flat assignment index; out [T * k, D] is then summ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -210,6 +210,11 @@ class GemmTiles:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    down_block_n: int | None = None  # the down GEMM's columns per program (None: block_n)
+
+    def down(self) -> GemmTiles:
+        """The down GEMM's tiles: the same rows (they share the routing), its own columns."""
+        return replace(self, block_n=self.down_block_n or self.block_n)
 
 
 def tiles_for(num_assignments: int, num_experts: int) -> GemmTiles:
@@ -217,11 +222,17 @@ def tiles_for(num_assignments: int, num_experts: int) -> GemmTiles:
     the routed experts in a CUDA graph, best of 48 configs): up to 8 rows per expert 16-row
     tiles (64 tokens 329 us, 64-row 353; 256 tokens 382 vs 391); 16 to 64 rows 64 x 64 (512
     tokens 380 us, 16-row 522; 1,024 395 vs 654; 2,048 554, 128-row 602); from 128 rows
-    128 x 64 (4,096 tokens 896 vs 926; 8,192 1,624 vs 1,735)."""
+    128 x 64 (4,096 tokens 896 vs 926; 8,192 1,624 vs 1,735). Each GEMM alone (ninth
+    session, `scratch`-style graph timing): the down GEMM (K 512, N 2,048) takes 128 columns
+    (2,048 tokens 187 -> 166 us; 8,192 533 -> 498, with 8 warps 457), gate_up keeps 64
+    (128 columns: 381 vs 330 us at 2,048 tokens) and takes 8 warps with 128-row tiles (8,192:
+    807 vs 828 us)."""
     per_expert = num_assignments / num_experts
     if per_expert <= 8:
         return GemmTiles(block_m=16)
-    return GemmTiles(block_m=64 if per_expert <= 64 else 128)
+    if per_expert <= 64:
+        return GemmTiles(block_m=64, down_block_n=128)
+    return GemmTiles(block_m=128, num_warps=8, down_block_n=128)
 
 
 def moe_experts(
@@ -266,6 +277,6 @@ def moe_experts(
         tiles = tiles or tiles_for(t * top_k, e)
         routing = align(ids, e + fold, tiles.block_m)
         _launch(x, gate_up, h, None, routing, inter, slots, True, spec, tiles, shared_gate_up)
-        _launch(h, down, partial, weights.reshape(-1), routing, d, slots, False, spec, tiles,
-                shared_down)  # fmt: skip
+        _launch(h, down, partial, weights.reshape(-1), routing, d, slots, False, spec,
+                tiles.down(), shared_down)  # fmt: skip
     return _combine(partial, slots, x.dtype, None if fold else shared)
