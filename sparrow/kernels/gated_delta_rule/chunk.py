@@ -14,7 +14,8 @@ depend on the state. Four kernels, only the third sequential:
    the nilpotent series, `_inverse_unit_lower`).
 2. `_solve_kernel`, one program per (chunk, v-head): U and W by block forward substitution,
    `ChunkTiles.solve_bc` columns of [W | U] at a time. (One kernel doing both spilled 1.7 KB
-   of registers at sm_90; split, neither spills: ptxas via tests/kernels/sm90_cases.py.)
+   of registers at sm_90; split, the solve spills nothing and the blocks kernel 16 bytes on
+   its 2 warps: ptxas via tests/kernels/sm90_cases.py.)
 3. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
    BV columns of the state), the state S [Dk, BV] in registers the whole way: it stores each
    chunk's incoming state, then  u = U - W S  (in place of U)  and
