@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'deq+mm us':>11}  best config")  # fmt: skip
     for name, (n, k) in SHAPES.items():
         # --quick: the default blocks, with and without the weight prefetch, fp16 or fp32 products
-        configs = ([(*default_config(n, k), 2, pf, f16) for pf in (True, False)
+        configs = ([(*default_config(n, k)[:3], 2, pf, f16) for pf in (True, False)
                     for f16 in (True, False)] if args.quick
                    else [c for c in sweep if c[1] <= k])  # fmt: skip
         r = bench_shape(n, k, configs, args.rows)

@@ -82,8 +82,9 @@ CASES = {
     "quant_gemv": (gemv._gemv_kernel, GEMV_PTRS, GEMV | {"BLOCK_N": 16, "PACKED": True},
                    {"num_warps": 4, "num_stages": 2}),
     "quant_gemv_prefetch": (gemv._gemv_kernel, GEMV_PTRS,
-                            GEMV | {"BLOCK_N": 8, "PACKED": True, "PREFETCH": True},
-                            {"num_warps": 1}),
+                            GEMV | {"BLOCK_N": 32, "PACKED": True, "PREFETCH": True,
+                                    "F16_DOT": True},
+                            {"num_warps": 4}),  # the GDN in-projection at batch 1
     "quant_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
                          GEMV | {"GATED": True, "BLOCK_N": 4, "PACKED": True},
                          {"num_warps": 2, "num_stages": 2}),

@@ -21,6 +21,20 @@ def test_topk_route(device, t, e, k):
     torch.testing.assert_close(weights.cpu(), ref_w.float().cpu(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_topk_route_16bit_logits(dtype):
+    """16-bit logits take int32 keys (value and index in one word): the same choices as
+    torch's top-k on the softmax, up to the order of equal logits (bf16 rounding makes ties
+    common), and the same weights."""
+    logits = (torch.randn(6, 256, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    weights, ids = topk_route(logits, 8)
+    ref_w, ref_ids = naive.route(logits.float(), 8)
+    chosen = logits.gather(1, ids.long()).float().sort(1).values
+    assert torch.equal(chosen, logits.gather(1, ref_ids).float().sort(1).values)
+    torch.testing.assert_close(weights.sort(1).values, ref_w.float().sort(1).values,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_topk_route_with_a_shared_column(device):
     fused = torch.randn(5, 17, generator=torch.Generator().manual_seed(4)).to(device)

@@ -115,7 +115,14 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None):
     """Blocks from sweeps of the whole MoE layer on the H200 (graph, 1 / 8 tokens): gate_up
     (gate and up rows in one tile) 16 x 1024 with 4 warps (21.0 / 64.8 us; 16 x 2048: 22.0 /
     71.8, 4 x 2048 with 2 warps: 22.1 / 75.9), down (K = 512) 32 x 512 with 2 warps (22.0 /
-    69.8; 16 x 512 with 4 warps: 22.6 / 76.1)."""
+    69.8; 16 x 512 with 4 warps: 22.6 / 76.1).
+
+    Measured and not kept (tenth session, the layer in a graph at 1 / 8 tokens, against
+    15.7 / 55.0 us for this path): the routing inside the gate_up kernel (each program
+    routes its own token; no top-k kernel) 15.4 / 58.5; with the combine also inside the
+    down kernel (a program per row block and token, summing its slots in order) 19.5 /
+    70.8: each slot's id, then its weights, is a dependent load the program waits on in
+    turn."""
     bn, bk, nw = (16, 1024, 4) if gated else (32, 512, 2)
     launch_gemv(a, w, c, spec, block_n=bn, block_k=bk, num_warps=nw, gated=gated, ids=ids,
                 rw=rw, top_k=top_k, shared_w=shared_w)  # fmt: skip

@@ -285,12 +285,11 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     weights for the last of each token's top_k slots. prefetch: the weight prefetch of
     `gemv_rows`, by default with programmatic dependent launch and without experts.
     f16_dot: the 4-bit products in packed fp16 pairs (`_codes_dot_x_f16`), by default for
-    experts only. Measured on the H200 (`bench.gemv --quick`, `bench.moe`): the MoE layer
-    at 1 / 8 / 32 tokens 16.9 / 55.8 / 155.6 us against 18.9 / 64.5 / 192 with fp32
-    products; the dense shapes' 8-row, 1-2-warp blocks slower (2048 -> 12352 7.44 vs 6.52
-    us, 4096 -> 2048 3.99 vs 3.68; lm_head 94.5 vs 86.4). Error against the dequantised
-    reference (max-normalised) 3-6e-3 against 1e-6..2e-3 in fp32, below the layer's bf16
-    output rounding."""
+    experts (dense shapes: `quant_gemv` takes them from `default_config`). Measured on the
+    H200 (`bench.gemv --quick`, `bench.moe`): the MoE layer at 1 / 8 / 32 tokens 16.9 /
+    55.8 / 155.6 us against 18.9 / 64.5 / 192 with fp32 products. Error against the
+    dequantised reference (max-normalised) 3-6e-3 against 1e-6..2e-3 in fp32, below the
+    layer's bf16 output rounding."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
@@ -318,23 +317,28 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
 MAX_ROWS = MMA_ROWS  # beyond this, prefill paths (dequantising GEMM) take over
 
 
-def default_config(n: int, k: int) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps) from sweeps of `python -m sparrow.bench.gemv` on the H200
-    at one row (2026-11-30, tile order [groups, rows, words]; 1 to 8 warps, 4 to 64 rows, K
-    blocks of 512 to 4096): the lm_head 2048 -> 248320 16 x 1024, 1 warp (86.8 us, 77% of
-    bandwidth); K >= 4096 (4096 -> 2048) 8 x 4096, 2 warps (4.7 us); 2048 -> 8192 / 9216 /
-    12352 8 x 1024, 1 warp (6.4 / 7.3 / 7.9 us); 2048 -> 1024 16 x 2048, 4 warps (3.4 us);
-    the 8-bit router 2048 -> 257 4 x 2048, 4 warps (3.0 us; 4 x 1024 x 2: 3.8); smaller
-    matrices 4 x 1024, 2 warps."""
+def default_config(n: int, k: int) -> tuple[int, int, int, bool]:
+    """(block_n, block_k, num_warps, fp16-pair products) for one row, from the H200 (each
+    in a CUDA graph over weights beyond L2). Tenth session, products in fp16 pairs against
+    the fp32 defaults of then, alternating in one run (docs/bench/gemv-shapes-*-s10.json):
+    lm_head 2048 -> 248320 32 x 1024, 4 warps, 76.0 us = 87% of bandwidth (fp32 16 x 1024,
+    1 warp: 87.0-93.0); 2048 -> 12352 and 9216 32 x 1024, 4 warps (6.20 / 5.95 us; fp32 8 x
+    1024, 1 warp: 6.48 / 6.09); 2048 -> 8192 16 x 2048, 2 warps (4.89 vs 6.16); 2048 ->
+    1024 16 x 2048, 2 warps (2.91 vs 3.88). Kept in fp32: K >= 4096 (4096 -> 2048) 8 x
+    4096, 2 warps (3.61 us; fp16 pairs 3.95); the 8-bit router 2048 -> 257 4 x 2048, 4
+    warps (3.0 us); smaller matrices 4 x 1024, 2 warps (eighth-session sweeps). The fp16
+    pairs need many rows per thread to pay for converting x (1-warp 8-row blocks lost)."""
     if n >= 65536:
-        return 16, 1024, 1
+        return 32, 1024, 4, True
     if k >= 4096:
-        return 8, 4096, 2
+        return 8, 4096, 2, False
+    if n > 8192:
+        return 32, 1024, 4, True
     if n > 4096:
-        return 8, 1024, 1
+        return 16, 2048, 2, True
     if k >= 2048:
-        return (16, 2048, 4) if n >= 1024 else (4, 2048, 4)
-    return 4, 1024, 2
+        return (16, 2048, 2, True) if n >= 1024 else (4, 2048, 4, False)
+    return 4, 1024, 2, False
 
 
 def _check(x, packed, scales, biases, spec: QuantSpec) -> None:
@@ -376,7 +380,9 @@ def quant_gemv(
     if x.shape[0] > 1:
         y = quant_mma(x, packed, scales, biases, spec)
         return F.silu(y[:, : n // 2]) * y[:, n // 2 :] if gated else y
-    bn, bk, nw = default_config(n // 2 if gated else n, x.shape[-1])
+    bn, bk, nw, f16 = default_config(n // 2 if gated else n, x.shape[-1])
+    if f16_dot is None:  # fp32 activations keep fp32 products
+        f16_dot = f16 and x.dtype != torch.float32
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(1, n // 2 if gated else n, device=x.device, dtype=x.dtype)
     return launch_gemv(x, (packed, scales, biases), y, spec, block_n or bn, block_k or bk,
