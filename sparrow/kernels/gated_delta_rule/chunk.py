@@ -8,14 +8,14 @@ start and S0 the incoming state, the delta rule's writes u solve
 so u = U - W S0 with U = (I + A)^-1 (beta v) and W = (I + A)^-1 (beta exp(G) k), which do not
 depend on the state. Four kernels, only the third sequential:
 
-1. `_blocks_kernel`, one program per (chunk, q/k head), all in parallel: k k^T once for the
-   v-heads that share it, then per v-head G, the k row norms and the ten 16x16 blocks of the
-   solve over four 16-row sub-blocks (off-diagonal blocks of A; diagonal blocks inverted by
-   the nilpotent series, `_inverse_unit_lower`).
+1. `_blocks_kernel`, one program per (chunk, q/k head), all in parallel: k k^T and the
+   inverse k row norms ([T, Hk]) once for the v-heads that share them, then per v-head G and
+   the ten 16x16 blocks of the solve over four 16-row sub-blocks (off-diagonal blocks of A;
+   diagonal blocks inverted by the nilpotent series, `_inverse_unit_lower`).
 2. `_solve_kernel`, one program per (chunk, v-head): U and W by block forward substitution,
    `ChunkTiles.solve_bc` columns of [W | U] at a time. (One kernel doing both spilled 1.7 KB
-   of registers at sm_90; split, the solve spills nothing and the blocks kernel 16 bytes on
-   its 2 warps: ptxas via tests/kernels/sm90_cases.py.)
+   of registers at sm_90; split, neither spills on its warps: ptxas via
+   tests/kernels/sm90_cases.py.)
 3. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
    BV columns of the state), the state S [Dk, BV] in registers the whole way: it stores each
    chunk's incoming state, then  u = U - W S  (in place of U)  and
@@ -133,11 +133,13 @@ def _mat_offsets():
 @triton.jit
 def _blocks_kernel(
     k_ptr, g_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, cu_ptr,
-    stride_kt, stride_gt, RATIO: tl.constexpr, DK: tl.constexpr, INV_PRECISION: tl.constexpr,
+    stride_kt, stride_gt, stride_nt,
+    RATIO: tl.constexpr, DK: tl.constexpr, INV_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk, q/k head): the dot products of the chunk's k rows once, then for each of
     the RATIO v-heads that read them G, the inverse k norms and the ten 16x16 blocks of the
-    solve (inverted diagonal blocks t_i, off-diagonal blocks a_ij of A) into `mats`."""
+    solve (inverted diagonal blocks t_i, off-diagonal blocks a_ij of A) into `mats`; the
+    inverse k norms once, per q/k head."""
     i_c, i_k, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
     if c0 >= length:
@@ -176,6 +178,11 @@ def _blocks_kernel(
     o_r = tl.arange(0, 16)
     m0, m1 = c0 + o_r < length, c0 + 16 + o_r < length
     m2, m3 = c0 + 32 + o_r < length, c0 + 48 + o_r < length
+    p_n = kinv_ptr + (start + c0 + o_r) * stride_nt + i_k
+    tl.store(p_n, n0, mask=m0)
+    tl.store(p_n + 16 * stride_nt, n1, mask=m1)
+    tl.store(p_n + 32 * stride_nt, n2, mask=m2)
+    tl.store(p_n + 48 * stride_nt, n3, mask=m3)
     g_seq, b_seq, sg = g_ptr + start * stride_gt, b_ptr + start * stride_gt, stride_gt
     for r in range(RATIO):
         i_h = i_k * RATIO + r
@@ -196,10 +203,6 @@ def _blocks_kernel(
         tl.store(gc_ptr + p_row + 16 * stride_gt, gc1, mask=m1)
         tl.store(gc_ptr + p_row + 32 * stride_gt, gc2, mask=m2)
         tl.store(gc_ptr + p_row + 48 * stride_gt, gc3, mask=m3)
-        tl.store(kinv_ptr + p_row, n0, mask=m0)
-        tl.store(kinv_ptr + p_row + 16 * stride_gt, n1, mask=m1)
-        tl.store(kinv_ptr + p_row + 32 * stride_gt, n2, mask=m2)
-        tl.store(kinv_ptr + p_row + 48 * stride_gt, n3, mask=m3)
         p_m = mats_ptr + (chunk * tl.num_programs(1) * RATIO + i_h) * (10 * 256) + _mat_offsets()
         t0 = _inverse_unit_lower(_scaled(kk00, n0, n0, gc0, gc0, be0) * strict, INV_PRECISION)
         t1 = _inverse_unit_lower(_scaled(kk11, n1, n1, gc1, gc1, be1) * strict, INV_PRECISION)
@@ -235,7 +238,7 @@ def _rows16(ptr, row0, length, stride_t, i_h):
 @triton.jit
 def _solve_kernel(
     k_ptr, v_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, w_ptr, u_ptr, cu_ptr,
-    stride_kt, stride_vt, stride_gt, stride_wt, stride_ut,
+    stride_kt, stride_vt, stride_gt, stride_nt, stride_wt, stride_ut,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -250,15 +253,16 @@ def _solve_kernel(
     g_seq, b_seq, n_seq = (
         gc_ptr + start * stride_gt,
         b_ptr + start * stride_gt,
-        kinv_ptr + start * stride_gt,
+        kinv_ptr + start * stride_nt,
     )
     sg = stride_gt
     gc0, gc1 = _rows16(g_seq, c0, length, sg, i_h), _rows16(g_seq, c0 + 16, length, sg, i_h)
     gc2, gc3 = _rows16(g_seq, c0 + 32, length, sg, i_h), _rows16(g_seq, c0 + 48, length, sg, i_h)
     be0, be1 = _rows16(b_seq, c0, length, sg, i_h), _rows16(b_seq, c0 + 16, length, sg, i_h)
     be2, be3 = _rows16(b_seq, c0 + 32, length, sg, i_h), _rows16(b_seq, c0 + 48, length, sg, i_h)
-    n0, n1 = _rows16(n_seq, c0, length, sg, i_h), _rows16(n_seq, c0 + 16, length, sg, i_h)
-    n2, n3 = _rows16(n_seq, c0 + 32, length, sg, i_h), _rows16(n_seq, c0 + 48, length, sg, i_h)
+    sn = stride_nt
+    n0, n1 = _rows16(n_seq, c0, length, sn, i_k), _rows16(n_seq, c0 + 16, length, sn, i_k)
+    n2, n3 = _rows16(n_seq, c0 + 32, length, sn, i_k), _rows16(n_seq, c0 + 48, length, sn, i_k)
     chunk = _first_chunk(cu_ptr, i_b) + i_c
     p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256) + _mat_offsets()
     t0, t1, t2, t3 = tl.load(p_m), tl.load(p_m + 256), tl.load(p_m + 512), tl.load(p_m + 768)
@@ -298,7 +302,7 @@ def _norm_rows(ptr, rows, m_t, col, stride_t, scale, DK: tl.constexpr):
 @triton.jit
 def _state_kernel(
     k_ptr, w_ptr, u_ptr, gc_ptr, kinv_ptr, h_ptr, state_ptr, slot_ptr, cu_ptr,
-    stride_kt, stride_wt, stride_ut, stride_gt, stride_hc, stride_ss, stride_sh,
+    stride_kt, stride_wt, stride_ut, stride_gt, stride_nt, stride_hc, stride_ss, stride_sh,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     STAGES: tl.constexpr,
 ):  # fmt: skip
@@ -326,7 +330,7 @@ def _state_kernel(
         b_u = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32)
         # the state-independent part first: decayed, normalised k rows of the chunk
         b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-        b_n = tl.load(kinv_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
+        b_n = tl.load(kinv_ptr + rows * stride_nt + i_k, mask=m_t, other=0.0)
         g_last = tl.load(gc_ptr + (start + tl.minimum(c0 + 63, length - 1)) * stride_gt + i_h)
         b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + o_dk[None, :],
                       mask=m_t[:, None], other=0.0).to(tl.float32)  # fmt: skip
@@ -340,7 +344,7 @@ def _state_kernel(
 @triton.jit
 def _output_kernel(
     q_ptr, k_ptr, u_ptr, gc_ptr, kinv_ptr, h_ptr, o_ptr, cu_ptr,
-    stride_qt, stride_ut, stride_gt, stride_hc, stride_ot,
+    stride_qt, stride_ut, stride_gt, stride_nt, stride_hc, stride_ot,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     """Per (chunk and BV output columns, q/k head): q k^T once, then the output of each of
@@ -362,8 +366,7 @@ def _output_kernel(
     b_q = _norm_rows(q_ptr, rows, m_t, i_k * DK, stride_qt, 1.0 / tl.sqrt(DK * 1.0), DK)
     b_k = tl.load(k_ptr + rows[:, None] * stride_qt + i_k * DK + o_dk[None, :],
                   mask=m_t[:, None], other=0.0).to(tl.float32)  # k is laid out like q
-    # the k norms are the same for the RATIO v-heads (stored per v-head by `_blocks_kernel`)
-    b_k *= tl.load(kinv_ptr + rows * stride_gt + i_k * RATIO, mask=m_t, other=0.0)[:, None]
+    b_k *= tl.load(kinv_ptr + rows * stride_nt + i_k, mask=m_t, other=0.0)[:, None]
     b_qk = _mm_as(b_q, tl.trans(b_k), DT)
     causal = o_t[:, None] >= o_t[None, :]
     for r in range(RATIO):
@@ -466,17 +469,17 @@ def chunk_gated_delta_rule_varlen(
     w = torch.empty(t, hv, dk, device=q.device, dtype=v.dtype)
     u = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     gc = torch.empty(t, hv, device=q.device, dtype=torch.float32)
-    kinv = torch.empty(t, hv, device=q.device, dtype=torch.float32)
+    kinv = torch.empty(t, hk, device=q.device, dtype=torch.float32)  # inverse k norms
     chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)  # see `_first_chunk`
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
     _blocks_kernel[(chunks, hk, bsz)](
-        k, g, beta, mats, gc, kinv, cu_seqlens, k.stride(0), g.stride(0),
+        k, g, beta, mats, gc, kinv, cu_seqlens, k.stride(0), g.stride(0), kinv.stride(0),
         RATIO=hv // hk, DK=dk, INV_PRECISION="ieee" if q.dtype == torch.float32 else tiles.inverse,
         num_warps=tiles.blocks_warps,
     )  # fmt: skip
     _solve_kernel[(chunks, hv, bsz)](
         k, v, beta, mats, gc, kinv, w, u, cu_seqlens,
-        k.stride(0), v.stride(0), g.stride(0), w.stride(0), u.stride(0),
+        k.stride(0), v.stride(0), g.stride(0), kinv.stride(0), w.stride(0), u.stride(0),
         RATIO=hv // hk, DK=dk, DV=dv, BC=min(tiles.solve_bc, dk, dv), PRECISION=precision,
         num_warps=tiles.solve_warps,
     )  # fmt: skip
@@ -484,15 +487,15 @@ def chunk_gated_delta_rule_varlen(
     block_v = min(tiles.state_bv, dv)
     _state_kernel[(dv // block_v, hv, bsz)](
         k, w, u, gc, kinv, h, states, slots, cu_seqlens,
-        k.stride(0), w.stride(0), u.stride(0), gc.stride(0), h.stride(0), states.stride(0),
-        states.stride(1), RATIO=hv // hk, DK=dk, DV=dv, BV=block_v, STAGES=tiles.state_stages,
-        num_warps=tiles.state_warps,
+        k.stride(0), w.stride(0), u.stride(0), gc.stride(0), kinv.stride(0), h.stride(0),
+        states.stride(0), states.stride(1), RATIO=hv // hk, DK=dk, DV=dv, BV=block_v,
+        STAGES=tiles.state_stages, num_warps=tiles.state_warps,
     )  # fmt: skip
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     out_v = min(tiles.output_bv, dv)
     _output_kernel[(chunks * (dv // out_v), hk, bsz)](
         q, k, u, gc, kinv, h, o, cu_seqlens,
-        q.stride(0), u.stride(0), gc.stride(0), h.stride(0), o.stride(0),
+        q.stride(0), u.stride(0), gc.stride(0), kinv.stride(0), h.stride(0), o.stride(0),
         RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=tiles.output_warps,
     )  # fmt: skip
     return o
