@@ -418,7 +418,14 @@ class ChunkTiles:
     A scan parallel over segments of 4-32 chunks (each segment's affine map S -> M S + E in
     parallel, a carry across segments, then the scan per segment) measured 1.5-1.7x slower
     than the sequential scan at 512 to 32K tokens (1.30 vs 0.83 ms at 8K, 4.94 vs 3.18 at
-    32K): the M products cost more than the sequential steps they save."""
+    32K): the M products cost more than the sequential steps they save. The scan on the
+    transposed state (S^T [BV, DK] carried, so both products take the state-dependent
+    operand from registers: Triton emits mma.sync, 9 barriers per step instead of 20)
+    measured slower (eleventh session, scan kernel alone at 2K / 8K / 32K: 72.9 / 285 /
+    1,124 us against 54.9 / 206 / 794; 16 columns or 8 warps slower still). A step of all
+    programs moves about 2.8 MB through HBM (W, U, k in; h, u out: 1.8 TB/s at 1.55 us a
+    step) and 6 MB between L2 and the SMs: memory traffic, not only the chain of two
+    products, sets the step's time."""
 
     blocks_warps: int = 2
     inverse: str = "tf32"
