@@ -130,9 +130,10 @@ def fused_recurrent_step(
     block_v: state columns per program; by default the widest of 64, 32, 16 that still
     makes 256 programs (measured in graphs of 30 layers on the H200: at batch 1 16 columns
     4.2 us, 32 4.7, 64 5.0; at batch 8 64 columns 11.8 us, 32 12.8; at 64 71.3 vs 72.5).
-    num_warps: by default 2 for up to 32 columns per program, else 4 (`bench.gdn`, graphs of
-    30 steps on the H200, 4 / 2 / 1 warps: batch 1 (16 columns) 3.35 / 3.06 / 3.04 us, batch 8
-    (64) 11.50 / 11.44 / 68.3, batch 64 70.6 / 73.7 / 466).
+    num_warps: by default 1 for 16 columns per program, 2 for 32, else 4 (`bench.gdn`, graphs
+    of 30 steps on the H200, 4 / 2 / 1 warps: batch 1 (16 columns) 3.27 / 3.04 / 2.83 us,
+    batch 8 (64) 11.13 / 11.19 / 60.0, batch 64 70.7 / 71.7 / 371; the whole decode path at
+    batch 1 with 1 warp 4.77 us against 4.95 with 2 in another run).
     Returns o: [B, Hv, Dv] fp32 (before the gated norm)."""
     bsz = qkv.shape[0]
     _, hv, dk, dv = states.shape
@@ -148,7 +149,7 @@ def fused_recurrent_step(
     a, b = _one_row_stride(a, b)
     o = torch.empty(bsz, hv, dv, device=qkv.device, dtype=torch.float32)
     block_v = min(block_v or _block_v(dv, hv, bsz), dv)
-    num_warps = num_warps or (2 if block_v <= 32 else 4)
+    num_warps = num_warps or (1 if block_v <= 16 else 2 if block_v <= 32 else 4)
     grid = (dv // block_v, hv, bsz)
     _recurrent_step_kernel[grid](
         qkv, a, b, a_log, dt_bias, states, slots, o,

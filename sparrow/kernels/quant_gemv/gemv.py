@@ -285,7 +285,8 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     weights for the last of each token's top_k slots. prefetch: the weight prefetch of
     `gemv_rows`, by default with programmatic dependent launch and without experts.
     f16_dot: the 4-bit products in packed fp16 pairs (`_codes_dot_x_f16`), by default for
-    experts (dense shapes: `quant_gemv` takes them from `default_config`). Measured on the
+    experts (dense shapes: `quant_gemv` takes them from `default_config`); never for fp32
+    activations, which keep fp32 products (the precision they ask for). Measured on the
     H200 (`bench.gemv --quick`, `bench.moe`): the MoE layer at 1 / 8 / 32 tokens 16.9 /
     55.8 / 155.6 us against 18.9 / 64.5 / 192 with fp32 products. Error against the
     dequantised reference (max-normalised) 3-6e-3 against 1e-6..2e-3 in fp32, below the
@@ -299,6 +300,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     grid = (triton.cdiv(n, block_n), y.shape[0])
     pdl = launch_args(y, grid)
     ptx = x.is_cuda and spec.bits == 4  # the packed PTX paths
+    f16_dot = ptx and x.dtype != torch.float32 and (experts if f16_dot is None else f16_dot)
     _gemv_kernel[grid](
         x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
         n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),
@@ -307,7 +309,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
         BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=ptx,
-        F16_DOT=ptx and (experts if f16_dot is None else f16_dot),
+        F16_DOT=f16_dot,
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
@@ -381,10 +383,8 @@ def quant_gemv(
         y = quant_mma(x, packed, scales, biases, spec)
         return F.silu(y[:, : n // 2]) * y[:, n // 2 :] if gated else y
     bn, bk, nw, f16 = default_config(n // 2 if gated else n, x.shape[-1])
-    if f16_dot is None:  # fp32 activations keep fp32 products
-        f16_dot = f16 and x.dtype != torch.float32
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(1, n // 2 if gated else n, device=x.device, dtype=x.dtype)
     return launch_gemv(x, (packed, scales, biases), y, spec, block_n or bn, block_k or bk,
                        num_warps or nw, num_stages, gated=gated, prefetch=prefetch,
-                       f16_dot=f16_dot)  # fmt: skip
+                       f16_dot=f16 if f16_dot is None else f16_dot)  # fmt: skip
