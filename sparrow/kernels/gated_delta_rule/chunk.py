@@ -136,10 +136,10 @@ def _blocks_kernel(
     stride_kt, stride_gt, stride_nt,
     RATIO: tl.constexpr, DK: tl.constexpr, INV_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, q/k head): the dot products of the chunk's k rows once, then for each of
-    the RATIO v-heads that read them G, the inverse k norms and the ten 16x16 blocks of the
-    solve (inverted diagonal blocks t_i, off-diagonal blocks a_ij of A) into `mats`; the
-    inverse k norms once, per q/k head."""
+    """Per (chunk, q/k head): the dot products and inverse norms of the chunk's k rows once
+    (the norms stored per q/k head), then for each of the RATIO v-heads that read them G and
+    the ten 16x16 blocks of the solve (inverted diagonal blocks t_i, off-diagonal blocks
+    a_ij of A) into `mats`."""
     i_c, i_k, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
     if c0 >= length:
