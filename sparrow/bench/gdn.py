@@ -5,9 +5,9 @@ in the kernel, an initial state and the final state out), one sequence of 512..3
 eager, median of `do_bench`; also the sum of our kernels' times (below the eager time, the
 rest is host time: launches and allocations).
 Decode: one layer step for a batch of sequences whose states sit in a pool; ours is conv
-update + fused recurrent step + gated RMSNorm, fla's is its fused recurrent kernel alone;
-both timed inside a CUDA graph of 30 consecutive layers (distinct states, as in the model)
-and fla also eagerly. State traffic = state bytes read + written.
+update + fused recurrent step with the gated RMSNorm (two kernels), fla's is its fused
+recurrent kernel alone; both timed inside a CUDA graph of 30 consecutive layers (distinct
+states, as in the model) and fla also eagerly. State traffic = state bytes read + written.
 
     python -m sparrow.bench.gdn --out bench-out/gdn.json
 """
@@ -24,10 +24,7 @@ from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen, state_pool
 from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta_rule_varlen
-from sparrow.kernels.gated_delta_rule.fused_recurrent import (
-    fused_recurrent_step,
-    gated_rms_norm,
-)
+from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step
 from sparrow.layers.norms import GatedRMSNorm
 
 HK, HV, D, CONV_K = 16, 32, 128, 4  # Qwen3.6-35B-A3B
@@ -82,7 +79,7 @@ def bench_prefill(length: int, fla_chunk, gen) -> dict:
 
 
 def bench_decode(batch: int, fla_recurrent, gen) -> dict:
-    norm = GatedRMSNorm(D, 1e-6).cuda()
+    norm = GatedRMSNorm(D, 1e-6).to("cuda", torch.bfloat16)  # as the model holds it
     norm.weight.data.fill_(1.0)
     a_log = torch.rand(HV, generator=gen, device="cuda").mul(15).add(0.01).log()
     dt_bias = torch.ones(HV, device="cuda")
@@ -98,14 +95,13 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
         state = torch.randn(batch, HV, D, D, generator=gen, device="cuda") * 0.1
         layers.append((mixed, ab, z, conv, state))
 
-    def ours(mixed, ab, z, conv, state):  # the layer's decode path: three kernels
-        qkv = causal_conv1d_varlen(mixed, cu, conv, slots, conv_w, max_len=1)
-        o = fused_recurrent_step(qkv, ab[0], ab[1], a_log, dt_bias, state, slots, HK)
-        return gated_rms_norm(o, z, norm.weight, norm.eps)
+    def step_only(mixed, ab, z, conv, state):
+        return fused_recurrent_step(mixed, ab[0], ab[1], z, a_log, dt_bias, norm.weight, norm.eps,
+                                    state, slots, HK)  # fmt: skip
 
-    def step_only(mixed, ab, z, conv, state, num_warps=None):
-        return fused_recurrent_step(mixed, ab[0], ab[1], a_log, dt_bias, state, slots, HK,
-                                    num_warps=num_warps)  # fmt: skip
+    def ours(mixed, ab, z, conv, state):  # the layer's decode path: two kernels
+        return step_only(causal_conv1d_varlen(mixed, cu, conv, slots, conv_w, max_len=1), ab, z,
+                         conv, state)  # fmt: skip
 
     fla_calls = []
     for mixed, ab, _, _, state in layers:
@@ -122,10 +118,6 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
     row = {"batch": batch}
     row["ours_graph_us"] = graph_time_us([lambda x=x: ours(*x) for x in layers])
     row["ours_step_only_graph_us"] = graph_time_us([lambda x=x: step_only(*x) for x in layers])
-    for warps in (4, 2, 1):  # the step's default: 1 for 16 columns, 2 for 32, else 4
-        row[f"step_only_{warps}_warps_graph_us"] = graph_time_us(
-            [lambda x=x, w=warps: step_only(*x, num_warps=w) for x in layers]
-        )
     row["conv_only_graph_us"] = graph_time_us(
         [lambda x=x: causal_conv1d_varlen(x[0], cu, x[3], slots, conv_w, max_len=1) for x in layers]
     )
@@ -160,13 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
               + ", ".join(f"{k['kernel'][:14]} {k['us']:.0f}us"
                           for k in r["ours_kernels"]))  # fmt: skip
     print(f"{'decode batch':>14}{'ours graph us':>15}{'TB/s':>7}"
-          f"{'step us (default; 4 / 2 / 1 warps)':>36}{'conv us':>9}{'fla graph us':>14}"
+          f"{'step + norm us':>16}{'conv us':>9}{'fla graph us':>14}"
           f"{'fla eager us':>14}")  # fmt: skip
     for r in decode:
         print(f"{r['batch']:>14}{r['ours_graph_us']:>15.2f}{r['ours_graph_state_tb_s']:>7.2f}"
-              f"{r['ours_step_only_graph_us']:>11.2f}; {r['step_only_4_warps_graph_us']:5.2f}"
-              f" / {r['step_only_2_warps_graph_us']:5.2f}"
-              f" / {r['step_only_1_warps_graph_us']:5.2f}{r['conv_only_graph_us']:>9.2f}"
+              f"{r['ours_step_only_graph_us']:>16.2f}{r['conv_only_graph_us']:>9.2f}"
               f"{r['fla_graph_us']:>14.2f}{r['fla_eager_us']:>14.2f}")  # fmt: skip
     report = {"gpu": torch.cuda.get_device_name(), "shapes": f"Hk={HK} Hv={HV} D={D}",
               "prefill": prefill, "decode": decode}  # fmt: skip

@@ -10,6 +10,7 @@ from sparrow.kernels.gated_delta_rule.fused_recurrent import (
     gdn_gates,
 )
 from sparrow.kernels.gated_delta_rule.naive import recurrent_gated_delta_rule
+from sparrow.layers.norms import GatedRMSNorm
 from tests.conftest import rel_err
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -42,17 +43,52 @@ def _reference(qkv, a, b, a_log, dt_bias, states, slots, hk, dk, dv):
     return torch.stack(outs)
 
 
+def _gated(bsz, hv, dv, device, seed=1):
+    """z [B, Hv, Dv] with its rows strided (a view of the projection, as the layer's) and the
+    layer's output norm with a random weight."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(bsz, hv + 1, dv, generator=gen).to(device)[:, 1:]
+    norm = GatedRMSNorm(dv, 1e-6).to(device)
+    norm.weight.data = torch.rand(dv, generator=gen).to(device) + 0.5
+    return z, norm
+
+
+def _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, hk, **tiles):
+    return fused_recurrent_step(qkv, a, b, z, a_log, dt_bias, norm.weight, norm.eps, states,
+                                slots, hk, **tiles)  # fmt: skip
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bsz, hk, hv, dk, dv", [(1, 2, 4, 16, 32), (3, 1, 3, 32, 64),
-                                                 (5, 2, 2, 16, 16)])  # fmt: skip
-def test_step_matches_reference(device, bsz, hk, hv, dk, dv):
+@pytest.mark.parametrize("bsz, hk, hv, dk, dv, block_v", [(1, 2, 4, 16, 32, 16),
+                                                          (3, 1, 3, 32, 64, 32),
+                                                          (2, 2, 4, 16, 64, 16),
+                                                          (5, 2, 2, 16, 16, 32)])  # fmt: skip
+def test_step_matches_reference(device, bsz, hk, hv, dk, dv, block_v):
+    """The step with its gated norm vs the reference recurrence + the layer's GatedRMSNorm:
+    output and new states."""
     qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, hk, hv, dk, dv, device)
+    z, norm = _gated(bsz, hv, dv, device)
     ref_states = states.clone().cpu()
     expected = _reference(qkv.cpu(), a.cpu(), b.cpu(), a_log.cpu(), dt_bias.cpu(), ref_states,
                           slots.cpu(), hk, dk, dv)  # fmt: skip
-    o = fused_recurrent_step(qkv, a, b, a_log, dt_bias, states, slots, hk, block_v=16)
-    assert rel_err(o.cpu(), expected) < 1e-5
+    y = _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, hk, block_v=block_v)
+    assert rel_err(y.cpu(), norm.cpu()(expected, z.cpu())) < 1e-5
     assert rel_err(states.cpu(), ref_states) < 1e-5
+
+
+def test_step_rejects_mismatched_inputs():
+    qkv, a, b, a_log, dt_bias, states, slots = _inputs(2, 2, 4, 16, 32, "cpu")
+    z, norm = _gated(2, 4, 16, "cpu")  # head dim 16, the states' 32
+    with pytest.raises(ValueError, match="do not fit states"):
+        _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_norm_kernel(device):
+    """Prefill's output norm kernel equals the layer's GatedRMSNorm."""
+    z, norm = _gated(37, 4, 32, device)
+    o = torch.randn(37, 4, 32, generator=torch.Generator().manual_seed(3)).to(device)
+    assert rel_err(gated_rms_norm(o, z, norm.weight, norm.eps).cpu(), norm(o, z).cpu()) < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,22 +102,6 @@ def test_gates_kernel_matches_torch(device, t, hv):
     g, beta = gdn_gates(a, b, a_log, dt_bias.to(device))
     expected = -a_log.cpu().exp() * F.softplus(a.cpu() + dt_bias)
     assert rel_err(g.cpu(), expected) < 1e-5 and rel_err(beta.cpu(), b.cpu().sigmoid()) < 1e-6
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_gated_norm_kernel_after_the_step(device):
-    """The decode step's output through `gated_rms_norm` equals the layer's GatedRMSNorm."""
-    from sparrow.layers.norms import GatedRMSNorm
-
-    bsz, hk, hv, dk, dv = 3, 2, 4, 16, 32
-    qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, hk, hv, dk, dv, device)
-    gen = torch.Generator().manual_seed(1)
-    z = torch.randn(bsz, hv + 1, dv, generator=gen).to(device)[:, 1:]  # rows strided
-    norm = GatedRMSNorm(dv, 1e-6).to(device)
-    norm.weight.data = torch.rand(dv, generator=gen).to(device) + 0.5
-    o = fused_recurrent_step(qkv, a, b, a_log, dt_bias, states, slots, hk)
-    normed = gated_rms_norm(o, z, norm.weight, norm.eps)
-    assert rel_err(normed.cpu(), norm(o, z).cpu()) < 1e-5
 
 
 def test_drift_over_many_steps():
@@ -99,17 +119,18 @@ def _drift(steps, device):
     hk, hv, dk, dv = 2, 4, 32, 32
     _, _, _, a_log, dt_bias, states, _ = _inputs(1, hk, hv, dk, dv, device)
     slots = torch.tensor([1], dtype=torch.int32, device=device)
+    z, norm = _gated(1, hv, dv, device)
     ref_states = states.clone().cpu()
     gen = torch.Generator().manual_seed(9)
     for _ in range(steps):
         qkv = torch.randn(1, 2 * hk * dk + hv * dv, generator=gen)
         a, b = torch.randn(1, hv, generator=gen), torch.randn(1, hv, generator=gen)
-        o = fused_recurrent_step(qkv.to(device), a.to(device), b.to(device), a_log, dt_bias,
-                                 states, slots, hk)  # fmt: skip
+        y = _step(qkv.to(device), a.to(device), b.to(device), z, norm, a_log, dt_bias, states,
+                  slots, hk)  # fmt: skip
         ref = _reference(qkv, a, b, a_log.cpu(), dt_bias.cpu(), ref_states, slots.cpu(),
                          hk, dk, dv)  # fmt: skip
     assert rel_err(states.cpu(), ref_states) < 1e-4
-    assert rel_err(o.cpu(), ref) < 1e-4
+    assert rel_err(y.cpu(), norm.cpu()(ref, z.cpu())) < 1e-4
 
 
 def _chunk_case(lengths, hk, hv, dk, dv, device, seed=0, dtype=torch.float32):
@@ -203,7 +224,8 @@ def test_chunk_real_sizes_gpu(lengths):
 @pytest.mark.parametrize("bsz", [1, 8, 64])
 def test_step_real_sizes_gpu(bsz):
     qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, 16, 32, 128, 128, "cuda", pool=80)
+    z, norm = _gated(bsz, 32, 128, "cuda")
     ref_states = states.clone()
     expected = _reference(qkv, a, b, a_log, dt_bias, ref_states, slots, 16, 128, 128)
-    o = fused_recurrent_step(qkv, a, b, a_log, dt_bias, states, slots, 16)
-    assert rel_err(o, expected) < 1e-4 and rel_err(states, ref_states) < 1e-4
+    y = _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, 16)
+    assert rel_err(y, norm(expected, z)) < 1e-4 and rel_err(states, ref_states) < 1e-4

@@ -1,24 +1,22 @@
-"""One decode step of the gated delta rule for a batch of sequences whose recurrent states
+"""One decode step of a GDN layer's mixer for a batch of sequences whose recurrent states
 live in a pool indexed by slot (continuous batching). Fused: L2-norm and scale of q/k, the
-decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the state update and the
-output. The state is updated in place. The layer's gated RMSNorm of the output is a second
-small kernel (`gated_rms_norm`).
+decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the state update, the
+output and the layer's gated RMSNorm of it (with z). The state is updated in place. The
+conv update before it is its own kernel (`causal_conv1d`'s one-token step); prefill's
+output norm is `gated_rms_norm`.
 
-A program owns (sequence, v-head, BV columns of the state): the columns of S evolve
-independently (delta_j needs only column j), so splitting Dv gives B * Hv * Dv / BV programs
-with no communication. (Fusing the norm needs a whole head per program; that variant was
-slower on the H200: 11.9 vs 10.0 us per layer with the separate norm at batch 1. So was the
-whole layer's decode as one kernel, conv and norm done by the last of a head's programs:
-7.70 vs 6.40 us per layer at batch 1, 87.1 vs 78.6 at 64, with programmatic dependent
-launch. So was the conv applied inside the step, the conv windows moved by extra programs
-of the norm kernel, two kernels instead of three: 4.85 vs 4.96 us per layer at batch 1,
-13.87 vs 13.39 at 8, 76.4 vs 79.0 at 64, graphs of 30 layers in one run; with the step's
-other block widths and warps within 0.3 us of that at batch 1. So was the norm kernel
-waiting, instead of for the whole step kernel, on per-(sequence, head) arrival counters
-that the step's programs count themselves in at (release atomic; the norm polls with
-acquire loads, then zeroes them): 7.24 vs 4.75 us per layer at batch 1, 15.69 vs 13.41 at
-8, 82.8 vs 78.6 at 64, one run. A layer's decode is a chain of dependent kernels whose
-per-kernel latency, not bytes, sets its time.)
+A program owns a whole head (sequence, v-head), as the norm needs: the state [Dk, Dv] as a
+tile [Dv // BV, Dk, BV]. Measured on the H200 (graphs of 30 layers, conv included, one run,
+batch 1 / 2 / 8 / 64): 4.97 / 5.98 / 12.57 / 78.5 us against 4.95 / 6.41 / 13.41 / 79.1 for
+the step split over column blocks (B * Hv * Dv / 16..64 programs) plus a norm kernel;
+with 8 warps 6.8 / 7.7 / 17.0 / 130. Measured and not kept: the conv inside it too (the
+q/k windows written by one of a q/k head's two programs; timing only) 5.41 / 6.61 / 12.93 /
+94.5: a layer's decode is a chain of dependent kernels, and at batch 1 the conv kernel's
+time hides behind the step's state loads (issued before the wait). Earlier, with the step
+split over column blocks: the conv inside the step, its windows moved by extra programs of
+the norm kernel, 4.85 vs 4.96 us at batch 1; the norm kernel waiting on per-(sequence, head)
+arrival counters instead of the whole step kernel, 7.24 vs 4.75; the whole decode as one
+kernel with conv and norm done by the last of a head's programs, 7.70 vs 6.40.
 """
 
 from __future__ import annotations
@@ -40,10 +38,11 @@ def decay_and_beta(a, b, a_log, dt_bias):
 
 
 @triton.jit
-def _delta_step(b_q, b_k, b_v, b_s, g, beta, DK: tl.constexpr):
-    """One token's update of BV state columns b_s [DK, BV] (fp32) from its q, k [DK] and v
-    [BV] (fp32, before the L2-norm), decay g and strength beta. Returns (the new columns,
-    the output columns q . S [BV]).
+def _delta_step(b_q, b_k, b_v, b_s, g, beta, DK: tl.constexpr, AXIS: tl.constexpr):
+    """One token's update of state columns b_s (fp32, Dk along AXIS: [DK, BV] or
+    [NB, DK, BV]) from its q, k (fp32, before the L2-norm; shaped to broadcast against b_s),
+    v (b_s's shape without AXIS), decay g and strength beta. Returns (the new columns, the
+    output columns q . S).
     All five reductions (|q|^2, |k|^2, q.k and the columns' products with the raw q and k)
     read only the inputs, so they run side by side instead of one after another:
     with q^, k^ the normed q, k, d = e^g and delta = beta (v - d k^.S),
@@ -51,62 +50,116 @@ def _delta_step(b_q, b_k, b_v, b_s, g, beta, DK: tl.constexpr):
     r_q = tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
     r_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
     qk = tl.sum(b_q * b_k) * r_q * r_k
-    q_s = tl.sum(b_s * b_q[:, None], axis=0) * r_q
-    k_s = tl.sum(b_s * b_k[:, None], axis=0) * r_k
+    q_s = tl.sum(b_s * b_q, axis=AXIS) * r_q
+    k_s = tl.sum(b_s * b_k, axis=AXIS) * r_k
     decay = tl.exp(g)
     b_delta = (b_v - decay * k_s) * beta
-    b_s = b_s * decay + (b_k * r_k)[:, None] * b_delta[None, :]
+    b_s = b_s * decay + (b_k * r_k) * tl.expand_dims(b_delta, AXIS)
     return b_s, decay * q_s + qk * b_delta
 
 
 @triton.jit
-def _gated_norm(b_o, b_z, w_ptr, eps, D: tl.constexpr, DT: tl.constexpr):
-    """w * rms_norm(o) * silu(z) for rows [R, D] of one head each, rounding like the layer
-    (o and the normed o in DT, the activation dtype)."""
-    o_d = tl.arange(0, D)
+def _gated_norm(b_o, b_z, b_w, eps, D: tl.constexpr, DT: tl.constexpr, AXIS: tl.constexpr):
+    """w * rms_norm(o) * silu(z) over AXIS (None: the whole tile is one head), rounding like
+    the layer (o and the normed o in DT, the activation dtype)."""
     b_o = b_o.to(DT).to(tl.float32)
-    b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o, axis=1) / D + eps)[:, None]
-    b_o = (b_o.to(DT) * tl.load(w_ptr + o_d)[None, :]).to(tl.float32)
+    b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o, axis=AXIS, keep_dims=True) / D + eps)
+    b_o = (b_o.to(DT) * b_w).to(tl.float32)
     b_z = b_z.to(tl.float32)
     return (b_o * (b_z / (1.0 + tl.exp(-b_z)))).to(DT)
 
 
 @triton.jit
 def _recurrent_step_kernel(
-    qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr,
-    stride_qkv, stride_ab, stride_ss, stride_sh, stride_o,
+    qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, z_ptr, w_ptr, y_ptr,
+    stride_qkv, stride_ab, stride_ss, stride_sh, stride_zt, stride_y, eps,
     KEY_DIM, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """With PDL the state columns (and the layer's A_log, dt_bias) are loaded before waiting
-    for the previous kernel: a state pool is written only by this kernel, once per layer and
-    step, and by PyTorch and prefill kernels launched without PDL, and between two steps
-    there is always a graph boundary or such a kernel, so every earlier write is complete."""
+    """Program (v-head, sequence). The state [DK, DV] is held as a tile [DV // BV, DK, BV]:
+    stored rows of DV floats are read whole by a warp's threads (BV columns each), and
+    the column blocks' output lands in the [DV // BV, BV] shape the norm reduces whole.
+    With PDL the state (and the layer's A_log, dt_bias, norm weight) is loaded before
+    waiting for the previous kernel: a state pool is written only by this kernel, once per
+    layer and step, and by PyTorch and prefill kernels launched without PDL, and between two
+    steps there is always a graph boundary or such a kernel, so every earlier write is
+    complete."""
     let_next_launch(USE_PDL)
-    i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h, i_b = tl.program_id(0), tl.program_id(1)
     i_k = i_h // RATIO  # the q/k head this v-head reads
     o_dk = tl.arange(0, DK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    o_col = tl.arange(0, DV // BV)[:, None] * BV + tl.arange(0, BV)[None, :]  # [DV // BV, BV]
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
-    p_s = state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]
+    p_s = (state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[None, :, None] * DV
+           + o_col[:, None, :])  # fmt: skip
     b_s = tl.load(p_s)
     a_log, dt_bias = tl.load(alog_ptr + i_h), tl.load(dtb_ptr + i_h)
-    wait_previous(USE_PDL)  # q, k, v, a, b come from the kernels just before
+    b_w = tl.load(w_ptr + o_col)
+    wait_previous(USE_PDL)  # q, k, v, z, a, b come from the kernels just before
     p_row = qkv_ptr + i_b * stride_qkv
     b_q = tl.load(p_row + i_k * DK + o_dk).to(tl.float32)
     b_k = tl.load(p_row + KEY_DIM + i_k * DK + o_dk).to(tl.float32)
-    b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_v).to(tl.float32)
+    b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_col).to(tl.float32)
+    b_z = tl.load(z_ptr + i_b * stride_zt + i_h * DV + o_col)
     g, beta = decay_and_beta(tl.load(a_ptr + i_b * stride_ab + i_h),
                              tl.load(b_ptr + i_b * stride_ab + i_h), a_log, dt_bias)  # fmt: skip
-    b_s, b_o = _delta_step(b_q, b_k, b_v, b_s, g, beta, DK)
+    b_s, b_o = _delta_step(b_q[None, :, None], b_k[None, :, None], b_v, b_s, g, beta, DK, 1)
     tl.store(p_s, b_s)
-    tl.store(o_ptr + i_b * stride_o + i_h * DV + o_v, b_o)
+    b_y = _gated_norm(b_o, b_z, b_w, eps, DV, y_ptr.dtype.element_ty, None)
+    tl.store(y_ptr + i_b * stride_y + i_h * DV + o_col, b_y)
 
 
-def _block_v(dv: int, hv: int, bsz: int) -> int:
-    """State columns per program of the decode step: the widest of 64, 32 that still makes
-    256 programs, else 16 (see `fused_recurrent_step`)."""
-    return next((w for w in (64, 32) if dv // w * hv * bsz >= 256), 16)
+def fused_recurrent_step(
+    qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    z: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int,
+    block_v: int = 32,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """qkv: [B, 2 * Hk * Dk + Hv * Dv] (after the conv); a, b: [B, Hv] (projections);
+    z: [B, Hv, Dv] (heads packed, any row stride); a_log, dt_bias: [Hv]; norm_weight: [Dv];
+    states: [S, Hv, Dk, Dv] fp32 pool, updated in place at slots [B].
+    block_v: state columns per thread group (16 and 32 within 1% at every batch), num_warps:
+    4 (see the module docstring for 8).
+    Returns the gated-normed output [B, Hv, Dv] in z's dtype."""
+    bsz = qkv.shape[0]
+    _, hv, dk, dv = states.shape
+    key_dim = num_k_heads * dk
+    if (qkv.shape[1] != 2 * key_dim + hv * dv or a.shape != (bsz, hv) or b.shape != (bsz, hv)
+            or z.shape != (bsz, hv, dv)):  # fmt: skip
+        raise ValueError(
+            f"qkv {list(qkv.shape)}, a {list(a.shape)}, b {list(b.shape)}, z {list(z.shape)} "
+            f"do not fit states {list(states.shape)} with {num_k_heads} q/k heads"
+        )
+    if states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError("the state pool must be contiguous fp32")
+    qkv = qkv.contiguous()
+    a, b = _one_row_stride(a, b)
+    z = _heads_packed(z)
+    y = torch.empty(bsz, hv, dv, device=qkv.device, dtype=z.dtype)
+    grid = (hv, bsz)
+    _recurrent_step_kernel[grid](
+        qkv, a, b, a_log, dt_bias, states, slots, z, norm_weight, y,
+        qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), z.stride(0), y.stride(0),
+        eps, key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=min(block_v, dv),
+        num_warps=num_warps, **launch_args(y, grid),
+    )  # fmt: skip
+    return y
+
+
+def _heads_packed(z: torch.Tensor) -> torch.Tensor:
+    """z [T, H, D] with its heads packed (any token stride), as the norm kernels read it."""
+    if z.stride(2) != 1 or z.stride(1) != z.shape[2]:
+        return z.contiguous()
+    return z
 
 
 def _one_row_stride(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,53 +168,6 @@ def _one_row_stride(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     if b.shape == a.shape and b.stride() == a.stride() and a.stride(1) == 1:
         return a, b
     return a.contiguous(), b.contiguous()
-
-
-def fused_recurrent_step(
-    qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    states: torch.Tensor,
-    slots: torch.Tensor,
-    num_k_heads: int,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-) -> torch.Tensor:
-    """qkv: [B, 2 * Hk * Dk + Hv * Dv] (after the conv); a, b: [B, Hv] (projections);
-    a_log, dt_bias: [Hv]; states: [S, Hv, Dk, Dv] fp32 pool, updated in place at slots [B].
-    block_v: state columns per program; by default the widest of 64, 32, 16 that still
-    makes 256 programs (measured in graphs of 30 layers on the H200: at batch 1 16 columns
-    4.2 us, 32 4.7, 64 5.0; at batch 8 64 columns 11.8 us, 32 12.8; at 64 71.3 vs 72.5).
-    num_warps: by default 1 for 16 columns per program, 2 for 32, else 4 (`bench.gdn`, graphs
-    of 30 steps on the H200, 4 / 2 / 1 warps: batch 1 (16 columns) 3.27 / 3.04 / 2.83 us,
-    batch 8 (64) 11.13 / 11.19 / 60.0, batch 64 70.7 / 71.7 / 371; the whole decode path at
-    batch 1 with 1 warp 4.77 us against 4.95 with 2 in another run).
-    Returns o: [B, Hv, Dv] fp32 (before the gated norm)."""
-    bsz = qkv.shape[0]
-    _, hv, dk, dv = states.shape
-    key_dim = num_k_heads * dk
-    if qkv.shape[1] != 2 * key_dim + hv * dv or a.shape != (bsz, hv) or b.shape != (bsz, hv):
-        raise ValueError(
-            f"qkv {list(qkv.shape)}, a {list(a.shape)}, b {list(b.shape)} do not fit states "
-            f"{list(states.shape)} with {num_k_heads} q/k heads"
-        )
-    if states.dtype != torch.float32 or not states.is_contiguous():
-        raise ValueError("the state pool must be contiguous fp32")
-    qkv = qkv.contiguous()
-    a, b = _one_row_stride(a, b)
-    o = torch.empty(bsz, hv, dv, device=qkv.device, dtype=torch.float32)
-    block_v = min(block_v or _block_v(dv, hv, bsz), dv)
-    num_warps = num_warps or (1 if block_v <= 16 else 2 if block_v <= 32 else 4)
-    grid = (dv // block_v, hv, bsz)
-    _recurrent_step_kernel[grid](
-        qkv, a, b, a_log, dt_bias, states, slots, o,
-        qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), o.stride(0),
-        key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=block_v, num_warps=num_warps,
-        **launch_args(o, grid),
-    )  # fmt: skip
-    return o
 
 
 @triton.jit
@@ -204,7 +210,8 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, N, stride_zt, D: tl.c
     b_o = tl.load(o_ptr + i[:, None] * D + o_d, mask=m, other=0.0)
     b_z = tl.load(z_ptr + (i // H)[:, None] * stride_zt + (i % H)[:, None] * D + o_d, mask=m,
                   other=0.0)  # fmt: skip
-    b_y = _gated_norm(b_o, b_z, w_ptr, eps, D, y_ptr.dtype.element_ty)
+    b_w = tl.load(w_ptr + tl.arange(0, D))[None, :]  # 1-D, then broadcast: no shared memory
+    b_y = _gated_norm(b_o, b_z, b_w, eps, D, y_ptr.dtype.element_ty, 1)
     tl.store(y_ptr + i[:, None] * D + o_d, b_y, mask=m)
 
 
@@ -215,9 +222,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """The GDN output norm as one kernel: o [T, H, D] (fp32), z [T, H, D] (a view of the
     in-projection: heads packed, any token stride) -> [T, H, D] in z's dtype."""
     t, h, d = o.shape
-    o = o.contiguous()
-    if z.stride(2) != 1 or z.stride(1) != d:
-        z = z.contiguous()
+    o, z = o.contiguous(), _heads_packed(z)
     y = torch.empty(z.shape, device=z.device, dtype=z.dtype)
     grid = (triton.cdiv(t * h, GATED_NORM_ROWS),)
     _gated_norm_kernel[grid](o, z, weight, y, eps, h, t * h, z.stride(0), D=d,
