@@ -172,7 +172,11 @@ def _combine_kernel(p_ptr, s_ptr, g_ptr, o_ptr, D, stride_g, TOP_K: tl.constexpr
 
 def _combine(partial, top_k, out_dtype, shared: Shared | None = None):
     """Sum the k weighted expert rows of each token; add the gated shared expert's output if
-    given."""
+    given. (Measured and not kept: the sum done by the next residual add + norm instead, the
+    layer returning its rows unsummed, one kernel fewer per layer: end to end on the H200,
+    alternating in one run, decode at 4K 524.2 vs 526.4 tok/s, 8 concurrent 1,594 vs 1,602,
+    prefill 4K the same; at batch 1 the add + norm is one program, which then reads all
+    nine fp32 rows.)"""
     t, d = partial.shape[0] // top_k, partial.shape[1]
     out = torch.empty(t, d, device=partial.device, dtype=out_dtype)
     if shared is not None:
