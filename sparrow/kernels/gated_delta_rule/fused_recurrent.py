@@ -38,11 +38,10 @@ def decay_and_beta(a, b, a_log, dt_bias):
 
 
 @triton.jit
-def _delta_step(b_q, b_k, b_v, b_s, g, beta, DK: tl.constexpr, AXIS: tl.constexpr):
-    """One token's update of state columns b_s (fp32, Dk along AXIS: [DK, BV] or
-    [NB, DK, BV]) from its q, k (fp32, before the L2-norm; shaped to broadcast against b_s),
-    v (b_s's shape without AXIS), decay g and strength beta. Returns (the new columns, the
-    output columns q . S).
+def _delta_step(b_q, b_k, b_v, b_s, g, beta, DK: tl.constexpr):
+    """One token's update of a head's state b_s [NB, DK, BV] (fp32; NB blocks of BV columns)
+    from its q, k [1, DK, 1] (fp32, before the L2-norm), v [NB, BV], decay g and strength
+    beta. Returns (the new state, the output q . S [NB, BV]).
     All five reductions (|q|^2, |k|^2, q.k and the columns' products with the raw q and k)
     read only the inputs, so they run side by side instead of one after another:
     with q^, k^ the normed q, k, d = e^g and delta = beta (v - d k^.S),
@@ -50,11 +49,11 @@ def _delta_step(b_q, b_k, b_v, b_s, g, beta, DK: tl.constexpr, AXIS: tl.constexp
     r_q = tl.rsqrt(tl.sum(b_q * b_q) + 1e-6) * (1.0 / tl.sqrt(DK * 1.0))
     r_k = tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
     qk = tl.sum(b_q * b_k) * r_q * r_k
-    q_s = tl.sum(b_s * b_q, axis=AXIS) * r_q
-    k_s = tl.sum(b_s * b_k, axis=AXIS) * r_k
+    q_s = tl.sum(b_s * b_q, axis=1) * r_q
+    k_s = tl.sum(b_s * b_k, axis=1) * r_k
     decay = tl.exp(g)
     b_delta = (b_v - decay * k_s) * beta
-    b_s = b_s * decay + (b_k * r_k) * tl.expand_dims(b_delta, AXIS)
+    b_s = b_s * decay + (b_k * r_k) * b_delta[:, None, :]
     return b_s, decay * q_s + qk * b_delta
 
 
@@ -103,7 +102,7 @@ def _recurrent_step_kernel(
     b_z = tl.load(z_ptr + i_b * stride_zt + i_h * DV + o_col)
     g, beta = decay_and_beta(tl.load(a_ptr + i_b * stride_ab + i_h),
                              tl.load(b_ptr + i_b * stride_ab + i_h), a_log, dt_bias)  # fmt: skip
-    b_s, b_o = _delta_step(b_q[None, :, None], b_k[None, :, None], b_v, b_s, g, beta, DK, 1)
+    b_s, b_o = _delta_step(b_q[None, :, None], b_k[None, :, None], b_v, b_s, g, beta, DK)
     tl.store(p_s, b_s)
     b_y = _gated_norm(b_o, b_z, b_w, eps, DV, y_ptr.dtype.element_ty, None)
     tl.store(y_ptr + i_b * stride_y + i_h * DV + o_col, b_y)
