@@ -8,6 +8,11 @@ Decode: one layer step for a batch of sequences whose states sit in a pool; ours
 update + fused recurrent step with the gated RMSNorm (two kernels), fla's is its fused
 recurrent kernel alone; both timed inside a CUDA graph of 30 consecutive layers (distinct
 states, as in the model) and fla also eagerly. State traffic = state bytes read + written.
+Batch-1 decode in the model fuses the conv and the norm into the 4-bit projections' GEMVs
+(`GatedDeltaNet._decode_one_token`), so at batch 1 the whole mixer (in-projection 2048 ->
+12352, step, out-projection 4096 -> 2048) is also timed that way and as projections + conv
+kernel + step with norm, against the two bare GEMVs: the layer step's own time is the
+mixer's minus theirs. Graphs of 30 layers, variants alternating over rounds.
 
     python -m sparrow.bench.gdn --out bench-out/gdn.json
 """
@@ -25,7 +30,9 @@ from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen, state_pool
 from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step
+from sparrow.kernels.quant_gemv.gemv import quant_gemv, quant_gemv_conv, quant_gemv_rms_scaled
 from sparrow.layers.norms import GatedRMSNorm
+from sparrow.quant.affine import QuantSpec
 
 HK, HV, D, CONV_K = 16, 32, 128, 4  # Qwen3.6-35B-A3B
 CONV_DIM = 2 * HK * D + HV * D
@@ -129,6 +136,73 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
     return row
 
 
+def _random_4bit(n: int, k: int, gen, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
+    """Random words, scales and biases of an [n, k] 4-bit weight (timing needs no real ones)."""
+    words = torch.randint(-(2**31), 2**31 - 1, spec.packed_shape((n, k)), generator=gen,
+                          device="cuda", dtype=torch.int32)  # fmt: skip
+    scales = torch.randn(spec.group_shape((n, k)), generator=gen, device="cuda") * 0.01
+    biases = torch.randn(spec.group_shape((n, k)), generator=gen, device="cuda") * 0.01
+    return words, scales.bfloat16(), biases.bfloat16()
+
+
+def bench_mixer(gen, rounds: int = 3) -> dict:
+    """Batch-1 decode of the whole GDN mixer (see the module docstring), us per layer."""
+    spec = QuantSpec(4, 64)
+    hidden, n_in = 2048, CONV_DIM + HV * D + 2 * HV
+    norm_w = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    a_log = torch.rand(HV, generator=gen, device="cuda").mul(15).add(0.01).log()
+    dt_bias = torch.ones(HV, device="cuda")
+    slots = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cu = torch.arange(2, dtype=torch.int32, device="cuda")
+    layers = []
+    for _ in range(LAYERS):
+        x = torch.randn(1, hidden, generator=gen, device="cuda").bfloat16()
+        w_in, w_out = _random_4bit(n_in, hidden, gen, spec), _random_4bit(hidden, HV * D, gen, spec)
+        conv_w = torch.randn(CONV_DIM, CONV_K, generator=gen, device="cuda").bfloat16() * 0.3
+        conv = state_pool(1, CONV_DIM, CONV_K, "cuda", torch.bfloat16)
+        state = torch.randn(1, HV, D, D, generator=gen, device="cuda") * 0.1
+        layers.append((x, w_in, w_out, conv_w, conv, state))
+
+    def split(y):
+        qkv, z, b, a = y.split((CONV_DIM, HV * D, HV, HV), dim=-1)
+        return qkv, z.unflatten(-1, (HV, D)), b, a
+
+    def fused(x, w_in, w_out, conv_w, conv, state):  # the model's batch-1 path
+        qkv, z, b, a = split(quant_gemv_conv(x, *w_in, spec, conv_w, conv, slots))
+        gated, sq_sums = fused_recurrent_step(qkv, a, b, z, a_log, dt_bias, norm_w, 1e-6, state,
+                                              slots, HK, normed=False)  # fmt: skip
+        return quant_gemv_rms_scaled(gated, sq_sums, 1e-6, *w_out, spec, torch.bfloat16)
+
+    def separate(x, w_in, w_out, conv_w, conv, state):  # the path at batch > 1
+        mixed, z, b, a = split(quant_gemv(x, *w_in, spec))
+        qkv = causal_conv1d_varlen(mixed, cu, conv, slots, conv_w, max_len=1)
+        y = fused_recurrent_step(qkv, a, b, z, a_log, dt_bias, norm_w, 1e-6, state, slots, HK)
+        return quant_gemv(y.flatten(1), *w_out, spec)
+
+    def gemvs(x, w_in, w_out, conv_w, conv, state):  # the projections alone
+        return quant_gemv(quant_gemv(x, *w_in, spec)[:, : HV * D], *w_out, spec)
+
+    variants = {"fused": fused, "separate": separate, "gemvs_only": gemvs}
+    conv_before = [layer[4].clone() for layer in layers]
+    state_before = [layer[5].clone() for layer in layers]
+    outs = {}
+    for name, fn in variants.items():  # the same output both ways (from the same states)
+        for layer, c, s in zip(layers, conv_before, state_before, strict=True):
+            layer[4].copy_(c)
+            layer[5].copy_(s)
+        outs[name] = fn(*layers[0])
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            times[name].append(graph_time_us([lambda x=x, fn=fn: fn(*x) for x in layers]))
+    row = {f"{name}_us": sorted(t)[len(t) // 2] for name, t in times.items()}
+    row["rounds_us"] = times
+    row["fused_step_us"] = row["fused_us"] - row["gemvs_only_us"]
+    row["separate_step_us"] = row["separate_us"] - row["gemvs_only_us"]
+    row["fused_vs_separate_rel_err"] = _rel(outs["fused"], outs["separate"])
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", default="512,2048,8192,32768")
@@ -142,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         # recurrent kernel faulted (illegal address) in a run on the H200
         decode = [bench_decode(int(b), fused_recurrent_gated_delta_rule, gen)
                   for b in args.batches.split(",")]  # fmt: skip
+        mixer = bench_mixer(gen)
         prefill = [bench_prefill(int(n), chunk_gated_delta_rule, gen)
                    for n in args.lengths.split(",")]  # fmt: skip
     print(f"{'prefill tokens':>14}{'ours ms':>10}{'fla ms':>10}{'speedup':>9}{'o err':>10}"
@@ -158,8 +233,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['batch']:>14}{r['ours_graph_us']:>15.2f}{r['ours_graph_state_tb_s']:>7.2f}"
               f"{r['ours_step_only_graph_us']:>16.2f}{r['conv_only_graph_us']:>9.2f}"
               f"{r['fla_graph_us']:>14.2f}{r['fla_eager_us']:>14.2f}")  # fmt: skip
+    print(f"batch-1 mixer, us per layer: in-proj GEMV with conv + step + out-proj GEMV "
+          f"finishing the norm {mixer['fused_us']:.2f}; GEMVs + conv + step with norm "
+          f"{mixer['separate_us']:.2f}; the two GEMVs alone {mixer['gemvs_only_us']:.2f}: "
+          f"layer step {mixer['fused_step_us']:.2f} (fused) vs "
+          f"{mixer['separate_step_us']:.2f} (separate); outputs differ by "
+          f"{mixer['fused_vs_separate_rel_err']:.1e}")  # fmt: skip
     report = {"gpu": torch.cuda.get_device_name(), "shapes": f"Hk={HK} Hv={HV} D={D}",
-              "prefill": prefill, "decode": decode}  # fmt: skip
+              "prefill": prefill, "decode": decode, "mixer_batch1": mixer}  # fmt: skip
     write_report(args.out, report)
     return report
 

@@ -19,7 +19,8 @@ from sparrow.kernels.gated_delta_rule.naive import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from sparrow.layers.linear import Projections
+from sparrow.kernels.quant_gemv.gemv import quant_gemv_conv, quant_gemv_rms_scaled
+from sparrow.layers.linear import Projections, is_quantized
 from sparrow.layers.norms import GatedRMSNorm
 from sparrow.worker.cache import StepMetadata
 
@@ -64,6 +65,8 @@ class GatedDeltaNet(Projections, nn.Module):
         [slots, C, K - 1] and recurrent pool [slots, Hv, Dk, Dv] fp32, indexed by
         meta.state_slots and updated in place."""
         conv_pool, state_pool = cache
+        if self._gemv_fusions(x, meta, conv_pool):
+            return self._decode_one_token(x, meta, conv_pool, state_pool)
         mixed_qkv, z, b, a = self.project("in", x)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         if use_triton(x) and self.kernels_fit:
@@ -72,6 +75,36 @@ class GatedDeltaNet(Projections, nn.Module):
             o = self.norm(self._mix_reference(mixed_qkv, a, b, meta, conv_pool, state_pool)
                           .to(x.dtype), z)  # fmt: skip
         return self.out_proj(o.flatten(1))
+
+    def _gemv_fusions(self, x: torch.Tensor, meta: StepMetadata, conv_pool) -> bool:
+        """Whether this step is one decode token whose projections are 4-bit GEMVs that can
+        take the conv and the norm (`_decode_one_token`)."""
+        fused = self.fused("in")
+        return (use_triton(x) and self.kernels_fit and x.shape[0] == 1 and meta.max_q_len == 1
+                and fused is not None and is_quantized(fused.whole)
+                and is_quantized(self.out_proj)
+                and self.head_v_dim % self.out_proj.spec.group_size == 0
+                and conv_pool.stride(1) == 1)  # fmt: skip
+
+    def _decode_one_token(self, x, meta, conv_pool, state_pool) -> torch.Tensor:
+        """Batch-1 decode with 4-bit projections in three kernels: the in-projection GEMV
+        with the conv step in its epilogue, the recurrent step over column blocks (8x the
+        programs of a head per program) that leaves the gated norm's 1 / rms per head to the
+        out-projection GEMV, which scales each head by it. Against the projections with the
+        conv kernel and the step with the norm between them: see `bench.gdn`."""
+        fused = self.fused("in")
+        w = fused.whole
+        y = quant_gemv_conv(x, w.weight, w.scales, w.biases, w.spec, self.conv1d.weight[:, 0],
+                            conv_pool, meta.state_slots)  # fmt: skip
+        qkv, z, b, a = y.split([*fused.sizes, fused.pad], dim=-1)[:4]
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        gated, sq_sums = fused_recurrent_step(
+            qkv, a, b, z, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, state_pool,
+            meta.state_slots, self.num_k_heads, normed=False,
+        )  # fmt: skip
+        out = self.out_proj
+        return quant_gemv_rms_scaled(gated, sq_sums, self.norm.eps, out.weight, out.scales,
+                                     out.biases, out.spec, x.dtype)  # fmt: skip
 
     def _split_heads(self, qkv: torch.Tensor):
         q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)

@@ -29,12 +29,12 @@ class FusedLinears:
         return self.whole(x).split([*self.sizes, self.pad], dim=-1)[: len(self.sizes)]
 
 
-def _is_quantized(m: nn.Module) -> bool:  # a QuantizedLinear (not imported: no cycle)
+def is_quantized(m: nn.Module) -> bool:  # a QuantizedLinear (not imported: no cycle)
     return hasattr(m, "spec") and getattr(m, "logical_shapes", {}).keys() == {"weight"}
 
 
 def _signature(m: nn.Module):
-    if _is_quantized(m):
+    if is_quantized(m):
         return (type(m), m.in_features, m.spec, m.scales.dtype, m.weight.device)
     if type(m) is nn.Linear and m.bias is None:
         return (nn.Linear, m.in_features, m.weight.dtype, m.weight.device)
@@ -52,7 +52,7 @@ def fuse_linears(modules: list[nn.Module]) -> FusedLinears | None:
     # `cutlass_75 ... align1` in the e2e prefill profile); the split drops them.
     pad = -sum(sizes) % 8
     with torch.device("meta"):
-        if _is_quantized(first):
+        if is_quantized(first):
             whole = type(first)(first.in_features, sum(sizes) + pad, first.spec,
                                 first.scales.dtype)  # fmt: skip
         else:

@@ -29,10 +29,10 @@ FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
 # kernel, pointer dtypes (default first), constexprs, launch options: shapes of
 # Qwen3.6-35B-A3B in bf16 as the layers launch them.
 GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
-             "sw_ptr": "i32"}
+             "sw_ptr": "i32", "slot_ptr": "i32"}
 GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
         "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False,
-        "F16_DOT": False}
+        "F16_DOT": False, "HEAD": 0, "PARTS": 1, "CONV_KW": 0}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
 TF32 = {"PRECISION": "tf32"}
 CASES = {
@@ -45,7 +45,14 @@ CASES = {
     "gdn_decode_step": (fused_recurrent._recurrent_step_kernel,
                         {"*": "bf16", "alog_ptr": "fp32", "dtb_ptr": "fp32", "state_ptr": "fp32",
                          "slot_ptr": "i32"},
-                        {"RATIO": 2, "DK": 128, "DV": 128, "BV": 32}, {"num_warps": 4}),
+                        {"RATIO": 2, "DK": 128, "DV": 128, "COLS": 128, "BV": 32, "NORM": True},
+                        {"num_warps": 4}),
+    "gdn_decode_step_cols": (fused_recurrent._recurrent_step_kernel,
+                             {"*": "bf16", "alog_ptr": "fp32", "dtb_ptr": "fp32",
+                              "state_ptr": "fp32", "slot_ptr": "i32", "y_ptr": "fp32",
+                              "sq_ptr": "fp32"},
+                             {"RATIO": 2, "DK": 128, "DV": 128, "COLS": 16, "BV": 16,
+                              "NORM": False}, {"num_warps": 1}),  # batch 1, fused GEMVs
     "gdn_gates": (fused_recurrent._gates_kernel, {"*": "bf16", "alog_ptr": "fp32", "g_ptr": "fp32",
                                                   "beta_ptr": "fp32"},
                   {"BLOCK": 1024}, {"num_warps": 4}),
@@ -85,6 +92,14 @@ CASES = {
                             GEMV | {"BLOCK_N": 32, "PACKED": True, "PREFETCH": True,
                                     "F16_DOT": True},
                             {"num_warps": 4}),  # the GDN in-projection at batch 1
+    "quant_gemv_conv": (gemv._gemv_kernel, GEMV_PTRS,
+                        GEMV | {"BLOCK_N": 32, "PACKED": True, "PREFETCH": True,
+                                "F16_DOT": True, "CONV_KW": 4},
+                        {"num_warps": 4}),  # ... with the conv step (`quant_gemv_conv`)
+    "quant_gemv_rms_scaled": (gemv._gemv_kernel, GEMV_PTRS | {"x_ptr": "fp32", "sq_ptr": "fp32"},
+                              GEMV | {"BLOCK_N": 8, "BLOCK_K": 4096, "PACKED": True,
+                                      "PREFETCH": True, "HEAD": 128, "PARTS": 8},
+                              {"num_warps": 2}),  # the GDN out-projection at batch 1
     "quant_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
                          GEMV | {"GATED": True, "BLOCK_N": 4, "PACKED": True},
                          {"num_warps": 2, "num_stages": 2}),

@@ -63,17 +63,31 @@ def _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, hk, **tiles):
                                                           (3, 1, 3, 32, 64, 32),
                                                           (2, 2, 4, 16, 64, 16),
                                                           (5, 2, 2, 16, 16, 32)])  # fmt: skip
-def test_step_matches_reference(device, bsz, hk, hv, dk, dv, block_v):
-    """The step with its gated norm vs the reference recurrence + the layer's GatedRMSNorm:
-    output and new states."""
+@pytest.mark.parametrize("normed", [True, False])
+def test_step_matches_reference(device, bsz, hk, hv, dk, dv, block_v, normed):
+    """The step with its gated norm (a head per program) vs the reference recurrence + the
+    layer's GatedRMSNorm, and with the norm's parts (block_v columns per program): output
+    and new states."""
     qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, hk, hv, dk, dv, device)
     z, norm = _gated(bsz, hv, dv, device)
     ref_states = states.clone().cpu()
     expected = _reference(qkv.cpu(), a.cpu(), b.cpu(), a_log.cpu(), dt_bias.cpu(), ref_states,
                           slots.cpu(), hk, dk, dv)  # fmt: skip
-    y = _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, hk, block_v=block_v)
-    assert rel_err(y.cpu(), norm.cpu()(expected, z.cpu())) < 1e-5
+    y = _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, hk, block_v=block_v,
+              normed=normed)  # fmt: skip
+    if normed:
+        assert rel_err(y.cpu(), norm.cpu()(expected, z.cpu())) < 1e-5
+    else:
+        _assert_norm_parts(*y, expected, z, norm, 1e-5)
     assert rel_err(states.cpu(), ref_states) < 1e-5
+
+
+def _assert_norm_parts(gated, sq_sums, o, z, norm, tol):
+    """The unnormed step's (o * w * silu(z), sums of o^2 per column block) against o."""
+    o, z, w = o.cpu().float(), z.cpu().float(), norm.weight.cpu().float()
+    parts = sq_sums.shape[-1]
+    assert rel_err(gated.cpu(), o * w * F.silu(z)) < tol
+    assert rel_err(sq_sums.cpu(), (o * o).unflatten(-1, (parts, -1)).sum(-1)) < tol
 
 
 def test_step_rejects_mismatched_inputs():
@@ -229,3 +243,8 @@ def test_step_real_sizes_gpu(bsz):
     expected = _reference(qkv, a, b, a_log, dt_bias, ref_states, slots, 16, 128, 128)
     y = _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, 16)
     assert rel_err(y, norm(expected, z)) < 1e-4 and rel_err(states, ref_states) < 1e-4
+    if bsz == 1:  # the column-block step (no norm) on the states just updated
+        expected = _reference(qkv, a, b, a_log, dt_bias, ref_states, slots, 16, 128, 128)
+        parts = _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, 16, normed=False)
+        _assert_norm_parts(*parts, expected, z, norm, 1e-4)
+        assert rel_err(states, ref_states) < 1e-4

@@ -4,9 +4,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparrow.kernels.quant_gemv.gemv import launch_gemv, quant_gemv
+from sparrow.kernels.causal_conv1d.conv import state_pool
+from sparrow.kernels.quant_gemv.gemv import (
+    launch_gemv,
+    quant_gemv,
+    quant_gemv_conv,
+    quant_gemv_rms_scaled,
+)
 from sparrow.kernels.quant_gemv.mma import quant_mma
 from sparrow.kernels.quant_gemv.naive import quant_matmul
+from sparrow.layers.gated_deltanet import causal_conv1d
+from sparrow.layers.norms import GatedRMSNorm
 from sparrow.quant.affine import QuantSpec, quantize
 from tests.conftest import rel_err
 
@@ -78,6 +86,90 @@ def test_gated_gemv_matches_reference(m, bits):
     full = quant_matmul(x, packed, scales, biases, spec)
     assert y.shape == (m, 21)
     assert rel_err(y, F.silu(full[:, :21]) * full[:, 21:]) < 1e-5
+
+
+def _conv_case(n, k, channels, dtype, device):
+    """A GDN in-projection's one-row case: weights, x, conv weight [C, 4] and a conv-state
+    pool of 3 slots (random windows), slot 2 in use."""
+    spec = QuantSpec(4, 64)
+    x, packed, scales, biases = _case(1, n, k, spec, dtype, device)
+    gen = torch.Generator().manual_seed(n + channels)
+    weight = torch.randn(channels, 4, generator=gen).to(device, dtype)
+    pool = state_pool(3, channels, 4, device, dtype)
+    pool.copy_(torch.randn(pool.shape, generator=gen))
+    return spec, x, (packed, scales, biases), weight, pool, torch.tensor([2], device=device)
+
+
+def _conv_reference(x, w, spec, weight, pool, slot):
+    """quant_matmul, then the layer's reference conv on the first C outputs."""
+    y = quant_matmul(x.float(), *(t.float() if t.is_floating_point() else t for t in w), spec)
+    y = y.to(x.dtype)
+    conv, state = causal_conv1d(y[:, : weight.shape[0]], pool[slot].clone(), weight)
+    return torch.cat((conv, y[:, weight.shape[0] :]), dim=1), state
+
+
+@pytest.mark.parametrize("n, k, channels", [(70, 192, 40), (37, 256, 37), (16, 128, 5)])
+def test_gemv_conv_matches_reference(n, k, channels):
+    """The in-projection with the GDN conv step in its epilogue: outputs (conv'd channels
+    and plain ones, straddling row blocks) and the moved window in the pool."""
+    spec, x, w, weight, pool, slots = _conv_case(n, k, channels, torch.float32, "cpu")
+    expected, state = _conv_reference(x, w, spec, weight, pool, 2)
+    others = pool[:2].clone()
+    y = quant_gemv_conv(x, *w, spec, weight, pool, slots)
+    assert rel_err(y, expected) < 1e-5 and rel_err(pool[2], state) < 1e-5
+    assert torch.equal(pool[:2], others)
+
+
+def _norm_case(heads, d, parts, n, dtype, device):
+    """A GDN out-projection's one-row case: the step's o * w * silu(z) (fp32) and its sums of
+    o^2 in `parts` column blocks per head, and the layer's norm of o for the reference."""
+    spec = QuantSpec(4, 64)
+    gen = torch.Generator().manual_seed(heads * d + n)
+    o = torch.randn(1, heads, d, generator=gen).to(device, dtype)
+    z = torch.randn(1, heads, d, generator=gen).to(device, dtype)
+    norm = GatedRMSNorm(d, 1e-6).to(device, dtype)
+    norm.weight.data = (torch.rand(d, generator=gen) + 0.5).to(device, dtype)
+    gated = o.float() * norm.weight.float() * F.silu(z.float())
+    sq_sums = (o.float() ** 2).unflatten(-1, (parts, -1)).sum(-1)
+    _, packed, scales, biases = _case(1, n, heads * d, spec, dtype, device)
+    return spec, (gated, sq_sums, norm.eps), norm(o, z), (packed, scales, biases)
+
+
+@pytest.mark.parametrize("heads, d, parts, n", [(3, 64, 4, 37), (2, 128, 8, 70),
+                                                (6, 128, 1, 8)])  # fmt: skip
+def test_gemv_rms_scaled_matches_reference(heads, d, parts, n):
+    """The out-projection finishing the GDN gated norm (each head scaled by its 1 / rms from
+    partial sums of squares) vs the layer's norm, then the reference matmul; heads of one and
+    of two quantisation groups."""
+    spec, step_parts, normed, w = _norm_case(heads, d, parts, n, torch.float32, "cpu")
+    y = quant_gemv_rms_scaled(*step_parts, *w, spec)
+    assert rel_err(y, quant_matmul(normed.flatten(1), *w, spec)) < 1e-5
+
+
+def test_gemv_fusions_reject_bad_inputs():
+    spec, (gated, sq_sums, eps), _, w = _norm_case(2, 32, 2, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="whole groups"):  # heads of 32: half a group
+        quant_gemv_rms_scaled(gated, sq_sums, eps, *w, spec)
+    with pytest.raises(ValueError, match="expected"):
+        quant_gemv_rms_scaled(gated, sq_sums[:, :1], eps, *w, spec)
+    spec, x, w, weight, pool, slots = _conv_case(16, 128, 5, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        quant_gemv_conv(x, *w, spec, weight[:4], pool, slots)
+    with pytest.raises(ValueError, match="one row"):
+        quant_gemv_conv(x.repeat(2, 1), *w, spec, weight, pool, slots)
+
+
+@pytest.mark.gpu
+def test_gemv_fusions_real_sizes_gpu():
+    """The GDN layer's shapes: in-projection 2048 -> 12352 with the conv on 8192 channels,
+    out-projection 4096 -> 2048 finishing the norm over 32 heads of 128 (8 parts), bf16."""
+    spec, x, w, weight, pool, slots = _conv_case(12352, 2048, 8192, torch.bfloat16, "cuda")
+    expected, state = _conv_reference(x, w, spec, weight, pool, 2)
+    y = quant_gemv_conv(x, *w, spec, weight, pool, slots)
+    assert rel_err(y, expected) < 1e-2 and rel_err(pool[2], state) < 1e-2
+    spec, step_parts, normed, w = _norm_case(32, 128, 8, 2048, torch.bfloat16, "cuda")
+    y = quant_gemv_rms_scaled(*step_parts, *w, spec)
+    assert rel_err(y, quant_matmul(normed.flatten(1), *w, spec)) < 1e-2
 
 
 def test_gemv_rejects_bad_shapes():

@@ -7,6 +7,7 @@ import torch
 from safetensors import safe_open
 
 from sparrow.config import QuantConfig
+from sparrow.kernels.quant_gemv.gemv import quant_gemv_conv
 from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
 from sparrow.loader.weights import CheckpointError, load_checkpoint
 from sparrow.quant.mlx_layout import save_mlx_checkpoint
@@ -140,3 +141,20 @@ def test_decode_with_triton_gemv_matches_reference(quantized):
         assert rel_err(run("triton"), run("reference")) < 1e-4
     finally:
         set_backend(previous)
+
+
+def test_one_token_decode_with_gdn_gemv_fusions(tmp_path, monkeypatch):
+    """GDN heads of 64 (a quantisation group) take batch-1 decode's fused path: the conv in
+    the in-projection's GEMV, the gated norm in the out-projection's. Greedy decode through
+    it equals the reference path."""
+    import sparrow.layers.gated_deltanet as gdn
+
+    cfg = CFG.replace(linear_key_head_dim=64, linear_value_head_dim=64)
+    ckpt = write_random_checkpoint(tmp_path, cfg, seed=7, dtype=torch.float32, tokenizer=False,
+                                   progress=False)  # fmt: skip
+    model = load_checkpoint(ckpt, quantize=QuantConfig.mlx_default(), progress=False)
+    calls = []
+    monkeypatch.setattr(gdn, "quant_gemv_conv",
+                        lambda *a, **k: calls.append(1) or quant_gemv_conv(*a, **k))  # fmt: skip
+    test_decode_with_triton_gemv_matches_reference(model)
+    assert len(calls) == 3 * sum(layer == "linear_attention" for layer in cfg.layer_types)

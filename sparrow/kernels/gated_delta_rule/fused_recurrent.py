@@ -2,21 +2,27 @@
 live in a pool indexed by slot (continuous batching). Fused: L2-norm and scale of q/k, the
 decay g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the state update, the
 output and the layer's gated RMSNorm of it (with z). The state is updated in place. The
-conv update before it is its own kernel (`causal_conv1d`'s one-token step); prefill's
+conv update before it is its own kernel (`causal_conv1d`'s one-token step) or, at batch 1
+with 4-bit projections, the in-projection GEMV's epilogue (`quant_gemv_conv`); prefill's
 output norm is `gated_rms_norm`.
 
-A program owns a whole head (sequence, v-head), as the norm needs: the state [Dk, Dv] as a
-tile [Dv // BV, Dk, BV]. Measured on the H200 (graphs of 30 layers, conv included, one run,
-batch 1 / 2 / 8 / 64): 4.97 / 5.98 / 12.57 / 78.5 us against 4.95 / 6.41 / 13.41 / 79.1 for
-the step split over column blocks (B * Hv * Dv / 16..64 programs) plus a norm kernel;
-with 8 warps 6.8 / 7.7 / 17.0 / 130. Measured and not kept: the conv inside it too (the
-q/k windows written by one of a q/k head's two programs; timing only) 5.41 / 6.61 / 12.93 /
-94.5: a layer's decode is a chain of dependent kernels, and at batch 1 the conv kernel's
-time hides behind the step's state loads (issued before the wait). Earlier, with the step
-split over column blocks: the conv inside the step, its windows moved by extra programs of
-the norm kernel, 4.85 vs 4.96 us at batch 1; the norm kernel waiting on per-(sequence, head)
-arrival counters instead of the whole step kernel, 7.24 vs 4.75; the whole decode as one
-kernel with conv and norm done by the last of a head's programs, 7.70 vs 6.40.
+Two ways to split the work. With the norm, a program owns a whole head (sequence, v-head),
+as the norm needs: the state [Dk, Dv] as a tile [Dv // BV, Dk, BV]. Measured on the H200
+(graphs of 30 layers, conv included, one run, batch 1 / 2 / 8 / 64): 4.97 / 5.98 / 12.57 /
+78.5 us against 4.95 / 6.41 / 13.41 / 79.1 for the step split over column blocks plus a norm
+kernel; with 8 warps 6.8 / 7.7 / 17.0 / 130. Without it (`normed=False`, batch-1 decode with
+4-bit projections), a program owns 16 columns and the norm's 1 / rms is applied by the
+out-projection GEMV (`quant_gemv_rms_scaled`): at batch 1 the head-per-program step has only
+32 programs, each storing 64 KB of state. Measured and not kept: the conv inside the step
+too (the q/k windows written by one of a q/k head's two programs; timing only) 5.41 / 6.61 /
+12.93 / 94.5: a layer's decode is a chain of dependent kernels, and at batch 1 the conv
+kernel's time hides behind the step's state loads (issued before the wait). Earlier, with
+the step split over column blocks: the conv inside the step, its windows moved by extra
+programs of the norm kernel, 4.85 vs 4.96 us at batch 1; the norm kernel waiting on
+per-(sequence, head) arrival counters instead of the whole step kernel, 7.24 vs 4.75; the
+whole decode as one kernel with conv and norm done by the last of a head's programs, 7.70
+vs 6.40; the whole norm (from o and z) in the out-projection GEMV's prologue, 2.7 us a layer
+more than the GEMV alone.
 """
 
 from __future__ import annotations
@@ -71,23 +77,26 @@ def _gated_norm(b_o, b_z, b_w, eps, D: tl.constexpr, DT: tl.constexpr, AXIS: tl.
 @triton.jit
 def _recurrent_step_kernel(
     qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, z_ptr, w_ptr, y_ptr,
-    stride_qkv, stride_ab, stride_ss, stride_sh, stride_zt, stride_y, eps,
-    KEY_DIM, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    sq_ptr, stride_qkv, stride_ab, stride_ss, stride_sh, stride_zt, stride_y, eps,
+    KEY_DIM, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, COLS: tl.constexpr,
+    BV: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (v-head, sequence). The state [DK, DV] is held as a tile [DV // BV, DK, BV]:
-    stored rows of DV floats are read whole by a warp's threads (BV columns each), and
-    the column blocks' output lands in the [DV // BV, BV] shape the norm reduces whole.
+    """Program (column block, v-head, sequence): COLS columns of the state [DK, DV], held as
+    a tile [COLS // BV, DK, BV]: stored rows are read whole by a warp's threads (BV columns
+    each). NORM (COLS = DV, a whole head): the output gets the layer's gated norm. Else the
+    columns' o * w * silu(z) (fp32) and their sum of o^2 (sq [B, Hv, DV // COLS]) are
+    stored: the norm's parts, finished by the reader that scales each head by its 1 / rms.
     With PDL the state (and the layer's A_log, dt_bias, norm weight) is loaded before
     waiting for the previous kernel: a state pool is written only by this kernel, once per
     layer and step, and by PyTorch and prefill kernels launched without PDL, and between two
     steps there is always a graph boundary or such a kernel, so every earlier write is
     complete."""
     let_next_launch(USE_PDL)
-    i_h, i_b = tl.program_id(0), tl.program_id(1)
+    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_k = i_h // RATIO  # the q/k head this v-head reads
     o_dk = tl.arange(0, DK)
-    o_col = tl.arange(0, DV // BV)[:, None] * BV + tl.arange(0, BV)[None, :]  # [DV // BV, BV]
+    o_col = (i_c * COLS + tl.arange(0, COLS // BV)[:, None] * BV
+             + tl.arange(0, BV)[None, :])  # [COLS // BV, BV] fmt: skip
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
     p_s = (state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[None, :, None] * DV
            + o_col[:, None, :])  # fmt: skip
@@ -99,13 +108,19 @@ def _recurrent_step_kernel(
     b_q = tl.load(p_row + i_k * DK + o_dk).to(tl.float32)
     b_k = tl.load(p_row + KEY_DIM + i_k * DK + o_dk).to(tl.float32)
     b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_col).to(tl.float32)
-    b_z = tl.load(z_ptr + i_b * stride_zt + i_h * DV + o_col)
     g, beta = decay_and_beta(tl.load(a_ptr + i_b * stride_ab + i_h),
                              tl.load(b_ptr + i_b * stride_ab + i_h), a_log, dt_bias)  # fmt: skip
+    b_z = tl.load(z_ptr + i_b * stride_zt + i_h * DV + o_col)
     b_s, b_o = _delta_step(b_q[None, :, None], b_k[None, :, None], b_v, b_s, g, beta, DK)
     tl.store(p_s, b_s)
-    b_y = _gated_norm(b_o, b_z, b_w, eps, DV, y_ptr.dtype.element_ty, None)
-    tl.store(y_ptr + i_b * stride_y + i_h * DV + o_col, b_y)
+    if NORM:
+        b_y = _gated_norm(b_o, b_z, b_w, eps, DV, y_ptr.dtype.element_ty, None)
+    else:
+        b_zf = b_z.to(tl.float32)
+        b_y = b_o * b_w.to(tl.float32) * (b_zf / (1.0 + tl.exp(-b_zf)))
+        tl.store(sq_ptr + (i_b * tl.num_programs(1) + i_h) * (DV // COLS) + i_c,
+                 tl.sum(b_o * b_o))  # fmt: skip
+    tl.store(y_ptr + i_b * stride_y + i_h * DV + o_col, b_y.to(y_ptr.dtype.element_ty))
 
 
 def fused_recurrent_step(
@@ -120,15 +135,23 @@ def fused_recurrent_step(
     states: torch.Tensor,
     slots: torch.Tensor,
     num_k_heads: int,
-    block_v: int = 32,
-    num_warps: int = 4,
-) -> torch.Tensor:
+    normed: bool = True,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """qkv: [B, 2 * Hk * Dk + Hv * Dv] (after the conv); a, b: [B, Hv] (projections);
     z: [B, Hv, Dv] (heads packed, any row stride); a_log, dt_bias: [Hv]; norm_weight: [Dv];
     states: [S, Hv, Dk, Dv] fp32 pool, updated in place at slots [B].
-    block_v: state columns per thread group (16 and 32 within 1% at every batch), num_warps:
-    4 (see the module docstring for 8).
-    Returns the gated-normed output [B, Hv, Dv] in z's dtype."""
+    Returns the gated-normed output [B, Hv, Dv] in z's dtype: a program per (head,
+    sequence), block_v state columns per thread group (default 32; 16 and 32 within 1% at
+    every batch), num_warps 4 (see the module docstring for 8).
+    normed=False: a program owns block_v columns (default 16, on 1 warp: 8x the programs,
+    for batch 1's 32 heads), so no program sees a whole head; returns the norm's parts
+    (p = o * w * silu(z) [B, Hv, Dv] fp32, and the sums of o^2 of each head's column
+    blocks [B, Hv, Dv / block_v] fp32) for the reader that scales each head of p by
+    1 / rms (`quant_gemv_rms_scaled`). Measured on the H200 (graphs of 30 layers at batch 1,
+    the step between the GDN projections' GEMVs): 2.36 us over the bare GEMVs, against
+    3.99 for the step with the norm."""
     bsz = qkv.shape[0]
     _, hv, dk, dv = states.shape
     key_dim = num_k_heads * dk
@@ -143,15 +166,18 @@ def fused_recurrent_step(
     qkv = qkv.contiguous()
     a, b = _one_row_stride(a, b)
     z = _heads_packed(z)
-    y = torch.empty(bsz, hv, dv, device=qkv.device, dtype=z.dtype)
-    grid = (hv, bsz)
+    y = torch.empty(bsz, hv, dv, device=qkv.device, dtype=z.dtype if normed else torch.float32)
+    block_v = min(block_v or (32 if normed else 16), dv)
+    cols = dv if normed else block_v
+    sq = None if normed else torch.empty(bsz, hv, dv // cols, device=y.device, dtype=y.dtype)
+    grid = (dv // cols, hv, bsz)
     _recurrent_step_kernel[grid](
-        qkv, a, b, a_log, dt_bias, states, slots, z, norm_weight, y,
+        qkv, a, b, a_log, dt_bias, states, slots, z, norm_weight, y, sq,
         qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), z.stride(0), y.stride(0),
-        eps, key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, BV=min(block_v, dv),
-        num_warps=num_warps, **launch_args(y, grid),
+        eps, key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, COLS=cols, BV=block_v,
+        NORM=normed, num_warps=num_warps or (4 if normed else 1), **launch_args(y, grid),
     )  # fmt: skip
-    return y
+    return y if normed else (y, sq)
 
 
 def _heads_packed(z: torch.Tensor) -> torch.Tensor:

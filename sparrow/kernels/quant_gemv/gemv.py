@@ -10,6 +10,8 @@ so the codes meet x in one multiply-add each and scale/bias are applied once per
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -158,9 +160,12 @@ def _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn):
 def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
-              USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False):  # fmt: skip
+              USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False, sq_ptr=None, eps=0.0,
+              HEAD: tl.constexpr = 0, PARTS: tl.constexpr = 1):  # fmt: skip
     """sum_k W[o_n, k] x[k] for one activation row x (K contiguous values): fp32 [BLOCK_N].
-    K % BLOCK_K == 0.
+    K % BLOCK_K == 0. HEAD > 0: x's heads of HEAD values (whole groups) are scaled by their
+    1 / rms, from the PARTS partial sums of squares per head at sq (`quant_gemv_rms_scaled`):
+    each group's sum is multiplied by its head's factor.
 
     Works on whole 32-bit words, as a [GROUPS, BLOCK_N, WPG] tile (WPG words per group);
     scale and bias apply per group after the words of a group are summed. The dim order
@@ -198,12 +203,16 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
         if not PREFETCH:  # loaded after the codes' use: fewer layout changes (SASS)
             b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn)
         if F16_DOT:  # per group: sum (s q + b) x = s sum q x + b sum x
-            b_acc += b_s * b_q + b_b * b_xs[:, None]
+            b_g = b_s * b_q + b_b * b_xs[:, None]
         else:
             # per group: sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x; summing the
             # words of a group first keeps the [GROUPS, BLOCK_N, WPG] tile in one layout
             b_sf = b_s * (1 << BITS)
-            b_acc += b_sf * tl.sum(b_qx, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[:, None]
+            b_g = b_sf * tl.sum(b_qx, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[:, None]
+        if HEAD > 0:
+            o_sq = ((g0 + o_g) * GROUP // HEAD)[:, None] * PARTS + tl.arange(0, PARTS)[None, :]
+            b_g *= tl.rsqrt(tl.sum(tl.load(sq_ptr + o_sq), axis=1) / HEAD + eps)[:, None]
+        b_acc += b_g
         if PREFETCH:  # the next tile (none past the end)
             m_next = m_n & (o_n * 0 + g0 + GROUPS < num_groups)
             b_w = _words(w_ptr, o_n, m_next, g0 + GROUPS, o_gw, stride_wn, WPG)
@@ -214,12 +223,14 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr, sw_ptr, ss_ptr, sb_ptr,
-    N, K,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+    sq_ptr, cw_ptr, cs_ptr, slot_ptr,
+    N, K, eps, conv_rows,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym, stride_cs, stride_cp,
     TOP_K: tl.constexpr, EXPERTS: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
     APPLY_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False,
+    HEAD: tl.constexpr = 0, PARTS: tl.constexpr = 1, CONV_KW: tl.constexpr = 0,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of output row i_m.
 
@@ -229,7 +240,11 @@ def _gemv_kernel(
     reads expert ids[i_m]; SHARED: the last slot of each token reads the shared expert's
     weights (sw, ss, sb: one expert's shape) instead; APPLY_WEIGHT scales a row by its
     routing weight rw[i_m]. PREFETCH (not with EXPERTS: the expert ids come from the
-    previous kernel): see `gemv_rows`."""
+    previous kernel): see `gemv_rows`, also for HEAD and PARTS (x's heads scaled by their
+    1 / rms, `quant_gemv_rms_scaled`). CONV_KW > 0: the outputs below conv_rows are the GDN
+    conv's channels: each gets its causal conv (weights cw [C, CONV_KW]) with the sequence's
+    window in the conv-state pool cs (slot slot[i_m], channels contiguous, positions
+    stride_cp apart) and SiLU, and the window moves by one (`quant_gemv_conv`)."""
     if PREFETCH:
         let_next_launch(USE_PDL)  # `gemv_rows` waits after its first weight loads
     else:
@@ -248,6 +263,17 @@ def _gemv_kernel(
         p_x = x_ptr + (i_m // TOP_K) * stride_xm
     else:
         p_x = x_ptr + i_m * stride_xm
+    if CONV_KW > 0:  # the window's older inputs, before any wait: only this kernel writes them
+        m_c = o_n < conv_rows
+        p_cs = cs_ptr + tl.load(slot_ptr + i_m).to(tl.int64) * stride_cs + o_n
+        b_conv = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(CONV_KW - 1):
+            b_old = tl.load(p_cs + j * stride_cp, mask=m_c, other=0.0)
+            b_conv += b_old.to(tl.float32) * tl.load(cw_ptr + o_n * CONV_KW + j, mask=m_c,
+                                                     other=0.0).to(tl.float32)  # fmt: skip
+            if j > 0:  # position j of the old window is j - 1 of the new
+                tl.store(p_cs + (j - 1) * stride_cp, b_old, mask=m_c)
+        b_cw = tl.load(cw_ptr + o_n * CONV_KW + CONV_KW - 1, mask=m_c, other=0.0)
     if GATED:  # gate rows o_n and up rows o_n + N in one walk over K (one tile of 2 BLOCK_N)
         o_gu = tl.arange(0, 2 * BLOCK_N)
         o_rows = i_n * BLOCK_N + o_gu % BLOCK_N + (o_gu // BLOCK_N) * N
@@ -259,10 +285,35 @@ def _gemv_kernel(
         b_y = b_y / (1.0 + tl.exp(-b_y)) * b_u
     else:
         b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
-                        GROUP, BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT)  # fmt: skip
+                        GROUP, BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT, sq_ptr,
+                        eps, HEAD, PARTS)  # fmt: skip
     if APPLY_WEIGHT:
         b_y *= tl.load(rw_ptr + i_m)
+    if CONV_KW > 0:  # the new input, rounded like the projection's output, ends the window
+        b_in = b_y.to(y_ptr.dtype.element_ty)
+        tl.store(p_cs + (CONV_KW - 2) * stride_cp, b_in.to(cs_ptr.dtype.element_ty), mask=m_c)
+        b_conv += b_in.to(tl.float32) * b_cw.to(tl.float32)
+        b_y = tl.where(m_c, b_conv / (1.0 + tl.exp(-b_conv)), b_y)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
+
+
+class HeadRms(NamedTuple):
+    """x's heads scaled by 1 / rms inside the GEMV: sq_sums [H, P] partial sums of squares
+    of each head (P a power of two), inv_rms = rsqrt(sum / head_dim + eps)."""
+
+    sq_sums: torch.Tensor | None
+    eps: float
+
+
+class ConvStep(NamedTuple):
+    """The GDN conv's one-token step as a GEMV epilogue on outputs 0..rows-1: weight [rows,
+    KW], pool [S, rows, KW - 1] (channels contiguous, `causal_conv1d.conv.state_pool`),
+    slots [M] (one per activation row)."""
+
+    weight: torch.Tensor | None
+    pool: torch.Tensor | None
+    slots: torch.Tensor | None
+    rows: int
 
 
 def shared_expert_args(shared_w, packed: torch.Tensor, scales: torch.Tensor) -> tuple:
@@ -277,8 +328,8 @@ def shared_expert_args(shared_w, packed: torch.Tensor, scales: torch.Tensor) -> 
 
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
-                shared_w=None, prefetch: bool | None = None,
-                f16_dot: bool | None = None):  # fmt: skip
+                shared_w=None, prefetch: bool | None = None, f16_dot: bool | None = None,
+                rms: HeadRms | None = None, conv: ConvStep | None = None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
@@ -290,27 +341,43 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     H200 (`bench.gemv --quick`, `bench.moe`): the MoE layer at 1 / 8 / 32 tokens 16.9 /
     55.8 / 155.6 us against 18.9 / 64.5 / 192 with fp32 products. Error against the
     dequantised reference (max-normalised) 3-6e-3 against 1e-6..2e-3 in fp32, below the
-    layer's bf16 output rounding."""
+    layer's bf16 output rounding. rms, conv: the GDN fusions of `quant_gemv_rms_scaled`
+    and `quant_gemv_conv` (plain GEMVs only)."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
     sw = shared_expert_args(shared_w, packed, scales)
     if prefetch and experts:
         raise ValueError("the expert GEMV cannot prefetch: its weights follow the routing")
+    if (rms or conv) and (experts or gated or rw is not None):
+        raise ValueError("the GDN norm and conv fusions take plain GEMVs")
+    rms = rms or HeadRms(None, 0.0)
+    head = k // rms.sq_sums.shape[0] if rms.sq_sums is not None else 0
+    if head and (head * rms.sq_sums.shape[0] != k or head % spec.group_size):
+        raise ValueError(f"{rms.sq_sums.shape[0]} heads do not split K = {k} into whole "
+                         f"groups of {spec.group_size}")  # fmt: skip
+    conv = conv or ConvStep(None, None, None, 0)
+    conv_strides = (conv.pool.stride(0), conv.pool.stride(2)) if conv.rows else (0, 0)
+    if conv.rows and conv.pool.stride(1) != 1:
+        raise ValueError("the conv-state pool's channels must be contiguous (`state_pool`)")
     grid = (triton.cdiv(n, block_n), y.shape[0])
     pdl = launch_args(y, grid)
     ptx = x.is_cuda and spec.bits == 4  # the packed PTX paths
     f16_dot = ptx and x.dtype != torch.float32 and (experts if f16_dot is None else f16_dot)
     _gemv_kernel[grid](
         x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
-        n, k, x.stride(0), packed.stride(0) if experts else 0, packed.stride(-2),
-        scales.stride(0) if experts else 0, scales.stride(-2), y.stride(0),
+        rms.sq_sums, conv.weight, conv.pool, conv.slots,
+        n, k, rms.eps, conv.rows, x.stride(0), packed.stride(0) if experts else 0,
+        packed.stride(-2), scales.stride(0) if experts else 0, scales.stride(-2), y.stride(0),
+        *conv_strides,
         TOP_K=top_k, EXPERTS=experts, SHARED=shared_w is not None, GATED=gated,
         APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
         BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=ptx,
         F16_DOT=f16_dot,
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
+        HEAD=head, PARTS=rms.sq_sums.shape[1] if head else 1,
+        CONV_KW=conv.weight.shape[1] if conv.rows else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     return y
@@ -388,3 +455,51 @@ def quant_gemv(
     return launch_gemv(x, (packed, scales, biases), y, spec, block_n or bn, block_k or bk,
                        num_warps or nw, num_stages, gated=gated, prefetch=prefetch,
                        f16_dot=f16 if f16_dot is None else f16_dot)  # fmt: skip
+
+def _one_row(x, packed, scales, biases, spec: QuantSpec, what: str):
+    """The (x, weights, default config) of a one-row GEMV with a GDN fusion."""
+    _check(x, packed, scales, biases, spec)
+    if x.shape[0] != 1:
+        raise ValueError(f"the GEMV with the {what} takes one row, got {x.shape[0]}")
+    config = default_config(packed.shape[0], x.shape[1])
+    return (x.contiguous(), (packed.contiguous(), scales.contiguous(), biases.contiguous()),
+            config)  # fmt: skip
+
+
+def quant_gemv_conv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    biases: torch.Tensor, spec: QuantSpec, conv_weight: torch.Tensor,
+                    conv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """A GDN layer's in-projection at one decode token with its conv step in the epilogue:
+    y = x @ W^T [1, N], the first C outputs (the conv's channels: conv_weight [C, KW],
+    conv_pool [S, C, KW - 1] from `state_pool`, updated in place at slots [1]) replaced by
+    silu(causal conv) of the window they end. One kernel for the projection and the
+    `causal_conv1d` decode step."""
+    x, w, (bn, bk, nw, f16) = _one_row(x, packed, scales, biases, spec, "conv step")
+    c, kw = conv_weight.shape
+    if c > packed.shape[0] or conv_pool.shape[1:] != (c, kw - 1) or slots.shape != (1,):
+        raise ValueError(f"conv weight {list(conv_weight.shape)}, pool "
+                         f"{list(conv_pool.shape)}, slots {list(slots.shape)} do not fit "
+                         f"{packed.shape[0]} outputs and one row")  # fmt: skip
+    y = torch.empty(1, packed.shape[0], device=x.device, dtype=x.dtype)
+    conv = ConvStep(conv_weight.contiguous(), conv_pool, slots, c)
+    return launch_gemv(x, w, y, spec, bn, bk, nw, f16_dot=f16, conv=conv)
+
+
+def quant_gemv_rms_scaled(x: torch.Tensor, sq_sums: torch.Tensor, eps: float,
+                          packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                          spec: QuantSpec, dtype: torch.dtype | None = None):  # fmt: skip
+    """A GDN layer's out-projection at one decode token, finishing the layer's gated RMSNorm:
+    y = (x * inv_rms) @ W^T [1, N] in dtype (default: the scales'), x [1, H, D] (the decode
+    step's o * w * silu(z), fp32), each head scaled by rsqrt(sum of sq_sums [1, H, P] / D +
+    eps), the head's sum of o^2 in P parts (the step's column blocks). The factor multiplies
+    each quantisation group's partial sum, so it waits for no reduction over x: measured on
+    the H200, the norm computed whole from o and z in this GEMV's prologue instead cost
+    2.7 us a layer (graphs of 30 layers)."""
+    h = x.shape[1]
+    if x.dim() != 3 or sq_sums.shape[:2] != (1, h) or sq_sums.dtype != torch.float32:
+        raise ValueError(f"x {list(x.shape)}, sums of squares {list(sq_sums.shape)} "
+                         f"{sq_sums.dtype}: expected [1, H, D] and [1, H, P] fp32")  # fmt: skip
+    x, w, (bn, bk, nw, f16) = _one_row(x.flatten(1), packed, scales, biases, spec, "norm")
+    y = torch.empty(1, packed.shape[0], device=x.device, dtype=dtype or scales.dtype)
+    rms = HeadRms(sq_sums[0].contiguous(), eps)
+    return launch_gemv(x, w, y, spec, bn, bk, nw, f16_dot=f16, rms=rms)
