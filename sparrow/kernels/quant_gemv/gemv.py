@@ -352,10 +352,11 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     if (rms or conv) and (experts or gated or rw is not None):
         raise ValueError("the GDN norm and conv fusions take plain GEMVs")
     rms = rms or HeadRms(None, 0.0)
-    head = k // rms.sq_sums.shape[0] if rms.sq_sums is not None else 0
-    if head and (head * rms.sq_sums.shape[0] != k or head % spec.group_size):
-        raise ValueError(f"{rms.sq_sums.shape[0]} heads do not split K = {k} into whole "
-                         f"groups of {spec.group_size}")  # fmt: skip
+    heads, parts = rms.sq_sums.shape if rms.sq_sums is not None else (0, 1)
+    head = k // heads if heads else 0
+    if head and (head * heads != k or head % spec.group_size or parts & (parts - 1)):
+        raise ValueError(f"{heads} heads in {parts} parts do not split K = {k} into whole "
+                         f"groups of {spec.group_size} (parts: a power of two)")  # fmt: skip
     conv = conv or ConvStep(None, None, None, 0)
     conv_strides = (conv.pool.stride(0), conv.pool.stride(2)) if conv.rows else (0, 0)
     if conv.rows and conv.pool.stride(1) != 1:
@@ -376,7 +377,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=ptx,
         F16_DOT=f16_dot,
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
-        HEAD=head, PARTS=rms.sq_sums.shape[1] if head else 1,
+        HEAD=head, PARTS=parts,
         CONV_KW=conv.weight.shape[1] if conv.rows else 0,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
@@ -455,6 +456,7 @@ def quant_gemv(
     return launch_gemv(x, (packed, scales, biases), y, spec, block_n or bn, block_k or bk,
                        num_warps or nw, num_stages, gated=gated, prefetch=prefetch,
                        f16_dot=f16 if f16_dot is None else f16_dot)  # fmt: skip
+
 
 def _one_row(x, packed, scales, biases, spec: QuantSpec, what: str):
     """The (x, weights, default config) of a one-row GEMV with a GDN fusion."""
