@@ -158,3 +158,35 @@ def test_one_token_decode_with_gdn_gemv_fusions(tmp_path, monkeypatch):
                         lambda *a, **k: calls.append(1) or quant_gemv_conv(*a, **k))  # fmt: skip
     test_decode_with_triton_gemv_matches_reference(model)
     assert len(calls) == 3 * sum(layer == "linear_attention" for layer in cfg.layer_types)
+
+
+@pytest.mark.gpu
+def test_one_token_gdn_fusions_gpu(monkeypatch):
+    """bf16 on the GPU with GDN heads of 128 (the real model's): teacher-forced batch-1 decode
+    through the fused path and with the fusions off give the same logits up to bf16 rounding
+    (the fused path rounds the norm once in fp32, the layer three times in bf16)."""
+    from sparrow.layers.gated_deltanet import GatedDeltaNet
+    from sparrow.loader.random_checkpoint import random_model
+
+    cfg = CFG.replace(linear_key_head_dim=128, linear_value_head_dim=128)
+    model = random_model(cfg, 3, "cuda", torch.bfloat16, quantize=QuantConfig.mlx_default())
+    fusions = GatedDeltaNet._gemv_fusions
+    taken = []
+
+    def run(fused):
+        def gate(self, *args):
+            taken.append(fused and fusions(self, *args))
+            return taken[-1]
+
+        monkeypatch.setattr(GatedDeltaNet, "_gemv_fusions", gate)
+        batch = SequenceBatch(model, 1, 32)
+        with torch.no_grad():
+            logits = [model.logits(batch.forward([torch.arange(20, device="cuda")]))[-1]]
+            for tok in (5, 77, 300, 41):
+                logits.append(model.logits(batch.forward([torch.tensor([tok], device="cuda")]))[0])
+        return torch.stack(logits).float()
+
+    fused, separate = run(True), run(False)
+    assert taken.count(True) == 4 * sum(t == "linear_attention" for t in cfg.layer_types)
+    assert rel_err(fused[0], separate[0]) == 0  # the prompt: no decode step yet
+    assert rel_err(fused, separate) < 2e-2, rel_err(fused, separate)
