@@ -88,10 +88,12 @@ def test_gated_gemv_matches_reference(m, bits):
     assert rel_err(y, F.silu(full[:, :21]) * full[:, 21:]) < 1e-5
 
 
-def _conv_case(n, k, channels, dtype, device):
+Q4 = QuantSpec(4, 64)  # the model's format
+
+
+def _conv_case(n, k, channels, dtype, device, spec=Q4):
     """A GDN in-projection's one-row case: weights, x, conv weight [C, 4] and a conv-state
     pool of 3 slots (random windows), slot 2 in use."""
-    spec = QuantSpec(4, 64)
     x, packed, scales, biases = _case(1, n, k, spec, dtype, device)
     gen = torch.Generator().manual_seed(n + channels)
     weight = torch.randn(channels, 4, generator=gen).to(device, dtype)
@@ -108,11 +110,14 @@ def _conv_reference(x, w, spec, weight, pool, slot):
     return torch.cat((conv, y[:, weight.shape[0] :]), dim=1), state
 
 
-@pytest.mark.parametrize("n, k, channels", [(70, 192, 40), (37, 256, 37), (16, 128, 5)])
-def test_gemv_conv_matches_reference(n, k, channels):
+@pytest.mark.parametrize("n, k, channels, bits, group", [(70, 192, 40, 4, 64),
+                                                         (37, 256, 37, 8, 32),
+                                                         (16, 128, 5, 4, 128)])  # fmt: skip
+def test_gemv_conv_matches_reference(n, k, channels, bits, group):
     """The in-projection with the GDN conv step in its epilogue: outputs (conv'd channels
     and plain ones, straddling row blocks) and the moved window in the pool."""
-    spec, x, w, weight, pool, slots = _conv_case(n, k, channels, torch.float32, "cpu")
+    spec, x, w, weight, pool, slots = _conv_case(n, k, channels, torch.float32, "cpu",
+                                                 QuantSpec(bits, group))  # fmt: skip
     expected, state = _conv_reference(x, w, spec, weight, pool, 2)
     others = pool[:2].clone()
     y = quant_gemv_conv(x, *w, spec, weight, pool, slots)
@@ -120,10 +125,9 @@ def test_gemv_conv_matches_reference(n, k, channels):
     assert torch.equal(pool[:2], others)
 
 
-def _norm_case(heads, d, parts, n, dtype, device):
+def _norm_case(heads, d, parts, n, dtype, device, spec=Q4):
     """A GDN out-projection's one-row case: the step's o * w * silu(z) (fp32) and its sums of
     o^2 in `parts` column blocks per head, and the layer's norm of o for the reference."""
-    spec = QuantSpec(4, 64)
     gen = torch.Generator().manual_seed(heads * d + n)
     o = torch.randn(1, heads, d, generator=gen).to(device, dtype)
     z = torch.randn(1, heads, d, generator=gen).to(device, dtype)
@@ -135,13 +139,16 @@ def _norm_case(heads, d, parts, n, dtype, device):
     return spec, (gated, sq_sums, norm.eps), norm(o, z), (packed, scales, biases)
 
 
-@pytest.mark.parametrize("heads, d, parts, n", [(3, 64, 4, 37), (2, 128, 8, 70),
-                                                (6, 128, 1, 8)])  # fmt: skip
-def test_gemv_rms_scaled_matches_reference(heads, d, parts, n):
+@pytest.mark.parametrize("heads, d, parts, n, bits, group", [(3, 64, 4, 37, 4, 64),
+                                                            (2, 128, 8, 70, 4, 64),
+                                                            (6, 128, 1, 8, 8, 32),
+                                                            (2, 128, 2, 16, 4, 128)])  # fmt: skip
+def test_gemv_rms_scaled_matches_reference(heads, d, parts, n, bits, group):
     """The out-projection finishing the GDN gated norm (each head scaled by its 1 / rms from
-    partial sums of squares) vs the layer's norm, then the reference matmul; heads of one and
-    of two quantisation groups."""
-    spec, step_parts, normed, w = _norm_case(heads, d, parts, n, torch.float32, "cpu")
+    partial sums of squares) vs the layer's norm, then the reference matmul; heads of one,
+    two and four quantisation groups, 4- and 8-bit."""
+    spec, step_parts, normed, w = _norm_case(heads, d, parts, n, torch.float32, "cpu",
+                                             QuantSpec(bits, group))  # fmt: skip
     y = quant_gemv_rms_scaled(*step_parts, *w, spec)
     assert rel_err(y, quant_matmul(normed.flatten(1), *w, spec)) < 1e-5
 
