@@ -126,14 +126,14 @@ def test_gemv_conv_matches_reference(n, k, channels, bits, group):
 
 
 def _norm_case(heads, d, parts, n, dtype, device, spec=Q4):
-    """A GDN out-projection's one-row case: the step's o * w * silu(z) (fp32) and its sums of
-    o^2 in `parts` column blocks per head, and the layer's norm of o for the reference."""
+    """A GDN out-projection's one-row case: the step's o * w * silu(z) (in dtype) and its sums
+    of o^2 in `parts` column blocks per head, and the layer's norm of o for the reference."""
     gen = torch.Generator().manual_seed(heads * d + n)
     o = torch.randn(1, heads, d, generator=gen).to(device, dtype)
     z = torch.randn(1, heads, d, generator=gen).to(device, dtype)
     norm = GatedRMSNorm(d, 1e-6).to(device, dtype)
     norm.weight.data = (torch.rand(d, generator=gen) + 0.5).to(device, dtype)
-    gated = o.float() * norm.weight.float() * F.silu(z.float())
+    gated = (o.float() * norm.weight.float() * F.silu(z.float())).to(dtype)
     sq_sums = (o.float() ** 2).unflatten(-1, (parts, -1)).sum(-1)
     _, packed, scales, biases = _case(1, n, heads * d, spec, dtype, device)
     return spec, (gated, sq_sums, norm.eps), norm(o, z), (packed, scales, biases)

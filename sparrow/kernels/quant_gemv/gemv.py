@@ -492,7 +492,7 @@ def quant_gemv_rms_scaled(x: torch.Tensor, sq_sums: torch.Tensor, eps: float,
                           spec: QuantSpec, dtype: torch.dtype | None = None):  # fmt: skip
     """A GDN layer's out-projection at one decode token, finishing the layer's gated RMSNorm:
     y = (x * inv_rms) @ W^T [1, N] in dtype (default: the scales'), x [1, H, D] (the decode
-    step's o * w * silu(z), fp32), each head scaled by rsqrt(sum of sq_sums [1, H, P] / D +
+    step's o * w * silu(z)), each head scaled by rsqrt(sum of sq_sums [1, H, P] / D +
     eps), the head's sum of o^2 in P parts (the step's column blocks). The factor multiplies
     each quantisation group's partial sum, so it waits for no reduction over x: measured on
     the H200, the norm computed whole from o and z in this GEMV's prologue instead cost
