@@ -32,7 +32,7 @@ from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta
 from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step
 from sparrow.kernels.quant_gemv.gemv import quant_gemv, quant_gemv_conv, quant_gemv_rms_scaled
 from sparrow.layers.norms import GatedRMSNorm
-from sparrow.quant.affine import QuantSpec
+from sparrow.quant.affine import QuantSpec, quantize
 
 HK, HV, D, CONV_K = 16, 32, 128, 4  # Qwen3.6-35B-A3B
 CONV_DIM = 2 * HK * D + HV * D
@@ -136,15 +136,6 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
     return row
 
 
-def _random_4bit(n: int, k: int, gen, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
-    """Random words, scales and biases of an [n, k] 4-bit weight (timing needs no real ones)."""
-    words = torch.randint(-(2**31), 2**31 - 1, spec.packed_shape((n, k)), generator=gen,
-                          device="cuda", dtype=torch.int32)  # fmt: skip
-    scales = torch.randn(spec.group_shape((n, k)), generator=gen, device="cuda") * 0.01
-    biases = torch.randn(spec.group_shape((n, k)), generator=gen, device="cuda") * 0.01
-    return words, scales.bfloat16(), biases.bfloat16()
-
-
 def bench_mixer(gen, rounds: int = 3) -> dict:
     """Batch-1 decode of the whole GDN mixer (see the module docstring), us per layer."""
     spec = QuantSpec(4, 64)
@@ -157,7 +148,8 @@ def bench_mixer(gen, rounds: int = 3) -> dict:
     layers = []
     for _ in range(LAYERS):
         x = torch.randn(1, hidden, generator=gen, device="cuda").bfloat16()
-        w_in, w_out = _random_4bit(n_in, hidden, gen, spec), _random_4bit(hidden, HV * D, gen, spec)
+        w_in, w_out = (quantize(torch.randn(n, k, generator=gen, device="cuda"), spec)
+                       for n, k in ((n_in, hidden), (hidden, HV * D)))  # fmt: skip
         conv_w = torch.randn(CONV_DIM, CONV_K, generator=gen, device="cuda").bfloat16() * 0.3
         conv = state_pool(1, CONV_DIM, CONV_K, "cuda", torch.bfloat16)
         state = torch.randn(1, HV, D, D, generator=gen, device="cuda") * 0.1

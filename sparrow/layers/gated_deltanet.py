@@ -100,7 +100,7 @@ class GatedDeltaNet(Projections, nn.Module):
         w = fused.whole
         y = quant_gemv_conv(x, w.weight, w.scales, w.biases, w.spec, self.conv1d.weight[:, 0],
                             conv_pool, meta.state_slots)  # fmt: skip
-        qkv, z, b, a = y.split([*fused.sizes, fused.pad], dim=-1)[:4]
+        qkv, z, b, a = fused.split(y)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         gated, sq_sums = fused_recurrent_step(
             qkv, a, b, z, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, state_pool,

@@ -26,7 +26,11 @@ class FusedLinears:
         return all(getattr(m, name).data_ptr() == ptr for m, name, ptr in self.views)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.whole(x).split([*self.sizes, self.pad], dim=-1)[: len(self.sizes)]
+        return self.split(self.whole(x))
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each module's output (a view) from an output y of the whole."""
+        return y.split([*self.sizes, self.pad], dim=-1)[: len(self.sizes)]
 
 
 def is_quantized(m: nn.Module) -> bool:  # a QuantizedLinear (not imported: no cycle)
