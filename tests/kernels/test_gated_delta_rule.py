@@ -189,6 +189,30 @@ def test_chunk_matches_reference(device, lengths):
     assert rel_err(states.cpu(), ref_states) < 1e-4
 
 
+@pytest.mark.parametrize("sizes, device, dtype, bound", [
+    pytest.param((2, 4, 16, 32), "cpu", torch.float32, 1e-4, id="cpu"),
+    pytest.param((16, 32, 128, 128), "cuda", torch.bfloat16, 0.1, id="gpu", marks=pytest.mark.gpu),
+])  # fmt: skip
+def test_chunk_repeated_keys(sizes, device, dtype, bound):
+    """One key repeated over the whole sequence (a run of one token, once the conv's window
+    is full of it), strong writes (beta 0.9) and almost no decay: the chunk's triangular
+    systems then have powers with entries in the thousands that cancel in their inverse.
+    The nilpotent series inverse gave 4.5e-4 in fp32 here, and 1e21 times the output in bf16
+    on the H200 (tf32 products). In bf16 the case is hard for any chunked kernel that keeps
+    W, U and the chunk states in bf16: at 1,024 tokens ours is 0.020 off (state 0.057),
+    fla 0.6.0 0.032 (0.075), hence the bound (docs/bench/gdn-inverse-ab-2026-12-01-s14.json)."""
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+
+    q, k, v, g, beta, cu, states, slots = _chunk_case([70, 200], *sizes, device, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(1, *k.shape[1:], generator=gen).to(device, dtype).expand_as(k).contiguous()
+    g, beta = torch.full_like(g, -1e-3), torch.full_like(beta, 0.9)
+    ref_states = states.clone()
+    expected = _chunk_reference(q, k, v, g, beta, cu, ref_states, slots)
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)
+    assert rel_err(o, expected) < bound and rel_err(states, ref_states) < bound
+
+
 def test_chunk_two_pieces_equal_one():
     from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 
