@@ -122,11 +122,13 @@ CASES = {
                 {"num_warps": 4}),
     "moe_gemv": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
                  GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "APPLY_WEIGHT": True,
-                         "BLOCK_N": 32, "BLOCK_K": 512, "PACKED": True, "F16_DOT": True},
+                         "BLOCK_N": 32, "BLOCK_K": 512, "PACKED": True, "F16_DOT": True,
+                         "PREFETCH": True},
                  {"num_warps": 2}),  # the down projection's launch
     "moe_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
                        GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "GATED": True,
-                               "BLOCK_N": 16, "PACKED": True, "F16_DOT": True},
+                               "BLOCK_N": 16, "PACKED": True, "F16_DOT": True,
+                               "PREFETCH": True, "LATE_TRIGGER": True},
                        {"num_warps": 4}),  # gate_up's
     "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
                                                  "sw_ptr": "i32", "sorted_ptr": "i32",

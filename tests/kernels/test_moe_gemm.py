@@ -113,3 +113,14 @@ def test_shared_expert_as_one_more_assignment(t):
     shared = naive.moe_experts(x, one, torch.zeros(t, 1, dtype=torch.long),
                                *(tuple(p[None] for p in w) for w in (s_gate_up, s_down)), spec)
     assert rel_err(out, routed + torch.sigmoid(gate) * shared) < 1e-5
+
+
+def test_chained_expert_gemvs(monkeypatch):
+    """The expert GEMVs as they run with programmatic dependent launch (`_chained`): gate_up
+    waits, then lets the down GEMV launch, and prefetches its weight tiles within the loop;
+    the down GEMV reads ids and weights before its wait. (No PDL under the interpreter: the
+    loops and reads are what is checked.) K spans two weight tiles in both GEMVs."""
+    from sparrow.kernels.moe_gemm import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "_chained", lambda partial: True)
+    _run(2, e=4, k=2, d=2048, inter=1024, dtype=torch.float32, device="cpu", tol=1e-5)

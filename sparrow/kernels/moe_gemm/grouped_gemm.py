@@ -111,11 +111,22 @@ def _moe_gemm_kernel(
     tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
 
 
-def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None):
+_GEMV_BLOCKS = {True: (16, 1024, 4), False: (32, 512, 2)}  # gated (gate_up) or not (down)
+
+
+def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=False):
     """Blocks from sweeps of the whole MoE layer on the H200 (graph, 1 / 8 tokens): gate_up
     (gate and up rows in one tile) 16 x 1024 with 4 warps (21.0 / 64.8 us; 16 x 2048: 22.0 /
     71.8, 4 x 2048 with 2 warps: 22.1 / 75.9), down (K = 512) 32 x 512 with 2 warps (22.0 /
     69.8; 16 x 512 with 4 warps: 22.6 / 76.1).
+
+    chained (`_chained`): gate_up lets the down GEMV launch only after its own wait (on the
+    top-k) and prefetches its second weight tile within its loop; the down GEMV then reads
+    the ids and its weights before it waits for gate_up's output. On the H200 (8 distinct
+    layers in turn in a graph, 1 token, alternating 4 rounds; docs/bench/moe-chain-ab-*-s14)
+    16.68 -> 15.88 us; the late trigger alone 18.13, without gate_up's loop prefetch 16.48.
+    At 8 tokens, where the launches are too large for PDL, the prefetching loops alone were
+    slower (57.15 vs 53.23 us), hence only with PDL.
 
     Measured and not kept (tenth session, the layer in a graph at 1 / 8 tokens, against
     15.7 / 55.0 us for this path): the routing inside the gate_up kernel (each program
@@ -123,9 +134,18 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None):
     down kernel (a program per row block and token, summing its slots in order) 19.5 /
     70.8: each slot's id, then its weights, is a dependent load the program waits on in
     turn."""
-    bn, bk, nw = (16, 1024, 4) if gated else (32, 512, 2)
+    bn, bk, nw = _GEMV_BLOCKS[gated]
     launch_gemv(a, w, c, spec, block_n=bn, block_k=bk, num_warps=nw, gated=gated, ids=ids,
-                rw=rw, top_k=top_k, shared_w=shared_w)  # fmt: skip
+                rw=rw, top_k=top_k, shared_w=shared_w, late_trigger=chained and gated,
+                prefetch=chained)  # fmt: skip
+
+
+def _chained(partial: torch.Tensor) -> bool:
+    """Whether the expert GEMVs chain (`_launch_gemv`): when the down GEMV into partial
+    [rows, D] launches with programmatic dependent launch (and so does gate_up, half its
+    programs)."""
+    grid = (triton.cdiv(partial.shape[1], _GEMV_BLOCKS[False][0]), partial.shape[0])
+    return launch_args(partial, grid)["USE_PDL"]
 
 
 def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles, shared_w=None):
@@ -282,8 +302,9 @@ def moe_experts(
     # activation dtype in prefill (t * k rows of D: at 4K tokens 268 MB each way in fp32)
     partial = torch.empty(t * slots, d, device=x.device, dtype=torch.float32 if gemv else x.dtype)
     if gemv:
-        _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up)
-        _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down)
+        chained = _chained(partial)
+        _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up, chained)
+        _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down, chained)
     else:
         tiles = tiles or tiles_for(t * top_k, e)
         routing = align(ids, e + fold, tiles.block_m)

@@ -231,6 +231,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False,
     HEAD: tl.constexpr = 0, PARTS: tl.constexpr = 1, CONV_KW: tl.constexpr = 0,
+    LATE_TRIGGER: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of output row i_m.
 
@@ -239,13 +240,19 @@ def _gemv_kernel(
     EXPERTS: W is a stack of experts [E, ...] and row i_m = t * TOP_K + slot (an assignment)
     reads expert ids[i_m]; SHARED: the last slot of each token reads the shared expert's
     weights (sw, ss, sb: one expert's shape) instead; APPLY_WEIGHT scales a row by its
-    routing weight rw[i_m]. PREFETCH (not with EXPERTS: the expert ids come from the
-    previous kernel): see `gemv_rows`, also for HEAD and PARTS (x's heads scaled by their
-    1 / rms, `quant_gemv_rms_scaled`). CONV_KW > 0: the outputs below conv_rows are the GDN
-    conv's channels: each gets its causal conv (weights cw [C, CONV_KW]) with the sequence's
-    window in the conv-state pool cs (slot slot[i_m], channels contiguous, positions
-    stride_cp apart) and SiLU, and the window moves by one (`quant_gemv_conv`)."""
-    if PREFETCH:
+    routing weight rw[i_m]. PREFETCH: see `gemv_rows`, also for HEAD and PARTS (x's heads
+    scaled by their 1 / rms, `quant_gemv_rms_scaled`); with EXPERTS the ids are read before
+    the wait too, so they must come from a kernel that finished before the previous one let
+    this one launch (the previous one was launched with LATE_TRIGGER). LATE_TRIGGER: the
+    next kernel launches only once every program here has waited for the previous one.
+    CONV_KW > 0: the outputs below conv_rows are the GDN conv's channels: each gets its
+    causal conv (weights cw [C, CONV_KW]) with the sequence's window in the conv-state pool
+    cs (slot slot[i_m], channels contiguous, positions stride_cp apart) and SiLU, and the
+    window moves by one (`quant_gemv_conv`)."""
+    if LATE_TRIGGER:  # (`gemv_rows` then prefetches within its loop only)
+        wait_previous(USE_PDL)
+        let_next_launch(USE_PDL)
+    elif PREFETCH:
         let_next_launch(USE_PDL)  # `gemv_rows` waits after its first weight loads
     else:
         wait_for_previous(USE_PDL)
@@ -329,12 +336,16 @@ def shared_expert_args(shared_w, packed: torch.Tensor, scales: torch.Tensor) -> 
 def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps: int,
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
                 shared_w=None, prefetch: bool | None = None, f16_dot: bool | None = None,
-                rms: HeadRms | None = None, conv: ConvStep | None = None):  # fmt: skip
+                rms: HeadRms | None = None, conv: ConvStep | None = None,
+                late_trigger: bool = False):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
     weights for the last of each token's top_k slots. prefetch: the weight prefetch of
-    `gemv_rows`, by default with programmatic dependent launch and without experts.
+    `gemv_rows`, by default with programmatic dependent launch and without experts; with
+    experts (the ids read before the wait as well) only after a launch with late_trigger,
+    whose wait covered the kernel that wrote the ids. late_trigger: the next kernel launches
+    after this one's wait, not before (see `_gemv_kernel`).
     f16_dot: the 4-bit products in packed fp16 pairs (`_codes_dot_x_f16`), by default for
     experts (dense shapes: `quant_gemv` takes them from `default_config`); never for fp32
     activations, which keep fp32 products (the precision they ask for). Measured on the
@@ -347,8 +358,6 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
     sw = shared_expert_args(shared_w, packed, scales)
-    if prefetch and experts:
-        raise ValueError("the expert GEMV cannot prefetch: its weights follow the routing")
     if (rms or conv) and (experts or gated or rw is not None):
         raise ValueError("the GDN norm and conv fusions take plain GEMVs")
     rms = rms or HeadRms(None, 0.0)
@@ -378,7 +387,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         F16_DOT=f16_dot,
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
         HEAD=head, PARTS=parts,
-        CONV_KW=conv.weight.shape[1] if conv.rows else 0,
+        CONV_KW=conv.weight.shape[1] if conv.rows else 0, LATE_TRIGGER=late_trigger,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     return y
