@@ -436,7 +436,13 @@ class ChunkTiles:
     1,124 us against 54.9 / 206 / 794; 16 columns or 8 warps slower still). A step of all
     programs moves about 2.8 MB through HBM (W, U, k in; h, u out: 1.8 TB/s at 1.55 us a
     step) and 6 MB between L2 and the SMs: memory traffic, not only the chain of two
-    products, sets the step's time."""
+    products, sets the step's time. The scan two chunks a step (three dependent products a
+    pair instead of four: W0 S and W1 S; then S1 = d0 S + K0^T u0 beside u1 = U1 - d0 W1 S
+    - (W1 K0^T) u0; then S2) matched the recurrence in fp32 on the H200 and under the
+    interpreter, but Triton 3.6 compiled its bf16 form wrong (outputs off by 0.58 from the
+    second chunk at one stage, an illegal address at two; even two plain steps per loop
+    iteration were off by 0.068 at one stage, right at two): not timed, not kept
+    (fourteenth session)."""
 
     blocks_warps: int = 2
     inverse: str = "tf32"
