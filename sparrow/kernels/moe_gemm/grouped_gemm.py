@@ -126,7 +126,11 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=Fa
     layers in turn in a graph, 1 token, alternating 4 rounds; docs/bench/moe-chain-ab-*-s14)
     16.68 -> 15.88 us; the late trigger alone 18.13, without gate_up's loop prefetch 16.48.
     At 8 tokens, where the launches are too large for PDL, the prefetching loops alone were
-    slower (57.15 vs 53.23 us), hence only with PDL.
+    slower (57.15 vs 53.23 us), hence only with PDL. Blocks swept again chained (1 token,
+    docs/bench/moe-blocks-sweep-*-s14): gate_up 16 x 2048 / 8 x 1024 / 32 x 1024 16.25 /
+    16.12 / 17.34 us against 15.97; down 16 x 512 with 2 warps 15.64 (not taken: its
+    launch would leave PDL at 2 tokens, 128 programs per row, and 2-48 tokens were not
+    measured), with 1 warp 15.76, 64 x 512 with 4 warps 16.13.
 
     Measured and not kept (tenth session, the layer in a graph at 1 / 8 tokens, against
     15.7 / 55.0 us for this path): the routing inside the gate_up kernel (each program
