@@ -65,8 +65,9 @@ class GatedDeltaNet(Projections, nn.Module):
         [slots, C, K - 1] and recurrent pool [slots, Hv, Dk, Dv] fp32, indexed by
         meta.state_slots and updated in place."""
         conv_pool, state_pool = cache
-        if self._gemv_fusions(x, meta, conv_pool):
-            return self._decode_one_token(x, meta, conv_pool, state_pool)
+        fused = self._gemv_fusions(x, meta, conv_pool)
+        if fused is not None:
+            return self._decode_one_token(x, fused, meta, conv_pool, state_pool)
         mixed_qkv, z, b, a = self.project("in", x)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         if use_triton(x) and self.kernels_fit:
@@ -76,17 +77,18 @@ class GatedDeltaNet(Projections, nn.Module):
                           .to(x.dtype), z)  # fmt: skip
         return self.out_proj(o.flatten(1))
 
-    def _gemv_fusions(self, x: torch.Tensor, meta: StepMetadata, conv_pool) -> bool:
-        """Whether this step is one decode token whose projections are 4-bit GEMVs that can
-        take the conv and the norm (`_decode_one_token`)."""
+    def _gemv_fusions(self, x: torch.Tensor, meta: StepMetadata, conv_pool):
+        """The fused in-projection if this step is one decode token whose projections are
+        4-bit GEMVs that can take the conv and the norm (`_decode_one_token`), else None."""
         fused = self.fused("in")
-        return (use_triton(x) and self.kernels_fit and x.shape[0] == 1 and meta.max_q_len == 1
+        fits = (use_triton(x) and self.kernels_fit and x.shape[0] == 1 and meta.max_q_len == 1
                 and fused is not None and is_quantized(fused.whole)
                 and is_quantized(self.out_proj)
                 and self.head_v_dim % self.out_proj.spec.group_size == 0
                 and conv_pool.stride(1) == 1)  # fmt: skip
+        return fused if fits else None
 
-    def _decode_one_token(self, x, meta, conv_pool, state_pool) -> torch.Tensor:
+    def _decode_one_token(self, x, fused, meta, conv_pool, state_pool) -> torch.Tensor:
         """Batch-1 decode with 4-bit projections in three kernels: the in-projection GEMV
         with the conv step in its epilogue, the recurrent step over column blocks (8x the
         programs of a head per program) that leaves the gated norm's 1 / rms per head to the
@@ -96,7 +98,6 @@ class GatedDeltaNet(Projections, nn.Module):
         GEMV's prologue too (one kernel fewer per layer; the GEMV reads x and the residual,
         sums the row's squares, scales its sums by 1 / rms at the end): end to end at batch 1
         538.7 / 559.4 tok/s at 4K / 512 context against 542.0 / 557.4 without it, one run."""
-        fused = self.fused("in")
         w = fused.whole
         y = quant_gemv_conv(x, w.weight, w.scales, w.biases, w.spec, self.conv1d.weight[:, 0],
                             conv_pool, meta.state_slots)  # fmt: skip
