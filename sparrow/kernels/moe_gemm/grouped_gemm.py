@@ -146,8 +146,8 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=Fa
 
 def _chained(partial: torch.Tensor) -> bool:
     """Whether the expert GEMVs chain (`_launch_gemv`): when the down GEMV into partial
-    [rows, D] launches with programmatic dependent launch (and so does gate_up, half its
-    programs)."""
+    [rows, D] launches with programmatic dependent launch (gate_up's launch, half as many
+    programs, then does too)."""
     grid = (triton.cdiv(partial.shape[1], _GEMV_BLOCKS[False][0]), partial.shape[0])
     return launch_args(partial, grid)["USE_PDL"]
 

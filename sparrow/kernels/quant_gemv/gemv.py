@@ -342,10 +342,11 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
     weights for the last of each token's top_k slots. prefetch: the weight prefetch of
-    `gemv_rows`, by default with programmatic dependent launch and without experts; with
-    experts (the ids read before the wait as well) only after a launch with late_trigger,
-    whose wait covered the kernel that wrote the ids. late_trigger: the next kernel launches
-    after this one's wait, not before (see `_gemv_kernel`).
+    `gemv_rows`, by default with programmatic dependent launch and without experts. With
+    experts it reads the ids before the wait as well, so it may follow only a launch with
+    late_trigger, whose wait covered the kernel that wrote them; with late_trigger itself
+    the kernel waits first and prefetches within its loop only. late_trigger: the next
+    kernel launches after this one's wait, not before (see `_gemv_kernel`).
     f16_dot: the 4-bit products in packed fp16 pairs (`_codes_dot_x_f16`), by default for
     experts (dense shapes: `quant_gemv` takes them from `default_config`); never for fp32
     activations, which keep fp32 products (the precision they ask for). Measured on the
