@@ -122,5 +122,5 @@ def test_chained_expert_gemvs(monkeypatch):
     loops and reads are what is checked.) K spans two weight tiles in both GEMVs."""
     from sparrow.kernels.moe_gemm import grouped_gemm
 
-    monkeypatch.setattr(grouped_gemm, "_chained", lambda partial: True)
+    monkeypatch.setattr(grouped_gemm, "_chained", lambda tokens, device: True)
     _run(2, e=4, k=2, d=2048, inter=1024, dtype=torch.float32, device="cpu", tol=1e-5)

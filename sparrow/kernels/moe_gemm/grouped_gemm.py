@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels import pdl
 from sparrow.kernels.dequant.unpack import group_scales, packed_unpack, unpack_codes
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
@@ -126,11 +127,11 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=Fa
     layers in turn in a graph, 1 token, alternating 4 rounds; docs/bench/moe-chain-ab-*-s14)
     16.68 -> 15.88 us; the late trigger alone 18.13, without gate_up's loop prefetch 16.48.
     At 8 tokens, where the launches are too large for PDL, the prefetching loops alone were
-    slower (57.15 vs 53.23 us), hence only with PDL. Blocks swept again chained (1 token,
-    docs/bench/moe-blocks-sweep-*-s14): gate_up 16 x 2048 / 8 x 1024 / 32 x 1024 16.25 /
-    16.12 / 17.34 us against 15.97; down 16 x 512 with 2 warps 15.64 (not taken: its
-    launch would leave PDL at 2 tokens, 128 programs per row, and 2-48 tokens were not
-    measured), with 1 warp 15.76, 64 x 512 with 4 warps 16.13.
+    slower (57.15 vs 53.23 us), hence only at one token (`_chained`). Blocks swept again
+    chained (1 token, docs/bench/moe-blocks-sweep-*-s14): gate_up 16 x 2048 / 8 x 1024 /
+    32 x 1024 16.25 / 16.12 / 17.34 us against 15.97; down 16 x 512 with 2 warps 15.64
+    (not taken: 0.3 us, and 2-48 tokens, which share these blocks, not measured), with 1
+    warp 15.76, 64 x 512 with 4 warps 16.13.
 
     Measured and not kept (tenth session, the layer in a graph at 1 / 8 tokens, against
     15.7 / 55.0 us for this path): the routing inside the gate_up kernel (each program
@@ -144,12 +145,11 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=Fa
                 prefetch=chained)  # fmt: skip
 
 
-def _chained(partial: torch.Tensor) -> bool:
-    """Whether the expert GEMVs chain (`_launch_gemv`): when the down GEMV into partial
-    [rows, D] launches with programmatic dependent launch (gate_up's launch, half as many
-    programs, then does too)."""
-    grid = (triton.cdiv(partial.shape[1], _GEMV_BLOCKS[False][0]), partial.shape[0])
-    return launch_args(partial, grid)["USE_PDL"]
+def _chained(tokens: int, device: torch.device) -> bool:
+    """Whether the expert GEMVs chain (`_launch_gemv`): at one token with programmatic
+    dependent launch, where it was measured. (Up to 3 tokens both launches would still use
+    PDL; not measured there. From 4 the down GEMV's launch is too large for it.)"""
+    return tokens == 1 and pdl.enabled(device)
 
 
 def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles, shared_w=None):
@@ -306,7 +306,7 @@ def moe_experts(
     # activation dtype in prefill (t * k rows of D: at 4K tokens 268 MB each way in fp32)
     partial = torch.empty(t * slots, d, device=x.device, dtype=torch.float32 if gemv else x.dtype)
     if gemv:
-        chained = _chained(partial)
+        chained = _chained(t, x.device)
         _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up, chained)
         _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down, chained)
     else:
