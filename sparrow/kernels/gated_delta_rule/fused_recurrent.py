@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.activations import silu
 from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 
 
@@ -71,7 +72,7 @@ def _gated_norm(b_o, b_z, b_w, eps, D: tl.constexpr, DT: tl.constexpr, AXIS: tl.
     b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o, axis=AXIS, keep_dims=True) / D + eps)
     b_o = (b_o.to(DT) * b_w).to(tl.float32)
     b_z = b_z.to(tl.float32)
-    return (b_o * (b_z / (1.0 + tl.exp(-b_z)))).to(DT)
+    return (b_o * silu(b_z)).to(DT)
 
 
 @triton.jit
@@ -116,8 +117,7 @@ def _recurrent_step_kernel(
     if NORM:
         b_y = _gated_norm(b_o, b_z, b_w, eps, DV, y_ptr.dtype.element_ty, None)
     else:
-        b_zf = b_z.to(tl.float32)
-        b_y = b_o * b_w.to(tl.float32) * (b_zf / (1.0 + tl.exp(-b_zf)))
+        b_y = b_o * b_w.to(tl.float32) * silu(b_z.to(tl.float32))
         tl.store(sq_ptr + (i_b * tl.num_programs(1) + i_h) * (DV // COLS) + i_c,
                  tl.sum(b_o * b_o))  # fmt: skip
     tl.store(y_ptr + i_b * stride_y + i_h * DV + o_col, b_y.to(y_ptr.dtype.element_ty))

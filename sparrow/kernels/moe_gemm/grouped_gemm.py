@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels import pdl
+from sparrow.kernels.activations import silu
 from sparrow.kernels.dequant.unpack import group_scales, packed_unpack, unpack_codes
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
@@ -47,7 +48,7 @@ def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
     if HALVES == 2:
         b_3 = tl.permute(tl.reshape(b_acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1])
         b_g, b_u = tl.split(b_3)
-        return b_g / (1.0 + tl.exp(-b_g)) * b_u
+        return silu(b_g) * b_u
     else:
         return b_acc
 

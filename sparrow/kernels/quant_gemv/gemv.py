@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sparrow.kernels.activations import silu
 from sparrow.kernels.dequant.unpack import fit_block_k
 from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
@@ -289,7 +290,7 @@ def _gemv_kernel(
                          BITS, GROUP, 2 * BLOCK_N, BLOCK_K, PACKED, PREFETCH,
                          USE_PDL, F16_DOT)  # fmt: skip
         b_y, b_u = tl.split(tl.permute(tl.reshape(b_gu, [2, BLOCK_N]), [1, 0]))
-        b_y = b_y / (1.0 + tl.exp(-b_y)) * b_u
+        b_y = silu(b_y) * b_u
     else:
         b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
                         GROUP, BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT, sq_ptr,
@@ -300,7 +301,7 @@ def _gemv_kernel(
         b_in = b_y.to(y_ptr.dtype.element_ty)
         tl.store(p_cs + (CONV_KW - 2) * stride_cp, b_in.to(cs_ptr.dtype.element_ty), mask=m_c)
         b_conv += b_in.to(tl.float32) * b_cw.to(tl.float32)
-        b_y = tl.where(m_c, b_conv / (1.0 + tl.exp(-b_conv)), b_y)
+        b_y = tl.where(m_c, silu(b_conv), b_y)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
