@@ -19,8 +19,9 @@ depend on the state. Four kernels, only the third sequential:
 3. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
    BV columns of the state), the state S [Dk, BV] in registers the whole way: it stores each
    chunk's incoming state, then  u = U - W S  (in place of U)  and
-   S = exp(G_last) S + (k * exp(G_last - G))^T u.  Two small dots per chunk; the k row norms
-   come from kernel 1, so nothing but the dots and the decay sits on the sequential path.
+   S = exp(G_last) S + k^T (u * exp(G_last - G) / |k|).  Two small dots per chunk; the k
+   row norms come from kernel 1, and k enters the second dot as loaded (its row factors
+   scale u's rows), so nothing but the dots and the decay sits on the sequential path.
 4. `_output_kernel`, parallel again, one program per (chunk and columns, q/k head):
    o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u, q k^T once for its v-heads.
 
@@ -339,16 +340,17 @@ def _state_kernel(
                       mask=m_t[:, None], other=0.0)  # fmt: skip
         p_u = u_ptr + rows[:, None] * stride_ut + i_h * DV + o_v[None, :]
         b_u = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32)
-        # the state-independent part first: decayed, normalised k rows of the chunk
+        # k rows as stored (the MMA reads them transposed where they were loaded); their
+        # factors (1 / |k| and the decay to the chunk's end) scale the rows of u instead
         b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
         b_n = tl.load(kinv_ptr + rows * stride_nt + i_k, mask=m_t, other=0.0)
         g_last = tl.load(gc_ptr + (start + tl.minimum(c0 + 63, length - 1)) * stride_gt + i_h)
         b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + o_dk[None, :],
-                      mask=m_t[:, None], other=0.0).to(tl.float32)  # fmt: skip
-        b_kd = b_k * (b_n * tl.exp(g_last - b_gc))[:, None]
+                      mask=m_t[:, None], other=0.0)  # fmt: skip
+        b_f = b_n * tl.exp(g_last - b_gc)
         b_u -= _mm_as(b_w, b_s, DT)  # u = U - W S
         tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_t[:, None])
-        b_s = tl.exp(g_last) * b_s + _mm_as(tl.trans(b_kd), b_u, DT)
+        b_s = tl.exp(g_last) * b_s + _mm_as(tl.trans(b_k), b_u * b_f[:, None], DT)
     tl.store(p_s, b_s)
 
 
@@ -442,7 +444,13 @@ class ChunkTiles:
     interpreter, but Triton 3.6 compiled its bf16 form wrong (outputs off by 0.58 from the
     second chunk at one stage, an illegal address at two; even two plain steps per loop
     iteration were off by 0.068 at one stage, right at two): not timed, not kept
-    (fourteenth session)."""
+    (fourteenth session). The scan with k read as stored and its row factors on u (before:
+    k scaled and decayed in fp32, then staged transposed through shared memory between the
+    two products; sm_90 loop body 810 -> 515 instructions, 173 -> 128 registers): scan
+    kernel 54.9 / 207.8 / 797.8 -> 44.3 / 163.5 / 659.7 us at 2K / 8K / 32K, the whole
+    function 142.6 / 521.5 / 2,011 -> 131.9 / 479.9 / 1,862 us (graphs, alternating;
+    docs/bench/scan-k-stored-ab-*-s15.json), error against the fp32 recurrence unchanged
+    on random inputs, 0.023 / 0.041 -> 0.021 / 0.018 (output / state) for a repeated key."""
 
     blocks_warps: int = 2
     inverse: str = "tf32"

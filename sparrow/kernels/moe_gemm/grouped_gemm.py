@@ -113,7 +113,13 @@ def _moe_gemm_kernel(
     tl.store(p_c, b_acc.to(c_ptr.dtype.element_ty), mask=m_rows[:, None] & m_n[None, :])
 
 
-_GEMV_BLOCKS = {True: (16, 1024, 4), False: (32, 512, 2)}  # gated (gate_up) or not (down)
+# (block_n, block_k, warps) by (gated: gate_up or down, chained: one token, `_chained`)
+_GEMV_BLOCKS = {
+    (True, False): (16, 1024, 4),
+    (False, False): (32, 512, 2),
+    (True, True): (16, 1024, 4),
+    (False, True): (32, 512, 4),
+}
 
 
 def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=False):
@@ -132,7 +138,10 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=Fa
     chained (1 token, docs/bench/moe-blocks-sweep-*-s14): gate_up 16 x 2048 / 8 x 1024 /
     32 x 1024 16.25 / 16.12 / 17.34 us against 15.97; down 16 x 512 with 2 warps 15.64
     (not taken: 0.3 us, and 2-48 tokens, which share these blocks, not measured), with 1
-    warp 15.76, 64 x 512 with 4 warps 16.13.
+    warp 15.76, 64 x 512 with 4 warps 16.13. With the two-word fp16 dot (fifteenth session,
+    docs/bench/moe-blocks-sweep-*-s15): down 32 x 512 with 4 warps 14.36 us at 1 token
+    against 15.00 (15.42 / 15.95 in the fourteenth session's sweep), so chained it takes 4
+    warps; at 8 tokens 53.28 against 49.99, so not there; gate_up 8 x 2048 14.49 / 52.91.
 
     Measured and not kept (tenth session, the layer in a graph at 1 / 8 tokens, against
     15.7 / 55.0 us for this path): the routing inside the gate_up kernel (each program
@@ -140,7 +149,7 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=Fa
     down kernel (a program per row block and token, summing its slots in order) 19.5 /
     70.8: each slot's id, then its weights, is a dependent load the program waits on in
     turn."""
-    bn, bk, nw = _GEMV_BLOCKS[gated]
+    bn, bk, nw = _GEMV_BLOCKS[gated, chained]
     launch_gemv(a, w, c, spec, block_n=bn, block_k=bk, num_warps=nw, gated=gated, ids=ids,
                 rw=rw, top_k=top_k, shared_w=shared_w, late_trigger=chained and gated,
                 prefetch=chained)  # fmt: skip
