@@ -63,7 +63,7 @@ CASES = {
     "gdn_blocks": (chunk._blocks_kernel, {"*": "bf16", "g_ptr": "fp32", "b_ptr": "fp32",
                                           "mats_ptr": "fp32", "gc_ptr": "fp32",
                                           "kinv_ptr": "fp32", "cu_ptr": "i32"},
-                   {"RATIO": 2, "DK": 128, "INV_PRECISION": "tf32"}, {"num_warps": 2}),
+                   {"RATIO": 2, "DK": 128, "INV_PRECISION": "tf32"}, {"num_warps": 4}),
     "gdn_solve": (chunk._solve_kernel, {"*": "bf16", "b_ptr": "fp32", "mats_ptr": "fp32",
                                         "gc_ptr": "fp32", "kinv_ptr": "fp32", "cu_ptr": "i32"},
                   BF16_QKV | TF32 | {"BC": 64}, {"num_warps": 4}),

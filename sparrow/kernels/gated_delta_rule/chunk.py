@@ -8,10 +8,10 @@ start and S0 the incoming state, the delta rule's writes u solve
 so u = U - W S0 with U = (I + A)^-1 (beta v) and W = (I + A)^-1 (beta exp(G) k), which do not
 depend on the state. Four kernels, only the third sequential:
 
-1. `_blocks_kernel`, one program per (chunk, q/k head), all in parallel: k k^T and the
-   inverse k row norms ([T, Hk]) once for the v-heads that share them, then per v-head G and
-   the ten 16x16 blocks of the solve over four 16-row sub-blocks (off-diagonal blocks of A;
-   diagonal blocks inverted by doubling, `_inverse_unit_lower`).
+1. `_blocks_kernel`, one program per (chunk, v-head), all in parallel: k k^T as one 64x64
+   dot, the inverse k row norms ([T, Hk]) from its diagonal, G, and the ten 16x16 blocks of
+   the solve over four 16-row sub-blocks (off-diagonal blocks of A; the diagonal blocks
+   inverted by doubling as one batch, `_inverse_unit_lower`).
 2. `_solve_kernel`, one program per (chunk, v-head): U and W by block forward substitution,
    `ChunkTiles.solve_bc` columns of [W | U] at a time. (One kernel doing both spilled 1.7 KB
    of registers at sm_90; split, neither spills on its warps: ptxas via
@@ -58,37 +58,29 @@ def _mm_as(a, b, DT: tl.constexpr):
 
 
 @triton.jit
-def _scaled(kk, n_i, n_j, gc_i, gc_j, beta_i):
-    """Block [16, 16] of A between sub-blocks i and j from the raw dot products kk of their
-    k rows: beta_i exp(G_i - G_j) (k_i / |k_i|).(k_j / |k_j|) (for i == j the caller keeps
-    the strictly lower part)."""
-    decay = tl.exp(tl.minimum(gc_i[:, None] - gc_j[None, :], 0.0))
-    return kk * (n_i * beta_i)[:, None] * n_j[None, :] * decay
-
-
-@triton.jit
-def _diagonal_inverse(kk, n, gc, beta, PRECISION: tl.constexpr):
-    """The inverted diagonal block of I + A for one 16-row sub-block from its k k^T."""
-    o = tl.arange(0, 16)
-    a = tl.where(o[:, None] > o[None, :], _scaled(kk, n, n, gc, gc, beta), 0.0)
-    return _inverse_unit_lower(a, PRECISION)
+def _diagonal_blocks(a):
+    """The four 16x16 diagonal blocks of a [64, 64] as a batch [4, 16, 16]."""
+    i4 = tl.arange(0, 4)
+    same = (i4[:, None] == i4[None, :])[:, None, :, None]
+    return tl.sum(tl.where(same, tl.reshape(a, [4, 16, 4, 16]), 0.0), axis=2)
 
 
 @triton.jit
 def _inverse_unit_lower(a, PRECISION: tl.constexpr):
-    """(I + a)^-1 for strictly lower triangular a [16, 16], by doubling inverted diagonal
-    blocks: with D the inverse of the block diagonal of I + a in blocks of size b and F the
-    part of a below the diagonal blocks inside each block of size 2b, those 2b-blocks are
-    D^-1 + F, and (D^-1 + F)^-1 = D - D F D (F D F vanishes). b = 1 gives I - F, then b = 2,
-    4, 8 two products each at PRECISION. Every factor is a block of a or of the inverse,
-    so nothing cancels. (The nilpotent series (I - a)(I + a^2)(I + a^4)(I + a^8), the same
-    six products, builds powers of a whose entries reach C(15, 7) = 6435 times a's for keys
-    that repeat within the block, and cancels them: in tf32 it returned inverses off by 0.58
-    of their largest entry, in fp32 by 5e-4; the prefill of a repeating key in bf16 on the
-    H200 came out 1e21 times too large. Same time: 2,019 vs 2,012 us at 32K tokens.)"""
+    """(I + a)^-1 for a batch of strictly lower triangular blocks a [N, 16, 16], by doubling
+    inverted diagonal blocks: with D the inverse of the block diagonal of I + a in blocks of
+    size b and F the part of a below the diagonal blocks inside each block of size 2b, those
+    2b-blocks are D^-1 + F, and (D^-1 + F)^-1 = D - D F D (F D F vanishes). b = 1 gives
+    I - F, then b = 2, 4, 8 two batched products each at PRECISION. Every factor is a block
+    of a or of the inverse, so nothing cancels. (The nilpotent series (I - a)(I + a^2)
+    (I + a^4)(I + a^8), the same six products, builds powers of a whose entries reach
+    C(15, 7) = 6435 times a's for keys that repeat within the block, and cancels them: in
+    tf32 it returned inverses off by 0.58 of their largest entry, in fp32 by 5e-4; the
+    prefill of a repeating key in bf16 on the H200 came out 1e21 times too large. Same time:
+    2,019 vs 2,012 us at 32K tokens.)"""
     o = tl.arange(0, 16)
-    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-    d = eye - tl.where(o[:, None] // 2 == o[None, :] // 2, a, 0.0)
+    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)[None, :, :]
+    d = eye - tl.where((o[:, None] // 2 == o[None, :] // 2)[None, :, :], a, 0.0)
     d = _double_inverse(d, a, 2, PRECISION)
     d = _double_inverse(d, a, 4, PRECISION)
     return _double_inverse(d, a, 8, PRECISION)
@@ -96,10 +88,11 @@ def _inverse_unit_lower(a, PRECISION: tl.constexpr):
 
 @triton.jit
 def _double_inverse(d, a, B: tl.constexpr, PRECISION: tl.constexpr):
-    """The inverse of I + a in diagonal blocks of 2B from d, its inverse in blocks of B."""
+    """The inverse of I + a in diagonal blocks of 2B from d, its inverse in blocks of B
+    (batches [N, 16, 16])."""
     o = tl.arange(0, 16)
     inside = o[:, None] // (2 * B) == o[None, :] // (2 * B)
-    f = tl.where(inside & (o[:, None] // B != o[None, :] // B), a, 0.0)
+    f = tl.where((inside & (o[:, None] // B != o[None, :] // B))[None, :, :], a, 0.0)
     df = tl.dot(d, f, input_precision=PRECISION)
     return d - tl.dot(df, d, input_precision=PRECISION)
 
@@ -152,93 +145,45 @@ def _blocks_kernel(
     stride_kt, stride_gt, stride_nt,
     RATIO: tl.constexpr, DK: tl.constexpr, INV_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, q/k head): the dot products and inverse norms of the chunk's k rows once
-    (the norms stored per q/k head), then for each of the RATIO v-heads that read them G and
-    the ten 16x16 blocks of the solve (inverted diagonal blocks t_i, off-diagonal blocks
-    a_ij of A) into `mats`."""
-    i_c, i_k, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Per (chunk, v-head): k k^T of the chunk as one dot, the inverse k row norms from its
+    diagonal (stored by the first of the RATIO v-heads that read them), G, A, and the ten
+    16x16 blocks of the solve into `mats`: the four diagonal blocks of I + A inverted as one
+    batch (t_i), A's six blocks below them (a_ij)."""
+    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
     if c0 >= length:
         return
     DT: tl.constexpr = k_ptr.dtype.element_ty  # k k^T in the stored dtype (`_mm_as`)
-    BK: tl.constexpr = 32 if DK > 32 else DK
-    k_seq = k_ptr + start * stride_kt + i_k * DK
-    # the ten dot products of the four 16-row sub-blocks, BK columns of k at a time (whole
-    # 128-wide fp32 rows of all four kept live spill registers), and the row norms
-    kk00 = tl.zeros([16, 16], dtype=tl.float32)
-    kk10, kk20, kk30, kk11, kk21 = kk00, kk00, kk00, kk00, kk00
-    kk31, kk22, kk32, kk33 = kk00, kk00, kk00, kk00
-    ss0 = tl.zeros([16], dtype=tl.float32)
-    ss1, ss2, ss3 = ss0, ss0, ss0
-    for kb in range(DK // BK):
-        x0 = _cols(k_seq, c0, length, kb * BK, stride_kt, BK)
-        x1 = _cols(k_seq, c0 + 16, length, kb * BK, stride_kt, BK)
-        x2 = _cols(k_seq, c0 + 32, length, kb * BK, stride_kt, BK)
-        x3 = _cols(k_seq, c0 + 48, length, kb * BK, stride_kt, BK)
-        ss0, ss1 = ss0 + tl.sum(x0 * x0, axis=1), ss1 + tl.sum(x1 * x1, axis=1)
-        ss2, ss3 = ss2 + tl.sum(x2 * x2, axis=1), ss3 + tl.sum(x3 * x3, axis=1)
-        kk00 += _mm_as(x0, tl.trans(x0), DT)
-        kk10 += _mm_as(x1, tl.trans(x0), DT)
-        kk20 += _mm_as(x2, tl.trans(x0), DT)
-        kk30 += _mm_as(x3, tl.trans(x0), DT)
-        kk11 += _mm_as(x1, tl.trans(x1), DT)
-        kk21 += _mm_as(x2, tl.trans(x1), DT)
-        kk31 += _mm_as(x3, tl.trans(x1), DT)
-        kk22 += _mm_as(x2, tl.trans(x2), DT)
-        kk32 += _mm_as(x3, tl.trans(x2), DT)
-        kk33 += _mm_as(x3, tl.trans(x3), DT)
-    n0, n1 = tl.rsqrt(ss0 + 1e-6), tl.rsqrt(ss1 + 1e-6)
-    n2, n3 = tl.rsqrt(ss2 + 1e-6), tl.rsqrt(ss3 + 1e-6)
+    i_k = i_h // RATIO
+    o_t = tl.arange(0, 64)
+    rows = start + c0 + o_t
+    m_t = (c0 + o_t) < length
+    b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + tl.arange(0, DK)[None, :],
+                  mask=m_t[:, None], other=0.0)  # fmt: skip
+    kk = _mm_as(b_k, tl.trans(b_k), DT)
+    squares = tl.where(o_t[:, None] == o_t[None, :], kk, 0.0)
+    n_row = tl.rsqrt(tl.sum(squares, axis=1) + 1e-6)
+    n_col = tl.rsqrt(tl.sum(squares, axis=0) + 1e-6)
+    if i_h % RATIO == 0:
+        tl.store(kinv_ptr + rows * stride_nt + i_k, n_row, mask=m_t)
+    b_beta = tl.load(b_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
+    b_gc = tl.cumsum(tl.load(g_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0), axis=0)
+    tl.store(gc_ptr + rows * stride_gt + i_h, b_gc, mask=m_t)
+    decay = tl.exp(tl.minimum(b_gc[:, None] - b_gc[None, :], 0.0))
+    a = tl.where(o_t[:, None] > o_t[None, :],
+                 kk * (b_beta * n_row)[:, None] * n_col[None, :] * decay, 0.0)  # fmt: skip
+    t = _inverse_unit_lower(_diagonal_blocks(a), INV_PRECISION)  # [4, 16, 16]
+    bi, bj = o_t[:, None] // 16, o_t[None, :] // 16
+    i4 = tl.arange(0, 4)
+    t_placed = tl.where((i4[:, None] == i4[None, :])[:, None, :, None], t[:, :, None, :], 0.0)
+    blocks = tl.where(bi == bj, tl.reshape(t_placed, [64, 64]), a)
+    # block (i, j), i >= j, is mats[i] on the diagonal, else mats[4 + 3j - j(j - 1) / 2 +
+    # i - j - 1]: a10, a20, a30, a21, a31, a32
+    index = tl.where(bi == bj, bi, 4 + 3 * bj - bj * (bj - 1) // 2 + bi - bj - 1)
     chunk = _first_chunk(cu_ptr, i_b) + i_c
-    o_r = tl.arange(0, 16)
-    m0, m1 = c0 + o_r < length, c0 + 16 + o_r < length
-    m2, m3 = c0 + 32 + o_r < length, c0 + 48 + o_r < length
-    p_n = kinv_ptr + (start + c0 + o_r) * stride_nt + i_k
-    tl.store(p_n, n0, mask=m0)
-    tl.store(p_n + 16 * stride_nt, n1, mask=m1)
-    tl.store(p_n + 32 * stride_nt, n2, mask=m2)
-    tl.store(p_n + 48 * stride_nt, n3, mask=m3)
-    g_seq, b_seq, sg = g_ptr + start * stride_gt, b_ptr + start * stride_gt, stride_gt
-    for r in range(RATIO):
-        i_h = i_k * RATIO + r
-        g0, g1 = _rows16(g_seq, c0, length, sg, i_h), _rows16(g_seq, c0 + 16, length, sg, i_h)
-        g2 = _rows16(g_seq, c0 + 32, length, sg, i_h)
-        g3 = _rows16(g_seq, c0 + 48, length, sg, i_h)
-        be0 = _rows16(b_seq, c0, length, sg, i_h)
-        be1 = _rows16(b_seq, c0 + 16, length, sg, i_h)
-        be2 = _rows16(b_seq, c0 + 32, length, sg, i_h)
-        be3 = _rows16(b_seq, c0 + 48, length, sg, i_h)
-        gc0 = tl.cumsum(g0, axis=0)
-        gc1 = tl.sum(g0, axis=0) + tl.cumsum(g1, axis=0)
-        gc2 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.cumsum(g2, axis=0)
-        gc3 = (tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
-               + tl.cumsum(g3, axis=0))  # fmt: skip
-        p_row = (start + c0 + o_r) * stride_gt + i_h
-        tl.store(gc_ptr + p_row, gc0, mask=m0)
-        tl.store(gc_ptr + p_row + 16 * stride_gt, gc1, mask=m1)
-        tl.store(gc_ptr + p_row + 32 * stride_gt, gc2, mask=m2)
-        tl.store(gc_ptr + p_row + 48 * stride_gt, gc3, mask=m3)
-        p_m = mats_ptr + (chunk * tl.num_programs(1) * RATIO + i_h) * (10 * 256) + _mat_offsets()
-        # each inverted diagonal block stored as soon as it is made (fewer live registers)
-        tl.store(p_m, _diagonal_inverse(kk00, n0, gc0, be0, INV_PRECISION))
-        tl.store(p_m + 256, _diagonal_inverse(kk11, n1, gc1, be1, INV_PRECISION))
-        tl.store(p_m + 512, _diagonal_inverse(kk22, n2, gc2, be2, INV_PRECISION))
-        tl.store(p_m + 768, _diagonal_inverse(kk33, n3, gc3, be3, INV_PRECISION))
-        tl.store(p_m + 1024, _scaled(kk10, n1, n0, gc1, gc0, be1))
-        tl.store(p_m + 1280, _scaled(kk20, n2, n0, gc2, gc0, be2))
-        tl.store(p_m + 1536, _scaled(kk30, n3, n0, gc3, gc0, be3))
-        tl.store(p_m + 1792, _scaled(kk21, n2, n1, gc2, gc1, be2))
-        tl.store(p_m + 2048, _scaled(kk31, n3, n1, gc3, gc1, be3))
-        tl.store(p_m + 2304, _scaled(kk32, n3, n2, gc3, gc2, be3))
-
-
-@triton.jit
-def _cols(k_seq, row0, length, col, stride_t, BK: tl.constexpr):
-    """Raw k of rows row0..row0+16, columns col..col+BK (fp32)."""
-    o_t = row0 + tl.arange(0, 16)
-    o_c = col + tl.arange(0, BK)
-    return tl.load(k_seq + o_t[:, None] * stride_t + o_c[None, :],
-                   mask=(o_t < length)[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256)
+    tl.store(p_m + index * 256 + (o_t % 16)[:, None] * 16 + (o_t % 16)[None, :], blocks,
+             mask=bi >= bj)  # fmt: skip
 
 
 @triton.jit
@@ -450,9 +395,19 @@ class ChunkTiles:
     kernel 54.9 / 207.8 / 797.8 -> 44.3 / 163.5 / 659.7 us at 2K / 8K / 32K, the whole
     function 142.6 / 521.5 / 2,011 -> 131.9 / 479.9 / 1,862 us (graphs, alternating;
     docs/bench/scan-k-stored-ab-*-s15.json), error against the fp32 recurrence unchanged
-    on random inputs, 0.023 / 0.041 -> 0.021 / 0.018 (output / state) for a repeated key."""
+    on random inputs, 0.023 / 0.041 -> 0.021 / 0.018 (output / state) for a repeated key.
+    The blocks kernel per v-head with k k^T as one 64x64 dot and the four diagonal inverses
+    as one batch of [16, 16] products (before: per q/k head, the ten k k^T blocks as 40
+    16x16x32 dots, four inverses one after another, 2 warps): 76.4 / 295.1 -> 53.5 / 205.9
+    us at 8K / 32K, the whole function 481.6 / 1,864 -> 456.6 / 1,766 us, outputs identical
+    (docs/bench/wy-ab-*-s15.json; 2 warps 460.8 / 1,767, 8 warps 502.0 / 1,950). Not kept
+    from the same run: blocks and solve as one kernel inverting the whole 64x64 I + A (two
+    more doublings on 64x64 products) and [W | U] = T [k | v] as 64x64 dots: 184.7 / 731.7
+    us for both kernels' work with tf32 products (179.9 / 692.4 split), 145.6 / 596.5 with
+    the last product in bf16 (errors up to 1.5x larger); and the output inside the scan (q S
+    and the decayed q k^T u per step): 399.7 us at 8K against 166.0 + 137.8 apart."""
 
-    blocks_warps: int = 2
+    blocks_warps: int = 4
     inverse: str = "tf32"
     solve_bc: int = 64
     solve_warps: int = 4
@@ -504,7 +459,7 @@ def chunk_gated_delta_rule_varlen(
     kinv = torch.empty(t, hk, device=q.device, dtype=torch.float32)  # inverse k norms
     chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)  # see `_first_chunk`
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
-    _blocks_kernel[(chunks, hk, bsz)](
+    _blocks_kernel[(chunks, hv, bsz)](
         k, g, beta, mats, gc, kinv, cu_seqlens, k.stride(0), g.stride(0), kinv.stride(0),
         RATIO=hv // hk, DK=dk, INV_PRECISION="ieee" if q.dtype == torch.float32 else tiles.inverse,
         num_warps=tiles.blocks_warps,
