@@ -96,19 +96,24 @@ def _codes_dot_x(b_w, p_x, BITS: tl.constexpr, PACKED: tl.constexpr):
     return b_qx, b_xs
 
 
-# Two words' 16 codes against 8 fp16 pairs of (scaled) x: for each word and i = 0..3, the
-# word shifted by 4i and ANDed with 0x000F000F leaves codes i and i + 4 in the low nibbles of
-# the two 16-bit halves, as fp16 subnormals q * 2^-24 (exact); one packed FMA multiplies them
-# by x_i and x_(i+4) and accumulates; then the two halves are added and converted: 25
-# instructions per 16 codes. (Before: one word per accumulator, codes 2i and 2i + 1 paired by
-# a PRMT and an AND, 15 instructions per 8 codes. On the H200, docs/bench/gemv-two-words-ab-
-# *-s15.json: the 2048 -> 8192 GEMV 4.83 -> 4.67 us, the MoE layer at one token 16.11 ->
-# 15.08 us; sm_90 kernels 1,856 -> 1,632 and 1,040 -> 936 instructions.)
+# Two words' 16 codes against 8 fp16 pairs of (scaled) x: for each word, ANDs with 0x000F000F
+# and 0x00F000F0 leave codes 0 and 4, and 1 and 5 times 16, in the two 16-bit halves, as
+# fp16 subnormals q * 2^-24 and q * 2^-20 (exact); a shift by 8 and the same two ANDs give
+# codes 2 and 6, 3 and 7. One packed FMA multiplies each pair by x_i and x_(i+4) (those of
+# the odd codes taken 16 times smaller) and accumulates; then the two halves are added and
+# converted: 21 instructions per 16 codes. Powers of two apart from the shift-and-AND form
+# (codes i and i + 4 by a shift by 4i and an AND, 25 per 16 codes), so the same results to
+# the bit; on the H200 (docs/bench/gemv-and-pairs-ab-*-s15.json) 4.65 -> 4.63 us at 2048 ->
+# 8192, the MoE layer 14.46 us at one token either way, 50.0 -> 49.2 at 8; sm_90 kernels 7%
+# fewer instructions. That form against the one before it (codes 2i and 2i + 1 paired by a
+# PRMT and an AND, one word per accumulator, 15 per 8 codes): 4.83 -> 4.67 us and 16.11 ->
+# 15.08 us (docs/bench/gemv-two-words-ab-*-s15.json).
+_PAIR_MASKS = ("0x000F000F", "0x00F000F0")
 _F16_DOT_ASM = tl.constexpr(
     "{\n.reg .b32 t, c, acc;\n.reg .f16 lo, hi;\n"
     + "".join(
-        (f"and.b32 c, ${1 + wd}, 0x000F000F;\n" if i == 0
-         else f"shr.u32 t, ${1 + wd}, {4 * i};\nand.b32 c, t, 0x000F000F;\n")
+        (f"shr.u32 t, ${1 + wd}, 8;\n" if i == 2 else "")
+        + f"and.b32 c, {'t' if i >= 2 else f'${1 + wd}'}, {_PAIR_MASKS[i % 2]};\n"
         + ("mul.rn.f16x2 acc, c, $3;\n" if wd == 0 and i == 0
            else f"fma.rn.f16x2 acc, c, ${3 + 4 * wd + i}, acc;\n")
         for wd in range(2) for i in range(4)
@@ -139,9 +144,9 @@ def _codes_dot_x_f16(b_w, p_x):
     down = ((e + 10) << 23).to(tl.float32, bitcast=True)  # 2^(e - 117): 1 / up and the 2^-24
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots8(b_x * up[:, None, None])
     a0, b0 = _word_pairs(_f16_pair(x0, x4))
-    a1, b1 = _word_pairs(_f16_pair(x1, x5))
+    a1, b1 = _word_pairs(_f16_pair(x1 * 0.0625, x5 * 0.0625))  # against codes times 16
     a2, b2 = _word_pairs(_f16_pair(x2, x6))
-    a3, b3 = _word_pairs(_f16_pair(x3, x7))
+    a3, b3 = _word_pairs(_f16_pair(x3 * 0.0625, x7 * 0.0625))
     w_even, w_odd = tl.split(tl.reshape(b_w, [b_w.shape[0], b_w.shape[1], b_w.shape[2] // 2, 2]))
     b_d = tl.inline_asm_elementwise(_F16_DOT_ASM, "=f,r,r,r,r,r,r,r,r,r,r",
                                     [w_even, w_odd, a0, a1, a2, a3, b0, b1, b2, b3],
