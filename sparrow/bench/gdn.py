@@ -20,6 +20,7 @@ mixer's minus theirs. Graphs of 30 layers, variants alternating over rounds.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -187,7 +188,7 @@ def bench_mixer(gen, rounds: int = 3) -> dict:
     for _ in range(rounds):
         for name, fn in variants.items():
             times[name].append(graph_time_us([lambda x=x, fn=fn: fn(*x) for x in layers]))
-    row = {f"{name}_us": sorted(t)[len(t) // 2] for name, t in times.items()}
+    row = {f"{name}_us": statistics.median(t) for name, t in times.items()}
     row["rounds_us"] = times
     row["fused_step_us"] = row["fused_us"] - row["gemvs_only_us"]
     row["separate_step_us"] = row["separate_us"] - row["gemvs_only_us"]
