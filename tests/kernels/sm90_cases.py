@@ -141,7 +141,7 @@ CASES = {
     "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16"},
                     {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024}, {"num_warps": 4}),
     "topk_route": (routing._topk_kernel, {"*": "bf16", "w_ptr": "fp32", "ids_ptr": "i32"},
-                   {"K": 8, "SHARED": True, "BLOCK_E": 256}, {"num_warps": 1}),
+                   {"K": 8, "SHARED": True, "BLOCK_E": 256, "BLOCK_K": 8}, {"num_warps": 1}),
     "align_count": (routing._count_kernel, {"*": "i32"}, {"BLOCK": 1024, "BLOCK_E": 512},
                     {"num_warps": 4}),
     "align_scan": (routing._scan_kernel, {"*": "i32"},

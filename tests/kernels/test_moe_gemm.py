@@ -40,6 +40,11 @@ def test_random_routing(t, dtype):
          tol=1e-5 if dtype == torch.float32 else 2e-3)  # fmt: skip
 
 
+@pytest.mark.parametrize("t", [1, 60])  # GEMV, grouped GEMM
+def test_top_k_not_a_power_of_two(t):
+    _run(t, e=12, k=6, d=128, inter=64, dtype=torch.float32, device="cpu", tol=1e-5)
+
+
 def test_grouped_gemm_path_for_one_token():
     _run(1, e=12, k=4, d=128, inter=64, dtype=torch.float32, device="cpu", tol=1e-5,
          tiles=GemmTiles(block_m=16))  # fmt: skip

@@ -10,7 +10,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("t, e, k", [(1, 256, 8), (3, 16, 4), (17, 60, 8), (64, 8, 1)])
+@pytest.mark.parametrize("t, e, k", [(1, 256, 8), (3, 16, 4), (17, 60, 8), (64, 8, 1), (5, 64, 6),
+                                     (2, 12, 3)])
 def test_topk_route(device, t, e, k):
     # a view with strided rows, as the layer passes it (the fused router + shared-gate output)
     fused = torch.randn(t, e + 1, generator=torch.Generator().manual_seed(t)).to(device)

@@ -26,10 +26,11 @@ def _sortable(bits, FLIP: tl.constexpr):
 
 
 @triton.jit
-def route_row(p_logits, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
+def route_row(p_logits, E, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """The router of one token from its E logits at p_logits: (weights [K] fp32 summing to 1,
-    expert ids [K] int32), as `naive.route` (softmax, top-K, renormalised: the weights are a
-    softmax over the K chosen logits, the other experts' terms cancel).
+    expert ids [K] int32, in the first K of BLOCK_K >= K lanes), as `naive.route` (softmax,
+    top-K, renormalised: the weights are a softmax over the K chosen logits, the other
+    experts' terms cancel).
 
     K rounds of one max each over keys that order like the logits with the reversed expert
     index in the low bits (ties go to the lowest index, like torch.topk on distinct values).
@@ -49,9 +50,9 @@ def route_row(p_logits, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
         b_key = tl.where(o_e < E, b_key, -(2**63))
     else:
         b_key = tl.where(o_e < E, b_key | (LOW - o_e), -(2**31))
-    o_k = tl.arange(0, K)
-    b_v = tl.zeros([K], dtype=tl.float32)
-    b_i = tl.zeros([K], dtype=tl.int32)
+    o_k = tl.arange(0, BLOCK_K)
+    b_v = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)  # lanes past K: weight 0
+    b_i = tl.zeros([BLOCK_K], dtype=tl.int32)
     for i in tl.static_range(K):
         best = tl.max(b_key, axis=0)
         idx = LOW - (best & LOW).to(tl.int32)
@@ -69,16 +70,16 @@ def route_row(p_logits, E, K: tl.constexpr, BLOCK_E: tl.constexpr):
 @triton.jit
 def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g, shared_id,
                  K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
-                 USE_PDL: tl.constexpr):  # fmt: skip
+                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
     """One token per program (`route_row`; one warp, so every reduction stays in shuffles).
     SHARED: a (K + 1)-th column, weight sigmoid(gate[t]) and id shared_id, for a shared
     expert run as one more assignment."""
     wait_for_previous(USE_PDL)
     i_t = tl.program_id(0)
-    b_w, b_i = route_row(logits_ptr + i_t * stride_t, E, K, BLOCK_E)
-    o_k = tl.arange(0, K)
-    tl.store(w_ptr + i_t * (K + SHARED) + o_k, b_w)
-    tl.store(ids_ptr + i_t * (K + SHARED) + o_k, b_i)
+    b_w, b_i = route_row(logits_ptr + i_t * stride_t, E, K, BLOCK_E, BLOCK_K)
+    o_k = tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + i_t * (K + SHARED) + o_k, b_w, mask=o_k < K)
+    tl.store(ids_ptr + i_t * (K + SHARED) + o_k, b_i, mask=o_k < K)
     if SHARED:
         b_g = tl.load(gate_ptr + i_t * stride_g).to(tl.float32)
         tl.store(w_ptr + i_t * (K + 1) + K, tl.sigmoid(b_g))
@@ -157,7 +158,8 @@ def topk_route(
         _topk_kernel[(t,)](logits, weights, ids, gate, e, logits.stride(0), gate.stride(0),
                            shared_id, K=k,
                            SHARED=shared_gate is not None,
-                           BLOCK_E=triton.next_power_of_2(e), num_warps=1,
+                           BLOCK_E=triton.next_power_of_2(e),
+                           BLOCK_K=triton.next_power_of_2(k), num_warps=1,
                            **launch_args(logits, (t,)))  # fmt: skip
     return weights, ids
 
