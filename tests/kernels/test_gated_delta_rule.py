@@ -189,6 +189,20 @@ def test_chunk_matches_reference(device, lengths):
     assert rel_err(states.cpu(), ref_states) < 1e-4
 
 
+@pytest.mark.parametrize("hk, hv", [(2, 2), (1, 4)])
+def test_chunk_head_ratios(hk, hv):
+    """v-heads per q/k head other than the model's 2: the blocks kernel stores each q/k
+    head's k norms from the first of its v-heads."""
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+
+    q, k, v, g, beta, cu, states, slots = _chunk_case([65, 1, 130], hk, hv, 16, 32, "cpu")
+    ref_states = states.clone()
+    expected = _chunk_reference(q, k, v, g, beta, cu, ref_states, slots)
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)
+    assert rel_err(o, expected) < 1e-4
+    assert rel_err(states, ref_states) < 1e-4
+
+
 @pytest.mark.parametrize("sizes, device, dtype, bound", [
     pytest.param((2, 4, 16, 32), "cpu", torch.float32, 1e-4, id="cpu"),
     pytest.param((16, 32, 128, 128), "cuda", torch.bfloat16, 0.1, id="gpu", marks=pytest.mark.gpu),
