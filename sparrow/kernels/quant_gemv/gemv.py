@@ -481,12 +481,17 @@ def quant_gemv(
     if x.shape[0] > 1:
         y = quant_mma(x, packed, scales, biases, spec)
         return F.silu(y[:, : n // 2]) * y[:, n // 2 :] if gated else y
-    bn, bk, nw, f16 = default_config(n // 2 if gated else n, x.shape[-1])
-    x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
+    x, w, (bn, bk, nw, f16) = _row_args(x, packed, scales, biases, n // 2 if gated else n)
     y = torch.empty(1, n // 2 if gated else n, device=x.device, dtype=x.dtype)
-    return launch_gemv(x, (packed, scales, biases), y, spec, block_n or bn, block_k or bk,
-                       num_warps or nw, num_stages, gated=gated, prefetch=prefetch,
+    return launch_gemv(x, w, y, spec, block_n or bn, block_k or bk, num_warps or nw,
+                       num_stages, gated=gated, prefetch=prefetch,
                        f16_dot=f16 if f16_dot is None else f16_dot)  # fmt: skip
+
+
+def _row_args(x, packed, scales, biases, outputs: int):
+    """The (x, weights, `default_config`) of a checked one-row GEMV with `outputs` outputs."""
+    w = (packed.contiguous(), scales.contiguous(), biases.contiguous())
+    return x.contiguous(), w, default_config(outputs, x.shape[1])
 
 
 def _one_row(x, packed, scales, biases, spec: QuantSpec, what: str):
@@ -494,9 +499,7 @@ def _one_row(x, packed, scales, biases, spec: QuantSpec, what: str):
     _check(x, packed, scales, biases, spec)
     if x.shape[0] != 1:
         raise ValueError(f"the GEMV with the {what} takes one row, got {x.shape[0]}")
-    config = default_config(packed.shape[0], x.shape[1])
-    return (x.contiguous(), (packed.contiguous(), scales.contiguous(), biases.contiguous()),
-            config)  # fmt: skip
+    return _row_args(x, packed, scales, biases, packed.shape[0])
 
 
 def quant_gemv_conv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
