@@ -405,7 +405,11 @@ class ChunkTiles:
     more doublings on 64x64 products) and [W | U] = T [k | v] as 64x64 dots: 184.7 / 731.7
     us for both kernels' work with tf32 products (179.9 / 692.4 split), 145.6 / 596.5 with
     the last product in bf16 (errors up to 1.5x larger); and the output inside the scan (q S
-    and the decayed q k^T u per step): 399.7 us at 8K against 166.0 + 137.8 apart."""
+    and the decayed q k^T u per step): 399.7 us at 8K against 166.0 + 137.8 apart.
+    Sixteenth session, not kept (docs/bench/gdn-*-s16.json): the scan in pieces on a second
+    stream beside each piece's output 3% faster at 32K at best (the output's traffic slows
+    the scan beside it); states of every other chunk only (the output kernel deriving the
+    rest) 1.769 -> 1.902 ms at 32K; the ten blocks in fp16 or bf16 1.778 -> 1.787 ms."""
 
     blocks_warps: int = 4
     inverse: str = "tf32"

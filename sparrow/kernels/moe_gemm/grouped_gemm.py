@@ -148,7 +148,10 @@ def _launch_gemv(a, w, c, rw, ids, top_k, gated, spec, shared_w=None, chained=Fa
     routes its own token; no top-k kernel) 15.4 / 58.5; with the combine also inside the
     down kernel (a program per row block and token, summing its slots in order) 19.5 /
     70.8: each slot's id, then its weights, is a dependent load the program waits on in
-    turn."""
+    turn. Sixteenth session (8 layers in a graph, 1 token, against 14.4 us): the chained
+    down GEMV summing each token's rows itself (the last of its programs, a counter) 15.9;
+    the whole layer in one kernel (programs synchronised by counters, routing in every
+    program, down rows summed over the slots) 16.7 (PERF.md)."""
     bn, bk, nw = _GEMV_BLOCKS[gated, chained]
     launch_gemv(a, w, c, spec, block_n=bn, block_k=bk, num_warps=nw, gated=gated, ids=ids,
                 rw=rw, top_k=top_k, shared_w=shared_w, late_trigger=chained and gated,
