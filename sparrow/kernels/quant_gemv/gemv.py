@@ -481,8 +481,9 @@ def quant_gemv(
     if x.shape[0] > 1:
         y = quant_mma(x, packed, scales, biases, spec)
         return F.silu(y[:, : n // 2]) * y[:, n // 2 :] if gated else y
-    x, w, (bn, bk, nw, f16) = _row_args(x, packed, scales, biases, n // 2 if gated else n)
-    y = torch.empty(1, n // 2 if gated else n, device=x.device, dtype=x.dtype)
+    outputs = n // 2 if gated else n
+    x, w, (bn, bk, nw, f16) = _row_args(x, packed, scales, biases, outputs)
+    y = torch.empty(1, outputs, device=x.device, dtype=x.dtype)
     return launch_gemv(x, w, y, spec, block_n or bn, block_k or bk, num_warps or nw,
                        num_stages, gated=gated, prefetch=prefetch,
                        f16_dot=f16 if f16_dot is None else f16_dot)  # fmt: skip
