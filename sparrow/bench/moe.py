@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+from dataclasses import replace
 
 import torch
 
@@ -128,6 +129,9 @@ def sweep_tiles(ours, cfg: ModelConfig, tokens: list[int]) -> dict:
     down = (e.down_proj, e.down_proj_scales, e.down_proj_biases)
     configs = [GemmTiles(bm, bn, nw, ns) for bm, bn, nw, ns in itertools.product(
         (16, 32, 64, 128), (64, 128), (4, 8), (2, 3, 4))]  # fmt: skip
+    # and each 128-row set with an expert's last <= 64 rows in one 64-row block
+    small = GemmTiles(block_m=64, down_block_n=128)
+    configs += [replace(c, small=small) for c in configs if c.block_m == 128]
     table = {}
     for t in tokens:
         x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)

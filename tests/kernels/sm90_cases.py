@@ -133,7 +133,7 @@ CASES = {
     "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
                                                  "sw_ptr": "i32", "sorted_ptr": "i32",
                                                  "block_expert_ptr": "i32",
-                                                 "num_rows_ptr": "i32"},
+                                                 "block_start_ptr": "i32"},
                  {"TOP_K": 9, "GATED": True, "APPLY_WEIGHT": False, "SHARED": True, "BITS": 4,
                   "GROUP": 64,
                   "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "PACKED": True},
@@ -145,7 +145,8 @@ CASES = {
     "align_count": (routing._count_kernel, {"*": "i32"}, {"BLOCK": 1024, "BLOCK_E": 512},
                     {"num_warps": 4}),
     "align_scan": (routing._scan_kernel, {"*": "i32"},
-                   {"BLOCK_M": 64, "BLOCK_E": 256, "BLOCK_B": 64}, {"num_warps": 4}),
+                   {"BLOCK_M": 128, "SMALL_M": 64, "BLOCK_E": 256, "BLOCK_B": 64},
+                   {"num_warps": 4}),
     "align_scatter": (routing._scatter_kernel, {"*": "i32"}, {"BLOCK": 1024}, {"num_warps": 4}),
 }  # fmt: skip
 

@@ -64,6 +64,24 @@ def test_128_row_tiles():
          tiles=GemmTiles(block_m=128, num_warps=8, down_block_n=128))  # fmt: skip
 
 
+@pytest.mark.parametrize("t", [60, 61])
+def test_two_block_sizes(t):
+    """Each expert's last rows in a block of 16 when at most 16 remain after its blocks of 32,
+    else in one more block of 32 (about 20 rows per expert: both occur)."""
+    small = GemmTiles(block_m=16, block_n=32)
+    _run(t, e=12, k=4, d=128, inter=64, dtype=torch.float32, device="cpu", tol=1e-5,
+         tiles=GemmTiles(block_m=32, down_block_n=128, small=small))  # fmt: skip
+
+
+def test_default_tiles_from_64_rows_per_expert():
+    """About 150 rows per expert: `tiles_for` takes 128-row blocks and a 64-row block for the
+    rest of each expert."""
+    from sparrow.kernels.moe_gemm.grouped_gemm import tiles_for
+
+    assert tiles_for(300 * 2, 4).small is not None
+    _run(300, e=4, k=2, d=128, inter=64, dtype=torch.float16, device="cpu", tol=2e-3)
+
+
 def test_down_tiles_of_their_own():
     # gate_up on 32-column tiles, down on 128 (N = 192: its last tile is half empty)
     _run(9, e=6, k=2, d=192, inter=64, dtype=torch.float32, device="cpu", tol=1e-5,
@@ -80,6 +98,14 @@ def test_sizes_not_multiples_of_the_tiles():
 @pytest.mark.parametrize("t", [1, 8, 64, 1000, 2048, 8192])  # 8,192: 128-row tiles, 8 warps
 def test_real_sizes_gpu(t):
     _run(t, e=256, k=8, d=2048, inter=512, dtype=torch.bfloat16, device="cuda", tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1000, 8192])
+def test_two_block_sizes_gpu(t):
+    small = GemmTiles(block_m=64, down_block_n=128)
+    _run(t, e=256, k=8, d=2048, inter=512, dtype=torch.bfloat16, device="cuda", tol=2e-2,
+         tiles=GemmTiles(block_m=128, num_warps=8, down_block_n=128, small=small))  # fmt: skip
 
 
 @pytest.mark.parametrize("t", [2, 50])  # GEMV and grouped GEMM paths

@@ -48,19 +48,30 @@ def test_topk_route_with_a_shared_column(device):
     torch.testing.assert_close(weights[:, 4:].cpu(), gate.sigmoid().cpu(), rtol=1e-6, atol=0)
 
 
-def _check_align(ids, num_experts, block_m):
-    got = align(ids, num_experts, block_m)
-    want = naive.align(ids.cpu(), num_experts, block_m)
-    sorted_ids, block_expert, num_rows = (x.cpu() for x in got)
-    assert num_rows.item() == want[2].item()
-    assert torch.equal(block_expert, want[1])
-    rows = num_rows.item()
-    # Within an expert's group the order of assignments is free (atomics): compare as sets.
+def _expert_rows(blocks, size, e):
+    return [r for s in blocks.start[blocks.expert == e].tolist() for r in range(s, s + size)]
+
+
+def _check_align(ids, num_experts, block_m, small_m=0):
+    got = align(ids, num_experts, block_m, small_m)
+    want = naive.align(ids.cpu(), num_experts, block_m, small_m)
+    sorted_got = got.sorted_ids.cpu()
+    assert sorted_got.shape == want.sorted_ids.shape
+    kinds = [(got.blocks, want.blocks, block_m)]
+    if small_m:
+        kinds.append((got.small, want.small, small_m))
+    else:
+        assert got.small is None
+    for g, w, _ in kinds:
+        assert torch.equal(g.start.cpu(), w.start) and torch.equal(g.expert.cpu(), w.expert)
+    # Within an expert's rows (its blocks of both sizes) the order of assignments is free
+    # (atomics): compare as sets.
     for e in range(num_experts):
-        blocks = (want[1] == e).nonzero().flatten().tolist()
-        rows_e = [r for b in blocks for r in range(b * block_m, (b + 1) * block_m)]
-        assert sorted(sorted_ids[rows_e].tolist()) == sorted(want[0][rows_e].tolist())
-    assert (sorted_ids[rows:] == ids.numel()).all()
+        rows = [r for _, w, size in kinds for r in _expert_rows(w, size, e)]
+        assert sorted(sorted_got[rows].tolist()) == sorted(want.sorted_ids[rows].tolist())
+    # every assignment once, the rest padding
+    used = sorted_got[sorted_got < ids.numel()]
+    assert torch.equal(used.sort().values, torch.arange(ids.numel(), dtype=torch.int32))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -75,8 +86,30 @@ def test_align_random(device, t, k, block_m):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_align_skewed(device):
+@pytest.mark.parametrize("t, k, block_m, small_m", [(1, 8, 32, 16), (60, 8, 32, 16),
+                                                    (100, 8, 64, 32), (300, 8, 16, 16)])
+def test_align_two_sizes(device, t, k, block_m, small_m):
+    """An expert's last rows in a small block when they fit in one (rests of 0, <= small_m and
+    > small_m all occur at these sizes)."""
+    e = 24
+    gen = torch.Generator().manual_seed(t * k + 1)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(device)
+    _check_align(ids, e, block_m, small_m)
+
+
+def test_group_blocks():
+    assert naive.group_blocks(0, 64, 32) == (0, 0)
+    assert naive.group_blocks(64, 64, 32) == (1, 0)
+    assert naive.group_blocks(70, 64, 32) == (1, 1)
+    assert naive.group_blocks(96, 64, 32) == (1, 1)
+    assert naive.group_blocks(97, 64, 32) == (2, 0)
+    assert naive.group_blocks(97, 64, 0) == (2, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("small_m", [0, 16])
+def test_align_skewed(device, small_m):
     """Most experts get no rows; one expert gets every token."""
     t, e = 37, 16  # top-2
     ids = torch.stack([torch.zeros(t, dtype=torch.long), torch.arange(t) % 3 + 5], 1)
-    _check_align(ids.to(device), e, 16)
+    _check_align(ids.to(device), e, 32 if small_m else 16, small_m)

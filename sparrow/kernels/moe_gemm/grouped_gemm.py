@@ -1,7 +1,8 @@
 """Grouped GEMM over routed experts with the group-affine dequantisation fused into the K loop.
 
 Rows come from `moe_routing.align`: blocks of BLOCK_M assignments that all belong to one
-expert. A program takes one such block and BLOCK_N output columns; its weight tile is read as
+expert (and, for the last rows of an expert, a second launch over smaller blocks). A program
+takes one such block and BLOCK_N output columns; its weight tile is read as
 packed codes, expanded to the activation dtype in registers, and fed to `tl.dot` (tensor
 cores, fp32 accumulation). The bf16 weight is never written to memory. Two uses:
 
@@ -22,6 +23,7 @@ import triton.language as tl
 from sparrow.kernels import pdl
 from sparrow.kernels.activations import silu
 from sparrow.kernels.dequant.unpack import group_scales, packed_unpack, unpack_codes
+from sparrow.kernels.moe_routing.naive import Routing
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.kernels.quant_gemv.gemv import launch_gemv, shared_expert_args
@@ -56,7 +58,7 @@ def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sw_ptr, ss_ptr, sb_ptr,
-    sorted_ptr, block_expert_ptr, num_rows_ptr,
+    sorted_ptr, block_start_ptr, block_expert_ptr,
     N, K, num_valid, num_experts,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, SHARED: tl.constexpr,
@@ -70,10 +72,11 @@ def _moe_gemm_kernel(
     # share that block's activation rows in L2
     num_n = tl.cdiv(N, BLOCK_N)
     i_m, i_n = tl.program_id(0) // num_n, tl.program_id(0) % num_n
-    if i_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return  # past the padded rows in use: the grid is sized without reading the routing
+    start = tl.load(block_start_ptr + i_m)
+    if start < 0:
+        return  # past the blocks in use: the grid is sized without reading the routing
     i_e = tl.load(block_expert_ptr + i_m).to(tl.int64)
-    rows = tl.load(sorted_ptr + i_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = tl.load(sorted_ptr + start + tl.arange(0, BLOCK_M))
     m_rows = rows < num_valid
     if GATED:
         a_rows = rows // TOP_K  # gate_up reads x by token
@@ -165,27 +168,32 @@ def _chained(tokens: int, device: torch.device) -> bool:
     return tokens == 1 and pdl.enabled(device)
 
 
-def _launch(a, w, c, rw, routing, n, top_k, gated, spec, tiles: GemmTiles, shared_w=None):
+def _launch(a, w, c, rw, routing: Routing, n, top_k, gated, spec, tiles: GemmTiles,
+            shared_w=None):  # fmt: skip
+    """One launch over the blocks of tiles.block_m rows, one over the small blocks if any."""
     packed, scales, biases = w
-    sorted_ids, block_expert, num_rows = routing
     k = a.shape[1]
     if k % spec.group_size:
         raise ValueError(f"input dim {k} is not a multiple of group_size {spec.group_size}")
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # fp32 means fp32
-    grid = (block_expert.numel() * triton.cdiv(n, tiles.block_n),)
-    _moe_gemm_kernel[grid](
-        a, packed.view(torch.int32), scales, biases, c, rw,
-        *shared_expert_args(shared_w, packed, scales),
-        sorted_ids, block_expert, num_rows,
-        n, k, c.shape[0], packed.shape[0],
-        a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
-        c.stride(0),
-        TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None, SHARED=shared_w is not None,
-        BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        PACKED=packed_unpack(scales.dtype, spec.bits, a.device) and scales.dtype == a.dtype,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+    launches = [(routing.blocks, tiles)]
+    if routing.small is not None:
+        launches.append((routing.small, tiles.small))
+    for blocks, t in launches:
+        grid = (blocks.start.numel() * triton.cdiv(n, t.block_n),)
+        _moe_gemm_kernel[grid](
+            a, packed.view(torch.int32), scales, biases, c, rw,
+            *shared_expert_args(shared_w, packed, scales),
+            routing.sorted_ids, blocks.start, blocks.expert,
+            n, k, c.shape[0], packed.shape[0],
+            a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
+            c.stride(0),
+            TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None, SHARED=shared_w is not None,
+            BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            PACKED=packed_unpack(scales.dtype, spec.bits, a.device) and scales.dtype == a.dtype,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -259,10 +267,14 @@ class GemmTiles:
     num_warps: int = 4
     num_stages: int = 3
     down_block_n: int | None = None  # the down GEMM's columns per program (None: block_n)
+    # an expert's last rows, when at most small.block_m of them remain after its full blocks
+    # of block_m, run as one block with these tiles (None: in one more block of block_m)
+    small: GemmTiles | None = None
 
     def down(self) -> GemmTiles:
         """The down GEMM's tiles: the same rows (they share the routing), its own columns."""
-        return replace(self, block_n=self.down_block_n or self.block_n)
+        small = self.small and self.small.down()
+        return replace(self, block_n=self.down_block_n or self.block_n, small=small)
 
 
 def tiles_for(num_assignments: int, num_experts: int) -> GemmTiles:
@@ -274,13 +286,22 @@ def tiles_for(num_assignments: int, num_experts: int) -> GemmTiles:
     session, `scratch`-style graph timing): the down GEMM (K 512, N 2,048) takes 128 columns
     (2,048 tokens 187 -> 166 us; 8,192 533 -> 498, with 8 warps 457), gate_up keeps 64
     (128 columns: 381 vs 330 us at 2,048 tokens) and takes 8 warps with 128-row tiles (8,192:
-    807 vs 828 us)."""
+    807 vs 828 us).
+
+    From 64 rows per expert, an expert's last rows run in one 64-row block when at most 64
+    remain after its 128-row blocks (seventeenth session, the whole layer in a graph,
+    alternating 4 rounds; docs/bench/moe-two-sizes-ab-*-s17.json): 2,048 tokens 591.3 ->
+    552.5 us (64 rows per expert: an expert of 65-128 rows in one 128-row block instead of
+    two of 64), 4,096 920.5 -> 871.1, 8,192 1,572 -> 1,542. Below (512 / 1,024 tokens:
+    376.0 / 406.1 us as before against 424.4 / 434.3) one size stays faster; small blocks of
+    16 or 32 rows lost at every size (2,048: 629.5-669.8 us)."""
     per_expert = num_assignments / num_experts
     if per_expert <= 8:
         return GemmTiles(block_m=16)
-    if per_expert <= 64:
+    if per_expert < 64:
         return GemmTiles(block_m=64, down_block_n=128)
-    return GemmTiles(block_m=128, num_warps=8, down_block_n=128)
+    small = GemmTiles(block_m=64, down_block_n=128)
+    return GemmTiles(block_m=128, num_warps=8, down_block_n=128, small=small)
 
 
 def moe_experts(
@@ -324,7 +345,7 @@ def moe_experts(
         _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down, chained)
     else:
         tiles = tiles or tiles_for(t * top_k, e)
-        routing = align(ids, e + fold, tiles.block_m)
+        routing = align(ids, e + fold, tiles.block_m, tiles.small and tiles.small.block_m or 0)
         _launch(x, gate_up, h, None, routing, inter, slots, True, spec, tiles, shared_gate_up)
         _launch(h, down, partial, weights.reshape(-1), routing, d, slots, False, spec,
                 tiles.down(), shared_down)  # fmt: skip

@@ -1,12 +1,12 @@
 """MoE routing on the GPU, with no host synchronisation (capturable in a CUDA graph).
 
     topk_route:  router logits [T, E] -> weights [T, k] fp32, expert ids [T, k] int32
-    align:       ids -> (sorted_ids, block_expert, num_rows), see naive.align
+    align:       ids -> Routing (sorted ids, blocks of one or two sizes), see naive.align
 
 `align` is three small kernels: a histogram of assignments per expert (one per program, added
-with atomics), a scan of the padded counts into group offsets and the block -> expert map,
-and a scatter of each assignment to its slot (an atomic cursor per expert). Output sizes depend
-only on T, k, E and block_m, never on the routing itself.
+with atomics), a scan of the padded counts into group offsets and the block maps (first row
+and expert of each block), and a scatter of each assignment to its slot (an atomic cursor per
+expert). Output sizes depend only on T, k, E and the block sizes, never on the routing itself.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.moe_routing.naive import Blocks, Routing, max_blocks
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
@@ -99,25 +100,45 @@ def _count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr, BLOCK_E: tl.const
 
 
 @triton.jit
-def _scan_kernel(counts_ptr, offsets_ptr, block_expert_ptr, num_rows_ptr, E, max_blocks,
-                 BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
-    """Padded group sizes -> exclusive offsets (program 0); the block -> expert map, BLOCK_B
-    blocks per program (each program scans the E counts again: one program walking all
-    blocks took 28 us at 8K tokens)."""
+def _block_map(i_b, ends, values, start_step):
+    """For block indices i_b [B]: the group each falls in (groups end at ends [E], a cumsum
+    of blocks per group) and its first row values[group] + i_b * start_step, -1 for both past
+    the last group's end."""
+    o_e = tl.arange(0, ends.shape[0])
+    # group of a block = number of groups that end at or before it
+    b_x = tl.sum((ends[None, :] <= i_b[:, None]).to(tl.int32), axis=1)
+    b_start = tl.sum(tl.where(o_e[None, :] == b_x[:, None], values[None, :], 0), axis=1)
+    valid = i_b < tl.max(ends, axis=0)
+    return tl.where(valid, b_start + i_b * start_step, -1), tl.where(valid, b_x, -1)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, offsets_ptr, start_ptr, expert_ptr, small_start_ptr,
+                 small_expert_ptr, E, max_blocks, BLOCK_M: tl.constexpr, SMALL_M: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+    """Group sizes -> exclusive offsets of the experts' rows (program 0); the block maps,
+    BLOCK_B blocks of each size per program (each program scans the E counts again: one
+    program walking all blocks took 28 us at 8K tokens). An expert's rows: full blocks of
+    BLOCK_M, then the rest in one block of SMALL_M if it fits (SMALL_M > 0), else in one
+    more of BLOCK_M (`naive.group_blocks`)."""
     o_e = tl.arange(0, BLOCK_E)
     b_c = tl.load(counts_ptr + o_e, mask=o_e < E, other=0)
-    b_pad = (b_c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    b_end = tl.cumsum(b_pad, axis=0)
-    total = tl.sum(b_pad, axis=0)
+    b_rest = b_c % BLOCK_M
+    b_small = ((b_rest > 0) & (b_rest <= SMALL_M)).to(tl.int32)
+    b_big = b_c // BLOCK_M + ((b_rest > 0) & (b_small == 0)).to(tl.int32)
+    b_size = b_big * BLOCK_M + b_small * SMALL_M
+    b_off = tl.cumsum(b_size, axis=0) - b_size
     if tl.program_id(0) == 0:
-        tl.store(offsets_ptr + o_e, b_end - b_pad, mask=o_e < E)
-        tl.store(num_rows_ptr, total)
+        tl.store(offsets_ptr + o_e, b_off, mask=o_e < E)
     o_b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    start = o_b * BLOCK_M
-    # expert of a block = number of groups that end at or before its first row
-    b_x = tl.sum((b_end[None, :] <= start[:, None]).to(tl.int32), axis=1)
-    b_x = tl.where(start < total, b_x, -1)
-    tl.store(block_expert_ptr + o_b, b_x, mask=o_b < max_blocks)
+    b_big_end = tl.cumsum(b_big, axis=0)
+    b_start, b_x = _block_map(o_b, b_big_end, b_off - (b_big_end - b_big) * BLOCK_M, BLOCK_M)
+    tl.store(start_ptr + o_b, b_start, mask=o_b < max_blocks)
+    tl.store(expert_ptr + o_b, b_x, mask=o_b < max_blocks)
+    if SMALL_M > 0:  # an expert's small block follows its big ones
+        b_start, b_x = _block_map(o_b, tl.cumsum(b_small, axis=0), b_off + b_big * BLOCK_M, 0)
+        tl.store(small_start_ptr + o_b, b_start, mask=o_b < E)
+        tl.store(small_expert_ptr + o_b, b_x, mask=o_b < E)
 
 
 @triton.jit
@@ -164,22 +185,23 @@ def topk_route(
     return weights, ids
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int):
-    """ids: [T, k] int -> (sorted_ids, block_expert, num_rows) as in `naive.align`."""
+def align(ids: torch.Tensor, num_experts: int, block_m: int, small_m: int = 0) -> Routing:
+    """ids: [T, k] int -> `naive.Routing` (see `naive.align`)."""
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     n, dev = flat.numel(), ids.device
-    max_blocks = triton.cdiv(n, block_m) + num_experts
+    num_blocks = max_blocks(n, num_experts, block_m)
     counts, cursor = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)  # one fill
     offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    sorted_ids = torch.full((max_blocks * block_m,), n, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    big = Blocks(*torch.empty(2, num_blocks, dtype=torch.int32, device=dev))
+    small = Blocks(*torch.empty(2, num_experts, dtype=torch.int32, device=dev)) if small_m else None
     block = 1024
     grid = (max(1, triton.cdiv(n, block)),)
     block_e = triton.next_power_of_2(num_experts)
     _count_kernel[grid](flat, counts, n, BLOCK=block, BLOCK_E=block_e)
-    _scan_kernel[(triton.cdiv(max_blocks, 64),)](counts, offsets, block_expert, num_rows,
-                                                 num_experts, max_blocks, BLOCK_M=block_m,
-                                                 BLOCK_E=block_e, BLOCK_B=64)  # fmt: skip
+    scan_grid = (triton.cdiv(max(num_blocks, num_experts), 64),)
+    _scan_kernel[scan_grid](counts, offsets, big.start, big.expert, *(small or big), num_experts,
+                            num_blocks, BLOCK_M=block_m, SMALL_M=small_m, BLOCK_E=block_e,
+                            BLOCK_B=64)  # fmt: skip
     _scatter_kernel[grid](flat, offsets, cursor, sorted_ids, n, BLOCK=block)
-    return sorted_ids, block_expert, num_rows
+    return Routing(sorted_ids, big, small)
