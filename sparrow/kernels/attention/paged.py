@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.launch import fast
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
@@ -117,7 +118,7 @@ def paged_attention(
     warps = 8 if d >= 256 else 4
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_q_len, block_m), hkv, cu_seqlens_q.numel() - 1)
-    _paged_attn_kernel[grid](
+    fast(_paged_attn_kernel)[grid](
         q, k_cache, v_cache, gate if gate is not None else q, out, block_tables, cu_seqlens_q,
         context_lens, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), scale,
@@ -235,7 +236,7 @@ def paged_decode_attention(
     ml = torch.empty(bsz, hq, splits, 2, device=q.device, dtype=torch.float32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (splits, hkv, bsz)
-    _decode_split_kernel[grid](
+    fast(_decode_split_kernel)[grid](
         q, k_cache, v_cache, acc, ml, block_tables, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale,
@@ -245,7 +246,7 @@ def paged_decode_attention(
     )  # fmt: skip
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
     gate_strides = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
-    _decode_merge_kernel[(hq, bsz)](
+    fast(_decode_merge_kernel)[(hq, bsz)](
         acc, ml, gate if gate is not None else q, out, out.stride(0), out.stride(1),
         *gate_strides, hq,
         S=splits, SP=max(2, splits), D=d, HAS_GATE=gate is not None,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels.activations import silu
+from sparrow.kernels.launch import fast
 from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 
 
@@ -149,13 +150,13 @@ def causal_conv1d_varlen(
     strides = (x.stride(0), y.stride(0), *conv_states.stride())
     if max_len == 1:
         grid = (triton.cdiv(c, block_c), b)
-        _conv_step_kernel[grid](x, y, weight, conv_states, slots, c, *strides, KW=kw,
-                                BLOCK_C=block_c, num_warps=num_warps,
-                                **launch_args(y, grid))  # fmt: skip
+        fast(_conv_step_kernel)[grid](x, y, weight, conv_states, slots, c, *strides, KW=kw,
+                                      BLOCK_C=block_c, num_warps=num_warps,
+                                      **launch_args(y, grid))  # fmt: skip
         return y
     block_t = block_t or 16
     grid = (triton.cdiv(c, block_c), b, triton.cdiv(max_len or t, block_t))
-    _conv_kernel[grid](
+    fast(_conv_kernel)[grid](
         x, y, weight, conv_states, cu_seqlens, slots,
         c, *strides, KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
         **launch_args(y, grid),

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels.dequant.unpack import fit_block_k, packed_unpack, unpack_codes
+from sparrow.kernels.launch import fast
 from sparrow.quant.affine import QuantSpec
 
 
@@ -56,7 +57,7 @@ def dequantize(
     packed, scales, biases = (t.contiguous() for t in (packed.view(torch.int32), scales, biases))
     y = torch.empty(n, k, device=packed.device, dtype=dtype)
     block_k = fit_block_k(k, 256, spec.group_size)
-    _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
+    fast(_dequant_kernel)[(triton.cdiv(n, block_n), k // block_k)](
         packed, scales, biases, y, n, packed.stride(0), scales.stride(0), y.stride(0),
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
         PACKED=packed_unpack(scales.dtype, spec.bits, packed.device) and scales.dtype == dtype,

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.launch import fast
+
 
 @triton.jit
 def _mm(a, b, PRECISION: tl.constexpr):
@@ -463,12 +465,12 @@ def chunk_gated_delta_rule_varlen(
     kinv = torch.empty(t, hk, device=q.device, dtype=torch.float32)  # inverse k norms
     chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)  # see `_first_chunk`
     mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
-    _blocks_kernel[(chunks, hv, bsz)](
+    fast(_blocks_kernel)[(chunks, hv, bsz)](
         k, g, beta, mats, gc, kinv, cu_seqlens, k.stride(0), g.stride(0), kinv.stride(0),
         RATIO=hv // hk, DK=dk, INV_PRECISION="ieee" if q.dtype == torch.float32 else tiles.inverse,
         num_warps=tiles.blocks_warps,
     )  # fmt: skip
-    _solve_kernel[(chunks, hv, bsz)](
+    fast(_solve_kernel)[(chunks, hv, bsz)](
         k, v, beta, mats, gc, kinv, w, u, cu_seqlens,
         k.stride(0), v.stride(0), g.stride(0), kinv.stride(0), w.stride(0), u.stride(0),
         RATIO=hv // hk, DK=dk, DV=dv, BC=min(tiles.solve_bc, dk, dv), PRECISION=precision,
@@ -476,7 +478,7 @@ def chunk_gated_delta_rule_varlen(
     )  # fmt: skip
     h = torch.empty(chunk_slots, hv, dk, dv, device=q.device, dtype=v.dtype)
     block_v = min(tiles.state_bv, dv)
-    _state_kernel[(dv // block_v, hv, bsz)](
+    fast(_state_kernel)[(dv // block_v, hv, bsz)](
         k, w, u, gc, kinv, h, states, slots, cu_seqlens,
         k.stride(0), w.stride(0), u.stride(0), gc.stride(0), kinv.stride(0), h.stride(0),
         states.stride(0), states.stride(1), RATIO=hv // hk, DK=dk, DV=dv, BV=block_v,
@@ -484,7 +486,7 @@ def chunk_gated_delta_rule_varlen(
     )  # fmt: skip
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     out_v = min(tiles.output_bv, dv)
-    _output_kernel[(chunks * (dv // out_v), hk, bsz)](
+    fast(_output_kernel)[(chunks * (dv // out_v), hk, bsz)](
         q, k, u, gc, kinv, h, o, cu_seqlens,
         q.stride(0), u.stride(0), gc.stride(0), kinv.stride(0), h.stride(0), o.stride(0),
         RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=tiles.output_warps,

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels.activations import silu
+from sparrow.kernels.launch import fast
 from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 
 
@@ -172,7 +173,7 @@ def fused_recurrent_step(
     sq = None if normed else torch.empty(bsz, hv, dv // cols, device=y.device,
                                          dtype=torch.float32)  # fmt: skip
     grid = (dv // cols, hv, bsz)
-    _recurrent_step_kernel[grid](
+    fast(_recurrent_step_kernel)[grid](
         qkv, a, b, a_log, dt_bias, states, slots, z, norm_weight, y, sq,
         qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), z.stride(0), y.stride(0),
         eps, key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, COLS=cols, BV=block_v,
@@ -219,8 +220,8 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
     g = torch.empty(t, h, device=a.device, dtype=torch.float32)
     beta = torch.empty_like(g)
     if t:
-        _gates_kernel[(triton.cdiv(t * h, 1024),)](a, b, a_log, dt_bias, g, beta, t, h,
-                                                   a.stride(0), BLOCK=1024)  # fmt: skip
+        fast(_gates_kernel)[(triton.cdiv(t * h, 1024),)](a, b, a_log, dt_bias, g, beta, t, h,
+                                                         a.stride(0), BLOCK=1024)  # fmt: skip
     return g, beta
 
 
@@ -251,7 +252,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     o, z = o.contiguous(), _heads_packed(z)
     y = torch.empty(z.shape, device=z.device, dtype=z.dtype)
     grid = (triton.cdiv(t * h, GATED_NORM_ROWS),)
-    _gated_norm_kernel[grid](o, z, weight, y, eps, h, t * h, z.stride(0), D=d,
-                             ROWS=GATED_NORM_ROWS, num_warps=4,
-                             **launch_args(y, grid))  # fmt: skip
+    fast(_gated_norm_kernel)[grid](o, z, weight, y, eps, h, t * h, z.stride(0), D=d,
+                                   ROWS=GATED_NORM_ROWS, num_warps=4,
+                                   **launch_args(y, grid))  # fmt: skip
     return y

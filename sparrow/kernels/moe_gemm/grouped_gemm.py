@@ -23,6 +23,7 @@ import triton.language as tl
 from sparrow.kernels import pdl
 from sparrow.kernels.activations import silu
 from sparrow.kernels.dequant.unpack import group_scales, packed_unpack, unpack_codes
+from sparrow.kernels.launch import fast
 from sparrow.kernels.moe_routing.naive import Routing
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
@@ -181,7 +182,7 @@ def _launch(a, w, c, rw, routing: Routing, n, top_k, gated, spec, tiles: GemmTil
         launches.append((routing.small, tiles.small))
     for blocks, t in launches:
         grid = (blocks.start.numel() * triton.cdiv(n, t.block_n),)
-        _moe_gemm_kernel[grid](
+        fast(_moe_gemm_kernel)[grid](
             a, packed.view(torch.int32), scales, biases, c, rw,
             *shared_expert_args(shared_w, packed, scales),
             routing.sorted_ids, blocks.start, blocks.expert,
@@ -229,9 +230,9 @@ def _combine(partial, top_k, out_dtype, shared: Shared | None = None):
     else:
         s, g = partial, partial
     grid = (t, triton.cdiv(d, 1024))
-    _combine_kernel[grid](partial, s, g, out, d, g.stride(0), TOP_K=top_k,
-                          HAS_SHARED=shared is not None, BLOCK=1024,
-                          **launch_args(out, grid))  # fmt: skip
+    fast(_combine_kernel)[grid](partial, s, g, out, d, g.stride(0), TOP_K=top_k,
+                                HAS_SHARED=shared is not None, BLOCK=1024,
+                                **launch_args(out, grid))  # fmt: skip
     return out
 
 

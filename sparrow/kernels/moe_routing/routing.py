@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.launch import fast
 from sparrow.kernels.moe_routing.naive import Blocks, Routing, max_blocks
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 
@@ -176,12 +177,11 @@ def topk_route(
     ids = torch.empty(t, cols, device=logits.device, dtype=torch.int32)
     if t:
         gate = shared_gate if shared_gate is not None else logits
-        _topk_kernel[(t,)](logits, weights, ids, gate, e, logits.stride(0), gate.stride(0),
-                           shared_id, K=k,
-                           SHARED=shared_gate is not None,
-                           BLOCK_E=triton.next_power_of_2(e),
-                           BLOCK_K=triton.next_power_of_2(k), num_warps=1,
-                           **launch_args(logits, (t,)))  # fmt: skip
+        fast(_topk_kernel)[(t,)](
+            logits, weights, ids, gate, e, logits.stride(0), gate.stride(0), shared_id, K=k,
+            SHARED=shared_gate is not None, BLOCK_E=triton.next_power_of_2(e),
+            BLOCK_K=triton.next_power_of_2(k), num_warps=1, **launch_args(logits, (t,)),
+        )  # fmt: skip
     return weights, ids
 
 
@@ -198,10 +198,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, small_m: int = 0) -
     block = 1024
     grid = (max(1, triton.cdiv(n, block)),)
     block_e = triton.next_power_of_2(num_experts)
-    _count_kernel[grid](flat, counts, n, BLOCK=block, BLOCK_E=block_e)
+    fast(_count_kernel)[grid](flat, counts, n, BLOCK=block, BLOCK_E=block_e)
     scan_grid = (triton.cdiv(max(num_blocks, num_experts), 64),)
-    _scan_kernel[scan_grid](counts, offsets, big.start, big.expert, *(small or big), num_experts,
-                            num_blocks, BLOCK_M=block_m, SMALL_M=small_m, BLOCK_E=block_e,
-                            BLOCK_B=64)  # fmt: skip
-    _scatter_kernel[grid](flat, offsets, cursor, sorted_ids, n, BLOCK=block)
+    fast(_scan_kernel)[scan_grid](counts, offsets, *big, *(small or big), num_experts,
+                                  num_blocks, BLOCK_M=block_m, SMALL_M=small_m,
+                                  BLOCK_E=block_e, BLOCK_B=64)  # fmt: skip
+    fast(_scatter_kernel)[grid](flat, offsets, cursor, sorted_ids, n, BLOCK=block)
     return Routing(sorted_ids, big, small)

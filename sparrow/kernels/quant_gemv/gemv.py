@@ -19,6 +19,7 @@ import triton.language as tl
 
 from sparrow.kernels.activations import silu
 from sparrow.kernels.dequant.unpack import fit_block_k
+from sparrow.kernels.launch import fast
 from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
 from sparrow.quant.affine import QuantSpec
@@ -396,7 +397,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     pdl = launch_args(y, grid)
     ptx = x.is_cuda and spec.bits == 4  # the packed PTX paths
     f16_dot = ptx and x.dtype != torch.float32 and (experts if f16_dot is None else f16_dot)
-    _gemv_kernel[grid](
+    fast(_gemv_kernel)[grid](
         x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
         rms.sq_sums, conv.weight, conv.pool, conv.slots,
         n, k, rms.eps, conv.rows, x.stride(0), packed.stride(0) if experts else 0,

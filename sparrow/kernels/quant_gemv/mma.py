@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels.dequant.unpack import fit_block_k, group_scales, packed_unpack, unpack_codes
+from sparrow.kernels.launch import fast
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.quant.affine import QuantSpec
 
@@ -164,7 +165,7 @@ def quant_mma(
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     grid = (triton.cdiv(n, cfg["block_n"]),)
     if split == 1:
-        _mma_kernel[grid](*args, **meta, **launch_args(y, grid))
+        fast(_mma_kernel)[grid](*args, **meta, **launch_args(y, grid))
     else:
-        _mma_split_kernel[grid](*args, SPLIT=split, **meta, **launch_args(y, grid))
+        fast(_mma_split_kernel)[grid](*args, SPLIT=split, **meta, **launch_args(y, grid))
     return y

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.launch import fast
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
@@ -59,7 +60,7 @@ def _launch(x, residual, weight, eps):
     y = torch.empty_like(x)
     s = torch.empty_like(x) if residual is not None else x
     r = residual.contiguous() if residual is not None else x
-    _add_norm_kernel[(x.numel() // d,)](
+    fast(_add_norm_kernel)[(x.numel() // d,)](
         x, r, s, y, weight, eps, HAS_RESIDUAL=residual is not None, D=d,
         BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1,
         **launch_args(y, (x.numel() // d,)),
@@ -121,7 +122,7 @@ def rms_norm_rope(
         raise ValueError(f"v {list(v.shape)} must be shaped like x; the caches contiguous")
     if v.stride(2) != 1 or v.stride(1) != d:
         v = v.contiguous()  # the kernel takes a token stride only
-    _norm_rope_kernel[(t, h)](
+    fast(_norm_rope_kernel)[(t, h)](
         x, y, weight, cos, sin, eps, x.stride(0), x.stride(1), cos.stride(0),
         v, k_cache, v_cache, rows, v.stride(0),
         H=h, D=d, R=r, TO_CACHE=cache is not None, num_warps=1 if d <= 256 else 4,
