@@ -261,7 +261,13 @@ class GemmTiles:
     1,801 vs 1,624; four groups spill registers. Computing
     the transposed tile (expanded weight as the MMA's register operand, rows on its narrow
     side) measured the same: 637 vs 631 us at 2048 tokens, 1,884 vs 1,916 at 8192 (the
-    expanded tile still passes through shared memory to reach the MMA layout)."""
+    expanded tile still passes through shared memory to reach the MMA layout). Seventeenth
+    session (PERF.md), not kept: the raw codes as the register operand (each byte's two
+    codes two K=32 products, activations stored even k first, scale and bias applied to
+    each group's product), which Triton loads straight into the operand layout: gate_up 2x
+    slower (591 vs 325 us at 2,048 tokens; waited MMAs, 190-252 registers); the codes
+    prefetched in registers a step ahead instead of through shared memory: 552 -> 593 us
+    for the layer at 2,048 tokens (167 registers)."""
 
     block_m: int = 64
     block_n: int = 64
