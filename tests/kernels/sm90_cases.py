@@ -69,7 +69,7 @@ CASES = {
                   BF16_QKV | TF32 | {"BC": 64}, {"num_warps": 4}),
     "gdn_state": (chunk._state_kernel, {"*": "bf16", "gc_ptr": "fp32", "kinv_ptr": "fp32",
                                         "state_ptr": "fp32", "slot_ptr": "i32", "cu_ptr": "i32"},
-                  BF16_QKV | {"BV": 32, "STAGES": 3}, {"num_warps": 4}),
+                  BF16_QKV | {"BV": 32, "STAGES": 4}, {"num_warps": 4}),
     "gdn_output": (chunk._output_kernel, {"*": "bf16", "gc_ptr": "fp32", "kinv_ptr": "fp32",
                                           "cu_ptr": "i32"},
                    BF16_QKV | {"BV": 64}, {"num_warps": 4}),

@@ -22,8 +22,9 @@ depend on the state. Four kernels, only the third sequential:
    S = exp(G_last) S + k^T (u * exp(G_last - G) / |k|).  Two small dots per chunk; the k
    row norms come from kernel 1, and k enters the second dot as loaded (its row factors
    scale u's rows), so nothing but the dots and the decay sits on the sequential path.
-4. `_output_kernel`, parallel again, one program per (chunk and columns, q/k head):
-   o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u, q k^T once for its v-heads.
+4. `_output_kernel`, parallel again, one program per (chunk, q/k head):
+   o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u, q k^T once for its v-heads and
+   their decayed causal parts once for all of a v-head's column blocks.
 
 L2-norm and scale of q/k are fused in. Sequence b's chunks use the per-chunk buffer slots
 from cu_seqlens[b] // 64 + b on (`_first_chunk`): unique without a prefix sum over the
@@ -279,24 +280,25 @@ def _state_kernel(
     b_s = tl.load(p_s)  # [DK, BV] fp32, carried in registers across all chunks
     p_h = (h_ptr + _first_chunk(cu_ptr, i_b) * stride_hc + i_h * DK * DV + o_dk[:, None] * DV
            + o_v[None, :])  # fmt: skip
+    w_seq = w_ptr + start * stride_wt + i_h * DK + o_dk[None, :]
+    k_seq = k_ptr + start * stride_kt + i_k * DK + o_dk[None, :]
+    u_seq = u_ptr + start * stride_ut + i_h * DV + o_v[None, :]
     for c0 in tl.range(0, length, 64, num_stages=STAGES):
         tl.store(p_h + (c0 // 64) * stride_hc, b_s.to(h_ptr.dtype.element_ty))
-        rows = start + c0 + o_t
-        m_t = (c0 + o_t) < length
-        b_w = tl.load(w_ptr + rows[:, None] * stride_wt + i_h * DK + o_dk[None, :],
-                      mask=m_t[:, None], other=0.0)  # fmt: skip
-        p_u = u_ptr + rows[:, None] * stride_ut + i_h * DV + o_v[None, :]
-        b_u = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32)
+        # rows past the sequence's end repeat its last row: unmasked loads, and their u rows
+        # (stored to the last row again, the same values) get a zero factor below
+        t = tl.minimum(c0 + o_t, length - 1)
+        b_w = tl.load(w_seq + t[:, None] * stride_wt)
+        b_u = tl.load(u_seq + t[:, None] * stride_ut).to(tl.float32)
         # k rows as stored (the MMA reads them transposed where they were loaded); their
         # factors (1 / |k| and the decay to the chunk's end) scale the rows of u instead
-        b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-        b_n = tl.load(kinv_ptr + rows * stride_nt + i_k, mask=m_t, other=0.0)
+        b_gc = tl.load(gc_ptr + (start + t) * stride_gt + i_h)
+        b_n = tl.load(kinv_ptr + (start + t) * stride_nt + i_k)
         g_last = tl.load(gc_ptr + (start + tl.minimum(c0 + 63, length - 1)) * stride_gt + i_h)
-        b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + o_dk[None, :],
-                      mask=m_t[:, None], other=0.0)  # fmt: skip
-        b_f = b_n * tl.exp(g_last - b_gc)
+        b_k = tl.load(k_seq + t[:, None] * stride_kt)
+        b_f = tl.where(c0 + o_t < length, b_n * tl.exp(g_last - b_gc), 0.0)
         b_u -= _mm_as(b_w, b_s, DT)  # u = U - W S
-        tl.store(p_u, b_u.to(p_u.dtype.element_ty), mask=m_t[:, None])
+        tl.store(u_seq + t[:, None] * stride_ut, b_u.to(u_ptr.dtype.element_ty))
         b_s = tl.exp(g_last) * b_s + _mm_as(tl.trans(b_k), b_u * b_f[:, None], DT)
     tl.store(p_s, b_s)
 
@@ -307,20 +309,19 @@ def _output_kernel(
     stride_qt, stride_ut, stride_gt, stride_nt, stride_hc, stride_ot,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk and BV output columns, q/k head): q k^T once, then the output of each of
-    the RATIO v-heads that read them."""
+    """Per (chunk, q/k head): q k^T once, then for each of the RATIO v-heads that read them
+    its decayed causal part once and the output BV columns at a time."""
     DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
-    NV: tl.constexpr = DV // BV
-    i_cv, i_k, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c0 = (i_cv // NV) * 64
-    o_v = (i_cv % NV) * BV + tl.arange(0, BV)
+    i_c, i_k, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c0 = i_c * 64
     start = tl.load(cu_ptr + i_b)
     length = tl.load(cu_ptr + i_b + 1) - start
     if c0 >= length:
         return
-    chunk = _first_chunk(cu_ptr, i_b) + c0 // 64
+    chunk = _first_chunk(cu_ptr, i_b) + i_c
     o_t = tl.arange(0, 64)
     o_dk = tl.arange(0, DK)
+    o_bv = tl.arange(0, BV)
     rows = start + c0 + o_t
     m_t = (c0 + o_t) < length
     b_q = _norm_rows(q_ptr, rows, m_t, i_k * DK, stride_qt, 1.0 / tl.sqrt(DK * 1.0), DK)
@@ -328,18 +329,22 @@ def _output_kernel(
                   mask=m_t[:, None], other=0.0).to(tl.float32)  # k is laid out like q
     b_k *= tl.load(kinv_ptr + rows * stride_nt + i_k, mask=m_t, other=0.0)[:, None]
     b_qk = _mm_as(b_q, tl.trans(b_k), DT)
+    b_q = b_q.to(DT)
     causal = o_t[:, None] >= o_t[None, :]
     for r in range(RATIO):
         i_h = i_k * RATIO + r
         b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-        b_h = tl.load(h_ptr + chunk * stride_hc + i_h * DK * DV + o_dk[:, None] * DV
-                      + o_v[None, :]).to(tl.float32)  # fmt: skip
-        b_u = tl.load(u_ptr + rows[:, None] * stride_ut + i_h * DV + o_v[None, :],
-                      mask=m_t[:, None], other=0.0).to(tl.float32)  # fmt: skip
         decay = tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], float("-inf")))
-        b_o = tl.exp(b_gc)[:, None] * _mm_as(b_q, b_h, DT) + _mm_as(b_qk * decay, b_u, DT)
-        tl.store(o_ptr + rows[:, None] * stride_ot + i_h * DV + o_v[None, :],
-                 b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
+        b_p = (b_qk * decay).to(DT)
+        b_e = tl.exp(b_gc)[:, None]
+        p_h = h_ptr + chunk * stride_hc + i_h * DK * DV + o_dk[:, None] * DV + o_bv[None, :]
+        p_u = u_ptr + rows[:, None] * stride_ut + i_h * DV + o_bv[None, :]
+        p_o = o_ptr + rows[:, None] * stride_ot + i_h * DV + o_bv[None, :]
+        for v0 in range(0, DV, BV):
+            b_h = tl.load(p_h + v0)
+            b_u = tl.load(p_u + v0, mask=m_t[:, None], other=0.0)
+            b_o = b_e * _mm_as(b_q, b_h, DT) + _mm_as(b_p, b_u, DT)
+            tl.store(p_o + v0, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None])
 
 
 @dataclass(frozen=True)
@@ -347,8 +352,9 @@ class ChunkTiles:
     """Launch shapes of the four kernels: warps, [W | U] columns per solve step (solve_bc),
     state columns per program of the sequential kernel (state_bv) and its loads in flight
     (state_stages: the chunks ahead whose W, U and k are being fetched, plus the one in use),
-    output columns per program (output_bv), and the dot precision of the blocks kernel's
-    16x16 inverses for 16-bit inputs (inverse; fp32 inputs always take exact fp32).
+    output columns per step of the output kernel's loop (output_bv), and the dot precision
+    of the blocks kernel's 16x16 inverses for 16-bit inputs (inverse; fp32 inputs always
+    take exact fp32).
 
     Measured on the H200, the whole function for one layer, bf16, 2K / 8K / 32K tokens
     (`scratch`-style A/B in one run, ninth session): the defaults with an 8-warp state scan
@@ -419,7 +425,7 @@ class ChunkTiles:
     solve_warps: int = 4
     state_bv: int = 32
     state_warps: int = 4
-    state_stages: int = 3
+    state_stages: int = 4
     output_bv: int = 64
     output_warps: int = 4
 
@@ -486,7 +492,7 @@ def chunk_gated_delta_rule_varlen(
     )  # fmt: skip
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     out_v = min(tiles.output_bv, dv)
-    fast(_output_kernel)[(chunks * (dv // out_v), hk, bsz)](
+    fast(_output_kernel)[(chunks, hk, bsz)](
         q, k, u, gc, kinv, h, o, cu_seqlens,
         q.stride(0), u.stride(0), gc.stride(0), kinv.stride(0), h.stride(0), o.stride(0),
         RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=tiles.output_warps,
