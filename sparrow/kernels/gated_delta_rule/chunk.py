@@ -12,10 +12,11 @@ depend on the state. Four kernels, only the third sequential:
    dot, the inverse k row norms ([T, Hk]) from its diagonal, G, and the ten 16x16 blocks of
    the solve over four 16-row sub-blocks (off-diagonal blocks of A; the diagonal blocks
    inverted by doubling as one batch, `_inverse_unit_lower`).
-2. `_solve_kernel`, one program per (chunk, v-head): U and W by block forward substitution,
-   `ChunkTiles.solve_bc` columns of [W | U] at a time. (One kernel doing both spilled 1.7 KB
-   of registers at sm_90; split, neither spills on its warps: ptxas via
-   tests/kernels/sm90_cases.py.)
+2. `_solve_kernel`, one program per (chunk, v-head): T = (I + A)^-1 as one 64x64 by block
+   forward substitution from the ten blocks, then W and U as T times the chunk's k and v rows
+   (their row factors folded into T's columns), `ChunkTiles.solve_bc` columns at a time.
+   (One kernel doing both spilled 1.7 KB of registers at sm_90; split, neither spills on
+   its warps: ptxas via tests/kernels/sm90_cases.py.)
 3. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
    BV columns of the state), the state S [Dk, BV] in registers the whole way: it stores each
    chunk's incoming state, then  u = U - W S  (in place of U)  and
@@ -30,9 +31,10 @@ L2-norm and scale of q/k are fused in. Sequence b's chunks use the per-chunk buf
 from cu_seqlens[b] // 64 + b on (`_first_chunk`): unique without a prefix sum over the
 lengths, and below T // 64 + B. W, U, u and the per-chunk states are stored in the
 activation dtype (bf16 in the model: half the traffic; fp32 in the exactness tests). Dots use
-tensor cores for 16-bit inputs (tf32 in the solve and the inverses; the state and output dots
-round their operands to the stored dtype, as W, U and the chunk states already are) and exact
-fp32 (`ieee`) for fp32 inputs; the carried state and the decay math are fp32.
+tensor cores for 16-bit inputs (tf32 in the inverses and for T; T k, T v and the state and
+output dots round their operands to the stored dtype, as W, U and the chunk states already
+are, and as flash-linear-attention rounds its (I + A)^-1) and exact fp32 (`ieee`) for fp32
+inputs; the carried state and the decay math are fp32.
 """
 
 from __future__ import annotations
@@ -98,29 +100,6 @@ def _double_inverse(d, a, B: tl.constexpr, PRECISION: tl.constexpr):
     f = tl.where((inside & (o[:, None] // B != o[None, :] // B))[None, :, :], a, 0.0)
     df = tl.dot(d, f, input_precision=PRECISION)
     return d - tl.dot(df, d, input_precision=PRECISION)
-
-
-@triton.jit
-def _rhs(k_ptr, v_ptr, row0, length, i_k, inv, gc, beta, col, stride_kt, stride_vt,
-         DK: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-    """Right-hand side of rows row0..row0+16 for columns col..col+BC of [W | U]:
-    beta exp(G) k (normalised) for the first DK columns, beta v after."""
-    o_t = row0 + tl.arange(0, 16)
-    m_t = (o_t < length)[:, None]
-    o_c = tl.arange(0, BC)
-    is_k = col < DK
-    p_k = k_ptr + o_t[:, None] * stride_kt + i_k * DK + col + o_c[None, :]
-    p_v = v_ptr + o_t[:, None] * stride_vt + (col - DK) + o_c[None, :]
-    b_x = tl.load(tl.where(is_k, p_k, p_v), mask=m_t, other=0.0).to(tl.float32)
-    return b_x * tl.where(is_k, inv * beta * tl.exp(gc), beta)[:, None]
-
-
-@triton.jit
-def _store_rows(ptr, row0, length, col, stride_t, x):
-    o_t = row0 + tl.arange(0, 16)
-    o_c = tl.arange(0, x.shape[1])
-    p = ptr + o_t[:, None] * stride_t + col + o_c[None, :]
-    tl.store(p, x.to(ptr.dtype.element_ty), mask=(o_t < length)[:, None])
 
 
 @triton.jit
@@ -190,9 +169,17 @@ def _blocks_kernel(
 
 
 @triton.jit
-def _rows16(ptr, row0, length, stride_t, i_h):
-    o_t = row0 + tl.arange(0, 16)
-    return tl.load(ptr + o_t * stride_t + i_h, mask=o_t < length, other=0.0)
+def _eye_rows(j: tl.constexpr):
+    """Rows 16 j .. 16 j + 15 of the 64x64 identity."""
+    o_r, o_c = tl.arange(0, 16), tl.arange(0, 64)
+    return tl.where(o_r[:, None] + 16 * j == o_c[None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _stack4(x0, x1, x2, x3):
+    """Four [16, N] row blocks as one [64, N]."""
+    x = tl.join(tl.join(x0, x1), tl.join(x2, x3))  # [16, N, 2, 2]: x[r, c, b, a] = x_{2a + b}
+    return tl.reshape(tl.permute(x, (3, 2, 0, 1)), (64, x0.shape[1]))
 
 
 @triton.jit
@@ -202,52 +189,44 @@ def _solve_kernel(
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per (chunk, head): [W | U] by block forward substitution, BC columns at a time."""
-    NCOL: tl.constexpr = (DK + DV) // BC
+    """Per (chunk, v-head): T = (I + A)^-1 as one [64, 64] by block forward substitution on
+    the identity's row blocks (dots at PRECISION), then W = T diag(beta exp(G) / |k|) k and
+    U = T diag(beta) v, BC columns at a time, as dots in the stored dtype (`_mm_as`)."""
+    DT: tl.constexpr = k_ptr.dtype.element_ty
     i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
     if c0 >= length:
         return
     i_k = i_h // RATIO
-    k_seq, v_seq = k_ptr + start * stride_kt, v_ptr + start * stride_vt + i_h * DV
-    g_seq, b_seq, n_seq = (
-        gc_ptr + start * stride_gt,
-        b_ptr + start * stride_gt,
-        kinv_ptr + start * stride_nt,
-    )
-    sg = stride_gt
-    gc0, gc1 = _rows16(g_seq, c0, length, sg, i_h), _rows16(g_seq, c0 + 16, length, sg, i_h)
-    gc2, gc3 = _rows16(g_seq, c0 + 32, length, sg, i_h), _rows16(g_seq, c0 + 48, length, sg, i_h)
-    be0, be1 = _rows16(b_seq, c0, length, sg, i_h), _rows16(b_seq, c0 + 16, length, sg, i_h)
-    be2, be3 = _rows16(b_seq, c0 + 32, length, sg, i_h), _rows16(b_seq, c0 + 48, length, sg, i_h)
-    sn = stride_nt
-    n0, n1 = _rows16(n_seq, c0, length, sn, i_k), _rows16(n_seq, c0 + 16, length, sn, i_k)
-    n2, n3 = _rows16(n_seq, c0 + 32, length, sn, i_k), _rows16(n_seq, c0 + 48, length, sn, i_k)
     chunk = _first_chunk(cu_ptr, i_b) + i_c
     p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256) + _mat_offsets()
     t0, t1, t2, t3 = tl.load(p_m), tl.load(p_m + 256), tl.load(p_m + 512), tl.load(p_m + 768)
     a10, a20, a30 = tl.load(p_m + 1024), tl.load(p_m + 1280), tl.load(p_m + 1536)
     a21, a31, a32 = tl.load(p_m + 1792), tl.load(p_m + 2048), tl.load(p_m + 2304)
-    for cb in range(NCOL):
-        col = cb * BC
-        sk, sv = stride_kt, stride_vt
-        r0 = _rhs(k_seq, v_seq, c0, length, i_k, n0, gc0, be0, col, sk, sv, DK, BC)
-        r1 = _rhs(k_seq, v_seq, c0 + 16, length, i_k, n1, gc1, be1, col, sk, sv, DK, BC)
-        r2 = _rhs(k_seq, v_seq, c0 + 32, length, i_k, n2, gc2, be2, col, sk, sv, DK, BC)
-        r3 = _rhs(k_seq, v_seq, c0 + 48, length, i_k, n3, gc3, be3, col, sk, sv, DK, BC)
-        x0 = _mm(t0, r0, PRECISION)
-        x1 = _mm(t1, r1 - _mm(a10, x0, PRECISION), PRECISION)
-        x2 = _mm(t2, r2 - _mm(a20, x0, PRECISION) - _mm(a21, x1, PRECISION), PRECISION)
-        x3 = _mm(t3, r3 - _mm(a30, x0, PRECISION) - _mm(a31, x1, PRECISION)
-                 - _mm(a32, x2, PRECISION), PRECISION)  # fmt: skip
-        if col < DK:
-            out, stride, out_col = w_ptr + start * stride_wt + i_h * DK, stride_wt, col
-        else:
-            out, stride, out_col = u_ptr + start * stride_ut + i_h * DV, stride_ut, col - DK
-        _store_rows(out, c0, length, out_col, stride, x0)
-        _store_rows(out, c0 + 16, length, out_col, stride, x1)
-        _store_rows(out, c0 + 32, length, out_col, stride, x2)
-        _store_rows(out, c0 + 48, length, out_col, stride, x3)
+    x0 = _mm(t0, _eye_rows(0), PRECISION)
+    x1 = _mm(t1, _eye_rows(1) - _mm(a10, x0, PRECISION), PRECISION)
+    x2 = _mm(t2, _eye_rows(2) - _mm(a20, x0, PRECISION) - _mm(a21, x1, PRECISION), PRECISION)
+    x3 = _mm(t3, _eye_rows(3) - _mm(a30, x0, PRECISION) - _mm(a31, x1, PRECISION)
+             - _mm(a32, x2, PRECISION), PRECISION)  # fmt: skip
+    t = _stack4(x0, x1, x2, x3)
+    o_t, o_c = tl.arange(0, 64), tl.arange(0, BC)
+    m_t = (c0 + o_t) < length
+    rows = start + c0 + o_t
+    b_beta = tl.load(b_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
+    b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
+    b_n = tl.load(kinv_ptr + rows * stride_nt + i_k, mask=m_t, other=0.0)
+    t_k = t * (b_beta * tl.exp(b_gc) * b_n)[None, :]
+    for col in range(0, DK, BC):
+        b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + col + o_c[None, :],
+                      mask=m_t[:, None], other=0.0)  # fmt: skip
+        tl.store(w_ptr + rows[:, None] * stride_wt + i_h * DK + col + o_c[None, :],
+                 _mm_as(t_k, b_k, DT).to(w_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
+    t_v = t * b_beta[None, :]
+    for col in range(0, DV, BC):
+        b_v = tl.load(v_ptr + rows[:, None] * stride_vt + i_h * DV + col + o_c[None, :],
+                      mask=m_t[:, None], other=0.0)  # fmt: skip
+        tl.store(u_ptr + rows[:, None] * stride_ut + i_h * DV + col + o_c[None, :],
+                 _mm_as(t_v, b_v, DT).to(u_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -417,7 +396,21 @@ class ChunkTiles:
     Sixteenth session, not kept (docs/bench/gdn-*-s16.json): the scan in pieces on a second
     stream beside each piece's output 3% faster at 32K at best (the output's traffic slows
     the scan beside it); states of every other chunk only (the output kernel deriving the
-    rest) 1.769 -> 1.902 ms at 32K; the ten blocks in fp16 or bf16 1.778 -> 1.787 ms."""
+    rest) 1.769 -> 1.902 ms at 32K; the ten blocks in fp16 or bf16 1.778 -> 1.787 ms.
+    Eighteenth session (graphs, alternating 5 rounds, docs/bench/gdn-*-ab-*-s18.json): the
+    output kernel per (chunk, q/k head) looping over both v-heads and their column blocks
+    (before: a program per 64 columns, each loading q and k and computing q k^T and the
+    decayed causal parts again) 541 -> 401 us at 32K, 138 -> 103 at 8K, outputs identical
+    (32-column steps 1,742 us for the function against 1,644, 8 warps 1,883); the scan's
+    loads unmasked (rows past the end repeat the last row, with a zero factor) 652 -> 647 us,
+    with 4 stages in flight 608 (3 stages 1,654 us for the function against 1,605, 5 stages
+    1,652; 16 columns with 4 stages 1,993; 8 warps 1,754). The solve as T = (I + A)^-1
+    (forward substitution on the identity's rows) times k and v in bf16 (before: the
+    forward substitution on every 64 columns of [k | v], 40 tf32 16x16 dots) 399 -> 364 us
+    at 32K, 103 -> 85 at 8K, errors against an fp32 run at fla's level (32K: output 0.0075,
+    state 0.0070; fla 0.0075 / 0.0076; before 0.0067 / 0.0045); T k and T v in tf32 instead
+    680 us (fp32 operands through shared memory); bf16 with 32 or 128 columns, 2 or 8 warps,
+    or 1-2 stages 1,620-1,682 us for the function against 1,574."""
 
     blocks_warps: int = 4
     inverse: str = "tf32"
