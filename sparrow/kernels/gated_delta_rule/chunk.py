@@ -6,24 +6,22 @@ start and S0 the incoming state, the delta rule's writes u solve
     (I + A) u = beta * (v - exp(G) k S0),  A[t, s] = beta_t exp(G_t - G_s) k_t.k_s  (s < t)
 
 so u = U - W S0 with U = (I + A)^-1 (beta v) and W = (I + A)^-1 (beta exp(G) k), which do not
-depend on the state. Four kernels, only the third sequential:
+depend on the state. Three kernels, only the second sequential:
 
-1. `_blocks_kernel`, one program per (chunk, v-head), all in parallel: k k^T as one 64x64
-   dot, the inverse k row norms ([T, Hk]) from its diagonal, G, and the ten 16x16 blocks of
-   the solve over four 16-row sub-blocks (off-diagonal blocks of A; the diagonal blocks
-   inverted by doubling as one batch, `_inverse_unit_lower`).
-2. `_solve_kernel`, one program per (chunk, v-head): T = (I + A)^-1 as one 64x64 by block
-   forward substitution from the ten blocks, then W and U as T times the chunk's k and v rows
-   (their row factors folded into T's columns), `ChunkTiles.solve_bc` columns at a time.
-   (One kernel doing both spilled 1.7 KB of registers at sm_90; split, neither spills on
-   its warps: ptxas via tests/kernels/sm90_cases.py.)
-3. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
+1. `_wy_kernel`, one program per (chunk, v-head), all in parallel: k k^T as one 64x64 dot,
+   the inverse k row norms ([T, Hk]) from its diagonal, G and A; T = (I + A)^-1 as one
+   64x64 (the four 16x16 diagonal blocks inverted by doubling as one batch,
+   `_inverse_unit_lower`, then block forward substitution on the identity's row blocks, the
+   blocks taken from registers by reshapes and splits); then W and U as T times the chunk's
+   k and v rows (their row factors folded into T's columns), `ChunkTiles.wy_bc` columns at
+   a time.
+2. `_state_kernel`, sequential over a sequence's chunks, one program per (sequence, v-head,
    BV columns of the state), the state S [Dk, BV] in registers the whole way: it stores each
    chunk's incoming state, then  u = U - W S  (in place of U)  and
    S = exp(G_last) S + k^T (u * exp(G_last - G) / |k|).  Two small dots per chunk; the k
-   row norms come from kernel 1, and k enters the second dot as loaded (its row factors
+   row norms come from the first kernel, and k enters the second dot as loaded (its row factors
    scale u's rows), so nothing but the dots and the decay sits on the sequential path.
-4. `_output_kernel`, parallel again, one program per (chunk, q/k head):
+3. `_output_kernel`, parallel again, one program per (chunk, q/k head):
    o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u, q k^T once for its v-heads and
    their decayed causal parts once for all of a v-head's column blocks.
 
@@ -116,56 +114,25 @@ def _first_chunk(cu_ptr, i_b):
 
 
 @triton.jit
-def _mat_offsets():
-    o = tl.arange(0, 16)
-    return o[:, None] * 16 + o[None, :]
+def _split4(x):
+    """x [16, 16, 4] -> its four [16, 16] slices x[..., 0], .., x[..., 3]."""
+    lo, hi = tl.split(tl.reshape(x, [16, 16, 2, 2]))  # lo: slices 0 and 2; hi: 1 and 3
+    x0, x2 = tl.split(lo)
+    x1, x3 = tl.split(hi)
+    return x0, x1, x2, x3
 
 
 @triton.jit
-def _blocks_kernel(
-    k_ptr, g_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, cu_ptr,
-    stride_kt, stride_gt, stride_nt,
-    RATIO: tl.constexpr, DK: tl.constexpr, INV_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Per (chunk, v-head): k k^T of the chunk as one dot, the inverse k row norms from its
-    diagonal (stored by the first of the RATIO v-heads that read them), G, A, and the ten
-    16x16 blocks of the solve into `mats`: the four diagonal blocks of I + A inverted as one
-    batch (t_i), A's six blocks below them (a_ij)."""
-    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
-    if c0 >= length:
-        return
-    DT: tl.constexpr = k_ptr.dtype.element_ty  # k k^T in the stored dtype (`_mm_as`)
-    i_k = i_h // RATIO
-    o_t = tl.arange(0, 64)
-    rows = start + c0 + o_t
-    m_t = (c0 + o_t) < length
-    b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + tl.arange(0, DK)[None, :],
-                  mask=m_t[:, None], other=0.0)  # fmt: skip
-    kk = _mm_as(b_k, tl.trans(b_k), DT)
-    squares = tl.where(o_t[:, None] == o_t[None, :], kk, 0.0)
-    n_row = tl.rsqrt(tl.sum(squares, axis=1) + 1e-6)
-    n_col = tl.rsqrt(tl.sum(squares, axis=0) + 1e-6)
-    if i_h % RATIO == 0:
-        tl.store(kinv_ptr + rows * stride_nt + i_k, n_row, mask=m_t)
-    b_beta = tl.load(b_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-    b_gc = tl.cumsum(tl.load(g_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0), axis=0)
-    tl.store(gc_ptr + rows * stride_gt + i_h, b_gc, mask=m_t)
-    decay = tl.exp(tl.minimum(b_gc[:, None] - b_gc[None, :], 0.0))
-    a = tl.where(o_t[:, None] > o_t[None, :],
-                 kk * (b_beta * n_row)[:, None] * n_col[None, :] * decay, 0.0)  # fmt: skip
-    t = _inverse_unit_lower(_diagonal_blocks(a), INV_PRECISION)  # [4, 16, 16]
-    bi, bj = o_t[:, None] // 16, o_t[None, :] // 16
-    i4 = tl.arange(0, 4)
-    t_placed = tl.where((i4[:, None] == i4[None, :])[:, None, :, None], t[:, :, None, :], 0.0)
-    blocks = tl.where(bi == bj, tl.reshape(t_placed, [64, 64]), a)
-    # block (i, j), i >= j, is mats[i] on the diagonal, else mats[4 + 3j - j(j - 1) / 2 +
-    # i - j - 1]: a10, a20, a30, a21, a31, a32
-    index = tl.where(bi == bj, bi, 4 + 3 * bj - bj * (bj - 1) // 2 + bi - bj - 1)
-    chunk = _first_chunk(cu_ptr, i_b) + i_c
-    p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256)
-    tl.store(p_m + index * 256 + (o_t % 16)[:, None] * 16 + (o_t % 16)[None, :], blocks,
-             mask=bi >= bj)  # fmt: skip
+def _blocks_below(a):
+    """The six 16x16 blocks (i, j), i > j, of a [64, 64]: a10, a20, a30, a21, a31, a32."""
+    b = tl.permute(tl.reshape(a, [4, 16, 4, 16]), (1, 3, 0, 2))  # [r, c, i, j]
+    lo, hi = tl.split(tl.reshape(b, [16, 16, 4, 2, 2]))  # lo: j = 0 and 2; hi: j = 1 and 3
+    col0, col2 = tl.split(lo)
+    col1, _ = tl.split(hi)
+    _, a10, a20, a30 = _split4(col0)
+    _, _, a21, a31 = _split4(col1)
+    _, _, _, a32 = _split4(col2)
+    return a10, a20, a30, a21, a31, a32
 
 
 @triton.jit
@@ -183,50 +150,68 @@ def _stack4(x0, x1, x2, x3):
 
 
 @triton.jit
-def _solve_kernel(
-    k_ptr, v_ptr, b_ptr, mats_ptr, gc_ptr, kinv_ptr, w_ptr, u_ptr, cu_ptr,
-    stride_kt, stride_vt, stride_gt, stride_nt, stride_wt, stride_ut,
-    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Per (chunk, v-head): T = (I + A)^-1 as one [64, 64] by block forward substitution on
-    the identity's row blocks (dots at PRECISION), then W = T diag(beta exp(G) / |k|) k and
-    U = T diag(beta) v, BC columns at a time, as dots in the stored dtype (`_mm_as`)."""
-    DT: tl.constexpr = k_ptr.dtype.element_ty
-    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
-    if c0 >= length:
-        return
-    i_k = i_h // RATIO
-    chunk = _first_chunk(cu_ptr, i_b) + i_c
-    p_m = mats_ptr + (chunk * tl.num_programs(1) + i_h) * (10 * 256) + _mat_offsets()
-    t0, t1, t2, t3 = tl.load(p_m), tl.load(p_m + 256), tl.load(p_m + 512), tl.load(p_m + 768)
-    a10, a20, a30 = tl.load(p_m + 1024), tl.load(p_m + 1280), tl.load(p_m + 1536)
-    a21, a31, a32 = tl.load(p_m + 1792), tl.load(p_m + 2048), tl.load(p_m + 2304)
+def _unit_lower_inverse(a, INV_PRECISION: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + a)^-1 for a strictly lower triangular [64, 64]: the four 16x16 diagonal blocks
+    inverted as one batch (`_inverse_unit_lower`, INV_PRECISION), then block forward
+    substitution on the identity's row blocks (PRECISION)."""
+    t0, t1, t2, t3 = _split4(tl.permute(_inverse_unit_lower(_diagonal_blocks(a), INV_PRECISION),
+                                        (1, 2, 0)))  # fmt: skip
+    a10, a20, a30, a21, a31, a32 = _blocks_below(a)
     x0 = _mm(t0, _eye_rows(0), PRECISION)
     x1 = _mm(t1, _eye_rows(1) - _mm(a10, x0, PRECISION), PRECISION)
     x2 = _mm(t2, _eye_rows(2) - _mm(a20, x0, PRECISION) - _mm(a21, x1, PRECISION), PRECISION)
     x3 = _mm(t3, _eye_rows(3) - _mm(a30, x0, PRECISION) - _mm(a31, x1, PRECISION)
              - _mm(a32, x2, PRECISION), PRECISION)  # fmt: skip
-    t = _stack4(x0, x1, x2, x3)
+    return _stack4(x0, x1, x2, x3)
+
+
+@triton.jit
+def _wy_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, gc_ptr, kinv_ptr, w_ptr, u_ptr, cu_ptr,
+    stride_kt, stride_vt, stride_gt, stride_nt, stride_wt, stride_ut,
+    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
+    INV_PRECISION: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Per (chunk, v-head): k k^T as one dot, the inverse k row norms from its diagonal
+    (stored by the first of the RATIO v-heads that read them), G, A, T = (I + A)^-1, then
+    W = T diag(beta exp(G) / |k|) k and U = T diag(beta) v, BC columns at a time, as dots in
+    the stored dtype (`_mm_as`)."""
+    i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c0, start, length = i_c * 64, tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
+    if c0 >= length:
+        return
+    DT: tl.constexpr = k_ptr.dtype.element_ty
+    i_k = i_h // RATIO
     o_t, o_c = tl.arange(0, 64), tl.arange(0, BC)
-    m_t = (c0 + o_t) < length
     rows = start + c0 + o_t
+    m_t = (c0 + o_t) < length
+    b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + tl.arange(0, DK)[None, :],
+                  mask=m_t[:, None], other=0.0)  # fmt: skip
+    kk = _mm_as(b_k, tl.trans(b_k), DT)
+    squares = tl.where(o_t[:, None] == o_t[None, :], kk, 0.0)
+    n_row = tl.rsqrt(tl.sum(squares, axis=1) + 1e-6)
+    n_col = tl.rsqrt(tl.sum(squares, axis=0) + 1e-6)
+    if i_h % RATIO == 0:
+        tl.store(kinv_ptr + rows * stride_nt + i_k, n_row, mask=m_t)
     b_beta = tl.load(b_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-    b_gc = tl.load(gc_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0)
-    b_n = tl.load(kinv_ptr + rows * stride_nt + i_k, mask=m_t, other=0.0)
-    t_k = t * (b_beta * tl.exp(b_gc) * b_n)[None, :]
+    b_gc = tl.cumsum(tl.load(g_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0), axis=0)
+    tl.store(gc_ptr + rows * stride_gt + i_h, b_gc, mask=m_t)
+    decay = tl.exp(tl.minimum(b_gc[:, None] - b_gc[None, :], 0.0))
+    a = tl.where(o_t[:, None] > o_t[None, :],
+                 kk * (b_beta * n_row)[:, None] * n_col[None, :] * decay, 0.0)  # fmt: skip
+    t = _unit_lower_inverse(a, INV_PRECISION, PRECISION)
+    t_k = t * (b_beta * tl.exp(b_gc) * n_row)[None, :]
     for col in range(0, DK, BC):
-        b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + col + o_c[None, :],
+        b_x = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + col + o_c[None, :],
                       mask=m_t[:, None], other=0.0)  # fmt: skip
         tl.store(w_ptr + rows[:, None] * stride_wt + i_h * DK + col + o_c[None, :],
-                 _mm_as(t_k, b_k, DT).to(w_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
+                 _mm_as(t_k, b_x, DT).to(w_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
     t_v = t * b_beta[None, :]
     for col in range(0, DV, BC):
-        b_v = tl.load(v_ptr + rows[:, None] * stride_vt + i_h * DV + col + o_c[None, :],
+        b_x = tl.load(v_ptr + rows[:, None] * stride_vt + i_h * DV + col + o_c[None, :],
                       mask=m_t[:, None], other=0.0)  # fmt: skip
         tl.store(u_ptr + rows[:, None] * stride_ut + i_h * DV + col + o_c[None, :],
-                 _mm_as(t_v, b_v, DT).to(u_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
+                 _mm_as(t_v, b_x, DT).to(u_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
 
 
 @triton.jit
@@ -328,12 +313,16 @@ def _output_kernel(
 
 @dataclass(frozen=True)
 class ChunkTiles:
-    """Launch shapes of the four kernels: warps, [W | U] columns per solve step (solve_bc),
-    state columns per program of the sequential kernel (state_bv) and its loads in flight
-    (state_stages: the chunks ahead whose W, U and k are being fetched, plus the one in use),
-    output columns per step of the output kernel's loop (output_bv), and the dot precision
-    of the blocks kernel's 16x16 inverses for 16-bit inputs (inverse; fp32 inputs always
-    take exact fp32).
+    """Launch shapes of the three kernels: warps, [W | U] columns per product step of the
+    first (wy_bc), state columns per program of the sequential kernel (state_bv) and its
+    loads in flight (state_stages: the chunks ahead whose W, U and k are being fetched, plus
+    the one in use), output columns per step of the output kernel's loop (output_bv), and
+    the dot precision of the 16x16 diagonal inverses for 16-bit inputs (inverse; fp32
+    inputs always take exact fp32).
+
+    The history below names the kernels of then: the "blocks" kernel (k k^T, A and the ten
+    16x16 blocks into memory) and the "solve" kernel (W and U from them), one `_wy_kernel`
+    since the eighteenth session.
 
     Measured on the H200, the whole function for one layer, bf16, 2K / 8K / 32K tokens
     (`scratch`-style A/B in one run, ninth session): the defaults with an 8-warp state scan
@@ -410,12 +399,15 @@ class ChunkTiles:
     at 32K, 103 -> 85 at 8K, errors against an fp32 run at fla's level (32K: output 0.0075,
     state 0.0070; fla 0.0075 / 0.0076; before 0.0067 / 0.0045); T k and T v in tf32 instead
     680 us (fp32 operands through shared memory); bf16 with 32 or 128 columns, 2 or 8 warps,
-    or 1-2 stages 1,620-1,682 us for the function against 1,574."""
+    or 1-2 stages 1,620-1,682 us for the function against 1,574. Blocks and solve as one
+    kernel (the ten blocks taken from registers by reshapes and splits, none in memory: 168
+    MB less written and read at 32K; docs/bench/gdn-wy-fused-ab-2026-12-01-s18.json): 209 +
+    365 -> 492 us at 32K, the function 1,569 -> 1,489 us (8K 394 -> 375), outputs identical;
+    8 warps 1,722."""
 
-    blocks_warps: int = 4
+    wy_warps: int = 4
+    wy_bc: int = 64
     inverse: str = "tf32"
-    solve_bc: int = 64
-    solve_warps: int = 4
     state_bv: int = 32
     state_warps: int = 4
     state_stages: int = 4
@@ -463,17 +455,12 @@ def chunk_gated_delta_rule_varlen(
     gc = torch.empty(t, hv, device=q.device, dtype=torch.float32)
     kinv = torch.empty(t, hk, device=q.device, dtype=torch.float32)  # inverse k norms
     chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)  # see `_first_chunk`
-    mats = torch.empty(chunk_slots, hv, 10, 16, 16, device=q.device, dtype=torch.float32)
-    fast(_blocks_kernel)[(chunks, hv, bsz)](
-        k, g, beta, mats, gc, kinv, cu_seqlens, k.stride(0), g.stride(0), kinv.stride(0),
-        RATIO=hv // hk, DK=dk, INV_PRECISION="ieee" if q.dtype == torch.float32 else tiles.inverse,
-        num_warps=tiles.blocks_warps,
-    )  # fmt: skip
-    fast(_solve_kernel)[(chunks, hv, bsz)](
-        k, v, beta, mats, gc, kinv, w, u, cu_seqlens,
+    fast(_wy_kernel)[(chunks, hv, bsz)](
+        k, v, g, beta, gc, kinv, w, u, cu_seqlens,
         k.stride(0), v.stride(0), g.stride(0), kinv.stride(0), w.stride(0), u.stride(0),
-        RATIO=hv // hk, DK=dk, DV=dv, BC=min(tiles.solve_bc, dk, dv), PRECISION=precision,
-        num_warps=tiles.solve_warps,
+        RATIO=hv // hk, DK=dk, DV=dv, BC=min(tiles.wy_bc, dk, dv),
+        INV_PRECISION="ieee" if q.dtype == torch.float32 else tiles.inverse, PRECISION=precision,
+        num_warps=tiles.wy_warps,
     )  # fmt: skip
     h = torch.empty(chunk_slots, hv, dk, dv, device=q.device, dtype=v.dtype)
     block_v = min(tiles.state_bv, dv)
