@@ -403,7 +403,8 @@ class ChunkTiles:
     kernel (the ten blocks taken from registers by reshapes and splits, none in memory: 168
     MB less written and read at 32K; docs/bench/gdn-wy-fused-ab-2026-12-01-s18.json): 209 +
     365 -> 492 us at 32K, the function 1,569 -> 1,489 us (8K 394 -> 375), outputs identical;
-    8 warps 1,722."""
+    8 warps 1,722; 32 columns a step 1,552; capped at 128 registers (60 bytes spilled)
+    1,483 against 1,486 (gdn-wy-regs-ab-*-s18.json)."""
 
     wy_warps: int = 4
     wy_bc: int = 64
