@@ -150,7 +150,7 @@ def _stack4(x0, x1, x2, x3):
 
 
 @triton.jit
-def _unit_lower_inverse(a, INV_PRECISION: tl.constexpr, PRECISION: tl.constexpr):
+def _chunk_inverse(a, INV_PRECISION: tl.constexpr, PRECISION: tl.constexpr):
     """(I + a)^-1 for a strictly lower triangular [64, 64]: the four 16x16 diagonal blocks
     inverted as one batch (`_inverse_unit_lower`, INV_PRECISION), then block forward
     substitution on the identity's row blocks (PRECISION)."""
@@ -199,7 +199,7 @@ def _wy_kernel(
     decay = tl.exp(tl.minimum(b_gc[:, None] - b_gc[None, :], 0.0))
     a = tl.where(o_t[:, None] > o_t[None, :],
                  kk * (b_beta * n_row)[:, None] * n_col[None, :] * decay, 0.0)  # fmt: skip
-    t = _unit_lower_inverse(a, INV_PRECISION, PRECISION)
+    t = _chunk_inverse(a, INV_PRECISION, PRECISION)
     t_k = t * (b_beta * tl.exp(b_gc) * n_row)[None, :]
     for col in range(0, DK, BC):
         b_x = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + col + o_c[None, :],
