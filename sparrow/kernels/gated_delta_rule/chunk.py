@@ -166,6 +166,20 @@ def _chunk_inverse(a, INV_PRECISION: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _times_rows(t, x_ptr, stride_xt, y_ptr, stride_yt, rows, m_t, D: tl.constexpr,
+                BC: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """y[rows] = t x[rows] for one chunk's 64 rows of D columns, BC columns at a time, the
+    dot in DT (`_mm_as`)."""
+    o_c = tl.arange(0, BC)
+    for col in range(0, D, BC):
+        b_x = tl.load(x_ptr + rows[:, None] * stride_xt + col + o_c[None, :],
+                      mask=m_t[:, None], other=0.0)  # fmt: skip
+        b_y = _mm_as(t, b_x, DT)
+        tl.store(y_ptr + rows[:, None] * stride_yt + col + o_c[None, :],
+                 b_y.to(y_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
+
+
+@triton.jit
 def _wy_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, gc_ptr, kinv_ptr, w_ptr, u_ptr, cu_ptr,
     stride_kt, stride_vt, stride_gt, stride_nt, stride_wt, stride_ut,
@@ -182,7 +196,7 @@ def _wy_kernel(
         return
     DT: tl.constexpr = k_ptr.dtype.element_ty
     i_k = i_h // RATIO
-    o_t, o_c = tl.arange(0, 64), tl.arange(0, BC)
+    o_t = tl.arange(0, 64)
     rows = start + c0 + o_t
     m_t = (c0 + o_t) < length
     b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + tl.arange(0, DK)[None, :],
@@ -200,18 +214,10 @@ def _wy_kernel(
     a = tl.where(o_t[:, None] > o_t[None, :],
                  kk * (b_beta * n_row)[:, None] * n_col[None, :] * decay, 0.0)  # fmt: skip
     t = _chunk_inverse(a, INV_PRECISION, PRECISION)
-    t_k = t * (b_beta * tl.exp(b_gc) * n_row)[None, :]
-    for col in range(0, DK, BC):
-        b_x = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + col + o_c[None, :],
-                      mask=m_t[:, None], other=0.0)  # fmt: skip
-        tl.store(w_ptr + rows[:, None] * stride_wt + i_h * DK + col + o_c[None, :],
-                 _mm_as(t_k, b_x, DT).to(w_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
-    t_v = t * b_beta[None, :]
-    for col in range(0, DV, BC):
-        b_x = tl.load(v_ptr + rows[:, None] * stride_vt + i_h * DV + col + o_c[None, :],
-                      mask=m_t[:, None], other=0.0)  # fmt: skip
-        tl.store(u_ptr + rows[:, None] * stride_ut + i_h * DV + col + o_c[None, :],
-                 _mm_as(t_v, b_x, DT).to(u_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
+    _times_rows(t * (b_beta * tl.exp(b_gc) * n_row)[None, :], k_ptr + i_k * DK, stride_kt,
+                w_ptr + i_h * DK, stride_wt, rows, m_t, DK, BC, DT)  # W  # fmt: skip
+    _times_rows(t * b_beta[None, :], v_ptr + i_h * DV, stride_vt, u_ptr + i_h * DV, stride_ut,
+                rows, m_t, DV, BC, DT)  # U  # fmt: skip
 
 
 @triton.jit
