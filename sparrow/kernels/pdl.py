@@ -40,6 +40,14 @@ def wait_previous(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def after_wait(p):
+    """Pointer p as a value that exists only after any earlier `wait_previous`: inline PTX
+    with side effects keeps its place in program order, so loads that are pure inline PTX
+    (which the compiler may otherwise move up) cannot start from it before the wait."""
+    return tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [p], p.dtype, False, 1)
+
+
+@triton.jit
 def wait_for_previous(USE_PDL: tl.constexpr):
     """First statement of a kernel that may be launched with `launch_args(...)`. The next
     kernel may launch at once and do what does not depend on this one (load weights); it

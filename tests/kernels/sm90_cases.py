@@ -32,7 +32,8 @@ GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
              "sw_ptr": "i32", "slot_ptr": "i32"}
 GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
         "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False,
-        "F16_DOT": False, "HEAD": 0, "PARTS": 1, "CONV_KW": 0}
+        "F16_DOT": False, "HEAD": 0, "PARTS": 1, "CONV_KW": 0, "X_IN_PLACE": False,
+        "ONE_STEP": False}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
 TF32 = {"PRECISION": "tf32"}
 CASES = {
@@ -88,6 +89,11 @@ CASES = {
                             GEMV | {"BLOCK_N": 32, "PACKED": True, "PREFETCH": True,
                                     "F16_DOT": True},
                             {"num_warps": 4}),  # the GDN in-projection at batch 1
+    "quant_gemv_x_in_place": (gemv._gemv_kernel, GEMV_PTRS,
+                              GEMV | {"BLOCK_N": 16, "BLOCK_K": 2048, "PACKED": True,
+                                      "PREFETCH": True, "F16_DOT": True, "X_IN_PLACE": True,
+                                      "ONE_STEP": True},
+                              {"num_warps": 2}),  # 2048 -> 8192 / 9216 / 1024 at batch 1
     "quant_gemv_conv": (gemv._gemv_kernel, GEMV_PTRS,
                         GEMV | {"BLOCK_N": 32, "PACKED": True, "PREFETCH": True,
                                 "F16_DOT": True, "CONV_KW": 4},

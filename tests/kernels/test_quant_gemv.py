@@ -202,6 +202,39 @@ def test_gemv_real_sizes_gpu(m, n, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k, block_n, block_k, warps", [(8192, 2048, 16, 2048, 2),
+                                                           (37, 2048, 8, 1024, 2),
+                                                           (1000, 4096, 16, 2048, 2),
+                                                           (300, 512, 8, 512, 1)])  # fmt: skip
+def test_gemv_x_in_place_gpu(n, k, block_n, block_k, warps, dtype):
+    """x loaded straight into the fp16-pair products' layout (one power of two per 16 values)
+    against x loaded whole and moved there (one per group of 64), with x spread over nine
+    orders of magnitude, one K step and several, with and without the weight prefetch; an x
+    that is not 16-byte aligned takes the second path."""
+    spec = QuantSpec(4, 64)
+    x, packed, scales, biases = _case(1, n, k, spec, dtype, "cuda")
+    spread = torch.logspace(-6, 3, k, device="cuda")[torch.randperm(k, device="cuda")]
+    x = (x.float() * spread).to(dtype)
+    expected = quant_matmul(x, packed, scales, biases, spec)
+    for prefetch in (False, True):
+        ys = []
+        for in_place in (False, True):
+            y = torch.empty(1, n, device="cuda", dtype=dtype)
+            launch_gemv(x, (packed, scales, biases), y, spec, block_n, block_k, warps,
+                        prefetch=prefetch, f16_dot=True, x_in_place=in_place)  # fmt: skip
+            ys.append(y)
+        errors = rel_err(ys[0], expected), rel_err(ys[1], expected)  # bf16 rounding: 2^-8
+        assert errors[0] < 1e-2 and errors[1] <= errors[0] + 2**-8, (prefetch, errors)
+    shifted = torch.empty(1, k + 1, device="cuda", dtype=dtype)[:, 1:]
+    shifted.copy_(x)
+    y = torch.empty(1, n, device="cuda", dtype=dtype)
+    launch_gemv(shifted, (packed, scales, biases), y, spec, block_n, block_k, warps,
+                f16_dot=True, x_in_place=True)  # fmt: skip
+    assert rel_err(y, expected) < 1e-2 and rel_err(y, ys[0]) <= 2**-8
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
 def test_gated_gemv_real_size_gpu(m):
     spec = QuantSpec(4, 64)

@@ -20,7 +20,13 @@ import triton.language as tl
 from sparrow.kernels.activations import silu
 from sparrow.kernels.dequant.unpack import fit_block_k
 from sparrow.kernels.launch import fast
-from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous, wait_previous
+from sparrow.kernels.pdl import (
+    after_wait,
+    launch_args,
+    let_next_launch,
+    wait_for_previous,
+    wait_previous,
+)
 from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
 from sparrow.quant.affine import QuantSpec
 
@@ -129,13 +135,95 @@ def _f16_pair(a, b):
     return tl.inline_asm_elementwise(_F16_PAIR_ASM, "=r,f,f", [a, b], tl.int32, True, 1)
 
 
+# Two words' x (16 16-bit values, 32 bytes) as 8 registers of pairs. As inline PTX the load
+# takes the register layout of its use, where the compiler gives a `tl.load` a layout of its
+# own and moves the values to their use through shared memory. Pure, so that copies of it
+# merge: its pointers come through `after_wait`, which keeps it after the wait for x.
+_X_PAIRS_ASM = tl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$8];\n"
+                            "ld.global.v4.b32 {$4, $5, $6, $7}, [$8+16];")
+
+
 @triton.jit
-def _codes_dot_x_f16(b_w, p_x):
-    """(sum_k q_k x_k [GROUPS, BLOCK_N], sum_k x_k [GROUPS]) per group of 4-bit codes
-    (words [GROUPS, BLOCK_N, WPG]; p_x [GROUPS, WPG] word starts), the products in fp16
-    packed pairs. Each group's x is scaled by a power of two so its largest |x| lies in
+def _halves(p, dtype: tl.constexpr):
+    """The low and the high 16-bit float (bf16 or fp16) of registers p, in fp32."""
+    if dtype == tl.bfloat16:
+        return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_x(r0, r1, r2, r3, dtype: tl.constexpr):
+    """One word's 8 x values (pairs r0..r3) in fp32, in order."""
+    x0, x1 = _halves(r0, dtype)
+    x2, x3 = _halves(r1, dtype)
+    x4, x5 = _halves(r2, dtype)
+    x6, x7 = _halves(r3, dtype)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _abs_max8(x0, x1, x2, x3, x4, x5, x6, x7):
+    return tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                                 tl.maximum(tl.abs(x2), tl.abs(x3))),
+                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                                 tl.maximum(tl.abs(x6), tl.abs(x7))))  # fmt: skip
+
+
+@triton.jit
+def _word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, up):
+    """A word's x scaled by up as the 4 fp16 pairs its codes meet: (x_i, x_(i+4)), the odd
+    i 16 times smaller (they meet codes times 16)."""
+    u16 = up * 0.0625
+    return (_f16_pair(x0 * up, x4 * up), _f16_pair(x1 * u16, x5 * u16),
+            _f16_pair(x2 * up, x6 * up), _f16_pair(x3 * u16, x7 * u16))  # fmt: skip
+
+
+@triton.jit
+def _codes_dot_x_f16(b_w, x_ptr, GROUPS: tl.constexpr, WPG: tl.constexpr):
+    """(sum_k q_k x_k [GROUPS, BLOCK_N], sum_k x_k [GROUPS, 1]) per group of 4-bit codes
+    (words [GROUPS, BLOCK_N, WPG], x from x_ptr on: a pointer from `after_wait`), the
+    products in fp16 packed pairs. The x of each even-odd pair of words (16 values, one
+    load, `_X_PAIRS_ASM`) are scaled by a power of two so their largest |x| lies in
     [2^14, 2^15): products and 8-term sums then stay normal fp16 (relative rounding 2^-11,
-    4x below the bf16 output's), and the scale is taken off in fp32 (exact)."""
+    4x below the bf16 output's), and the scale is taken off in fp32 (exact). One scale per
+    pair, not per group, needs no reduction across threads, so nothing leaves the layout of
+    the products (no shared memory, no barrier)."""
+    o_p = tl.arange(0, GROUPS)[:, None, None] * WPG + 2 * tl.arange(0, WPG // 2)[None, None, :]
+    r0, r1, r2, r3, r4, r5, r6, r7 = tl.inline_asm_elementwise(
+        _X_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l", [x_ptr + o_p * 8], (tl.int32,) * 8, True, 1)
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    e0, e1, e2, e3, e4, e5, e6, e7 = _word_x(r0, r1, r2, r3, dt)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _word_x(r4, r5, r6, r7, dt)
+    b_xs = e0 + e1 + e2 + e3 + e4 + e5 + e6 + e7 + o0 + o1 + o2 + o3 + o4 + o5 + o6 + o7
+    amax = tl.maximum(_abs_max8(e0, e1, e2, e3, e4, e5, e6, e7),
+                      _abs_max8(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the largest |x|
+    e = tl.minimum(tl.maximum(e, 14), 244)  # scales stay normal fp32 (x beyond 2^117: inf)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
+    down = ((e + 10) << 23).to(tl.float32, bitcast=True)  # 2^(e - 117): 1 / up and the 2^-24
+    a0, a1, a2, a3 = _word_pairs(e0, e1, e2, e3, e4, e5, e6, e7, up)
+    b0, b1, b2, b3 = _word_pairs(o0, o1, o2, o3, o4, o5, o6, o7, up)
+    w_even, w_odd = tl.split(tl.reshape(b_w, [b_w.shape[0], b_w.shape[1], b_w.shape[2] // 2, 2]))
+    b_d = tl.inline_asm_elementwise(_F16_DOT_ASM, "=f,r,r,r,r,r,r,r,r,r,r",
+                                    [w_even, w_odd, a0, a1, a2, a3, b0, b1, b2, b3],
+                                    tl.float32, True, 1)  # fmt: skip
+    return tl.sum(b_d * down, axis=2), tl.sum(b_xs, axis=2)
+
+
+@triton.jit
+def _split_pairs(p):
+    """[GROUPS, WPG] -> the even and the odd words' values, [GROUPS, 1, WPG / 2] each."""
+    e, o = tl.split(tl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))
+    return e[:, None, :], o[:, None, :]
+
+
+@triton.jit
+def _codes_dot_x_f16_loaded(b_w, p_x):
+    """`_codes_dot_x_f16` with x from a `tl.load` (p_x [GROUPS, WPG] word starts), one power
+    of two per group; the compiler moves the fp16 pairs through shared memory to the
+    products' layout. For blocks where threads share x pairs (`x_in_place_pays`)."""
     b_x = tl.load(p_x[:, :, None] + tl.arange(0, 8)[None, None, :]).to(tl.float32)
     b_xs = tl.sum(tl.sum(b_x, axis=2), axis=1)
     amax = tl.max(tl.max(tl.abs(b_x), axis=2), axis=1)
@@ -144,22 +232,15 @@ def _codes_dot_x_f16(b_w, p_x):
     up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
     down = ((e + 10) << 23).to(tl.float32, bitcast=True)  # 2^(e - 117): 1 / up and the 2^-24
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots8(b_x * up[:, None, None])
-    a0, b0 = _word_pairs(_f16_pair(x0, x4))
-    a1, b1 = _word_pairs(_f16_pair(x1 * 0.0625, x5 * 0.0625))  # against codes times 16
-    a2, b2 = _word_pairs(_f16_pair(x2, x6))
-    a3, b3 = _word_pairs(_f16_pair(x3 * 0.0625, x7 * 0.0625))
+    a0, b0 = _split_pairs(_f16_pair(x0, x4))
+    a1, b1 = _split_pairs(_f16_pair(x1 * 0.0625, x5 * 0.0625))  # against codes times 16
+    a2, b2 = _split_pairs(_f16_pair(x2, x6))
+    a3, b3 = _split_pairs(_f16_pair(x3 * 0.0625, x7 * 0.0625))
     w_even, w_odd = tl.split(tl.reshape(b_w, [b_w.shape[0], b_w.shape[1], b_w.shape[2] // 2, 2]))
     b_d = tl.inline_asm_elementwise(_F16_DOT_ASM, "=f,r,r,r,r,r,r,r,r,r,r",
                                     [w_even, w_odd, a0, a1, a2, a3, b0, b1, b2, b3],
                                     tl.float32, True, 1)  # fmt: skip
-    return tl.sum(b_d, axis=2) * down[:, None], b_xs
-
-
-@triton.jit
-def _word_pairs(p):
-    """[GROUPS, WPG] -> the even and the odd words' values, [GROUPS, 1, WPG / 2] each."""
-    e, o = tl.split(tl.reshape(p, [p.shape[0], p.shape[1] // 2, 2]))
-    return e[:, None, :], o[:, None, :]
+    return tl.sum(b_d, axis=2) * down[:, None], b_xs[:, None]
 
 
 @triton.jit
@@ -179,11 +260,51 @@ def _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn):
 
 
 @triton.jit
+def _block_dot(x_ptr, b_w, g0, o_gw, BITS: tl.constexpr, GROUP: tl.constexpr,
+               PACKED: tl.constexpr, F16_DOT: tl.constexpr, X_IN_PLACE: tl.constexpr):  # fmt: skip
+    """The codes of one block (words b_w [GROUPS, BLOCK_N, WPG] of groups g0..) against x:
+    F16_DOT (sum_k q_k x_k [GROUPS, BLOCK_N], sum_k x_k [GROUPS, 1]), else (sum_j v_j x
+    per word [GROUPS, BLOCK_N, WPG], sum_j x [GROUPS, WPG]) (`_codes_dot_x`)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    GROUPS: tl.constexpr = b_w.shape[0]
+    WPG: tl.constexpr = GROUP // PER_WORD
+    p_x = x_ptr + (g0 * WPG + o_gw) * PER_WORD
+    if F16_DOT:
+        if X_IN_PLACE:
+            b_d, b_xs = _codes_dot_x_f16(b_w, after_wait(x_ptr + g0 * GROUP), GROUPS, WPG)
+        else:
+            b_d, b_xs = _codes_dot_x_f16_loaded(b_w, p_x)
+    else:
+        b_d, b_xs = _codes_dot_x(b_w, p_x, BITS, PACKED)
+    return b_d, b_xs
+
+
+@triton.jit
+def _block_sum(b_d, b_xs, b_s, b_b, g0, o_g, BITS: tl.constexpr, GROUP: tl.constexpr,
+               F16_DOT: tl.constexpr, sq_ptr, eps, HEAD: tl.constexpr,
+               PARTS: tl.constexpr):  # fmt: skip
+    """Each group's sum_k W x [GROUPS, BLOCK_N] from `_block_dot`'s sums and the groups'
+    scales and biases b_s, b_b (HEAD > 0: times its head's 1 / rms, see `gemv_rows`)."""
+    if F16_DOT:  # per group: sum (s q + b) x = s sum q x + b sum x
+        b_g = b_s * b_d + b_b * b_xs
+    else:
+        # per group: sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x; summing the
+        # words of a group first keeps the [GROUPS, BLOCK_N, WPG] tile in one layout
+        b_sf = b_s * (1 << BITS)
+        b_g = b_sf * tl.sum(b_d, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[:, None]
+    if HEAD > 0:
+        o_sq = ((g0 + o_g) * GROUP // HEAD)[:, None] * PARTS + tl.arange(0, PARTS)[None, :]
+        b_g *= tl.rsqrt(tl.sum(tl.load(sq_ptr + o_sq), axis=1) / HEAD + eps)[:, None]
+    return b_g
+
+
+@triton.jit
 def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
               USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False, sq_ptr=None, eps=0.0,
-              HEAD: tl.constexpr = 0, PARTS: tl.constexpr = 1):  # fmt: skip
+              HEAD: tl.constexpr = 0, PARTS: tl.constexpr = 1,
+              X_IN_PLACE: tl.constexpr = False, ONE_STEP: tl.constexpr = False):  # fmt: skip
     """sum_k W[o_n, k] x[k] for one activation row x (K contiguous values): fp32 [BLOCK_N].
     K % BLOCK_K == 0. HEAD > 0: x's heads of HEAD values (whole groups) are scaled by their
     1 / rms, from the PARTS partial sums of squares per head at sq (`quant_gemv_rms_scaled`):
@@ -201,7 +322,9 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
     PREFETCH (with programmatic dependent launch): the first weight tile is loaded before
     waiting for the previous kernel (weights never depend on it; x does), and each tile
-    while the one before is consumed."""
+    while the one before is consumed. ONE_STEP (K == BLOCK_K): no prefetch inside the loop,
+    where a masked-off tile took registers (246 -> 168 at 16 x 2048 with 2 warps, x in
+    place). X_IN_PLACE (F16_DOT): `_codes_dot_x_f16`, else `_codes_dot_x_f16_loaded`."""
     PER_WORD: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GROUP // PER_WORD
     GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -217,25 +340,12 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
     for g0 in range(0, num_groups, GROUPS):
         if not PREFETCH:
             b_w = _words(w_ptr, o_n, m_n, g0, o_gw, stride_wn, WPG)
-        p_x = x_ptr + (g0 * WPG + o_gw) * PER_WORD
-        if F16_DOT:
-            b_q, b_xs = _codes_dot_x_f16(b_w, p_x)
-        else:
-            b_qx, b_xs = _codes_dot_x(b_w, p_x, BITS, PACKED)
+        b_d, b_xs = _block_dot(x_ptr, b_w, g0, o_gw, BITS, GROUP, PACKED, F16_DOT, X_IN_PLACE)
         if not PREFETCH:  # loaded after the codes' use: fewer layout changes (SASS)
             b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn)
-        if F16_DOT:  # per group: sum (s q + b) x = s sum q x + b sum x
-            b_g = b_s * b_q + b_b * b_xs[:, None]
-        else:
-            # per group: sum (s q + b) x = s 2^BITS (sum v x - sum x) + b sum x; summing the
-            # words of a group first keeps the [GROUPS, BLOCK_N, WPG] tile in one layout
-            b_sf = b_s * (1 << BITS)
-            b_g = b_sf * tl.sum(b_qx, axis=2) + (b_b - b_sf) * tl.sum(b_xs, axis=1)[:, None]
-        if HEAD > 0:
-            o_sq = ((g0 + o_g) * GROUP // HEAD)[:, None] * PARTS + tl.arange(0, PARTS)[None, :]
-            b_g *= tl.rsqrt(tl.sum(tl.load(sq_ptr + o_sq), axis=1) / HEAD + eps)[:, None]
-        b_acc += b_g
-        if PREFETCH:  # the next tile (none past the end)
+        b_acc += _block_sum(b_d, b_xs, b_s, b_b, g0, o_g, BITS, GROUP, F16_DOT, sq_ptr, eps,
+                            HEAD, PARTS)  # fmt: skip
+        if PREFETCH and not ONE_STEP:  # the next tile (none past the end)
             m_next = m_n & (o_n * 0 + g0 + GROUPS < num_groups)
             b_w = _words(w_ptr, o_n, m_next, g0 + GROUPS, o_gw, stride_wn, WPG)
             b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_next, g0 + GROUPS, o_g, stride_sn)
@@ -253,7 +363,8 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False,
     HEAD: tl.constexpr = 0, PARTS: tl.constexpr = 1, CONV_KW: tl.constexpr = 0,
-    LATE_TRIGGER: tl.constexpr = False,
+    LATE_TRIGGER: tl.constexpr = False, X_IN_PLACE: tl.constexpr = False,
+    ONE_STEP: tl.constexpr = False,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of output row i_m.
 
@@ -309,13 +420,13 @@ def _gemv_kernel(
         m_rows = i_n * BLOCK_N + o_gu % BLOCK_N < N
         b_gu = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_rows, m_rows, K, stride_wn, stride_sn,
                          BITS, GROUP, 2 * BLOCK_N, BLOCK_K, PACKED, PREFETCH,
-                         USE_PDL, F16_DOT)  # fmt: skip
+                         USE_PDL, F16_DOT, X_IN_PLACE=X_IN_PLACE, ONE_STEP=ONE_STEP)  # fmt: skip
         b_y, b_u = tl.split(tl.permute(tl.reshape(b_gu, [2, BLOCK_N]), [1, 0]))
         b_y = silu(b_y) * b_u
     else:
         b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
                         GROUP, BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT, sq_ptr,
-                        eps, HEAD, PARTS)  # fmt: skip
+                        eps, HEAD, PARTS, X_IN_PLACE, ONE_STEP)  # fmt: skip
     if APPLY_WEIGHT:
         b_y *= tl.load(rw_ptr + i_m)
     if CONV_KW > 0:  # the new input, rounded like the projection's output, ends the window
@@ -324,6 +435,19 @@ def _gemv_kernel(
         b_conv += b_in.to(tl.float32) * b_cw.to(tl.float32)
         b_y = tl.where(m_c, silu(b_conv), b_y)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
+
+
+def x_in_place_pays(block_k: int, spec: QuantSpec, num_warps: int) -> bool:
+    """Whether x goes straight into the fp16-pair products' layout (`_codes_dot_x_f16`):
+    where a block has as many even-odd word pairs per row as the program has threads, so no
+    two threads load and convert the same x. Where more threads share a pair, the x is
+    converted once and passed through shared memory (`_codes_dot_x_f16_loaded`). On the
+    H200, graphs over weights beyond L2, alternating 5 rounds (docs/bench/gemv-x-*-s19.json):
+    2048 -> 8192 at 16 x 2048 with 2 warps 4.66 -> 4.08 us (with `one_step` 3.79), 2048 ->
+    9216 5.94 -> 4.23 (4.05), 2048 -> 1024 2.57 -> 2.08 (1.90), outputs equal to the bit;
+    with two threads a pair, 32 x 1024 with 4 warps, 2048 -> 12352 5.56 -> 5.46 but the
+    MoE layer at 8 tokens (gate_up 16 x 1024, 4 warps) 49.3 -> 58.9 us."""
+    return spec.bits == 4 and block_k // spec.group_size * (spec.group_size // 16) >= 32 * num_warps
 
 
 class HeadRms(NamedTuple):
@@ -359,7 +483,8 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
                 shared_w=None, prefetch: bool | None = None, f16_dot: bool | None = None,
                 rms: HeadRms | None = None, conv: ConvStep | None = None,
-                late_trigger: bool = False):  # fmt: skip
+                late_trigger: bool = False, x_in_place: bool | None = None,
+                one_step: bool | None = None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
@@ -376,7 +501,10 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     55.8 / 155.6 us against 18.9 / 64.5 / 192 with fp32 products. Error against the
     dequantised reference (max-normalised) 3-6e-3 against 1e-6..2e-3 in fp32, below the
     layer's bf16 output rounding. rms, conv: the GDN fusions of `quant_gemv_rms_scaled`
-    and `quant_gemv_conv` (plain GEMVs only)."""
+    and `quant_gemv_conv` (plain GEMVs only). x_in_place (fp16 pairs): x loaded in the
+    products' layout (`_codes_dot_x_f16`), by default where that pays (`x_in_place_pays`).
+    one_step: no weight prefetch inside the loop, for K in one block (by default with x in
+    place: measured there, `x_in_place_pays`; fp32 products then spilled registers)."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
@@ -395,6 +523,10 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         raise ValueError("the conv-state pool's channels must be contiguous (`state_pool`)")
     grid = (triton.cdiv(n, block_n), y.shape[0])
     pdl = launch_args(y, grid)
+    bk = fit_block_k(k, block_k, spec.group_size)
+    if x_in_place is None:
+        x_in_place = x_in_place_pays(bk, spec, num_warps)
+    x_in_place = x_in_place and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0
     ptx = x.is_cuda and spec.bits == 4  # the packed PTX paths
     f16_dot = ptx and x.dtype != torch.float32 and (experts if f16_dot is None else f16_dot)
     fast(_gemv_kernel)[grid](
@@ -406,11 +538,13 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         TOP_K=top_k, EXPERTS=experts, SHARED=shared_w is not None, GATED=gated,
         APPLY_WEIGHT=rw is not None,
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
-        BLOCK_K=fit_block_k(k, block_k, spec.group_size), PACKED=ptx,
+        BLOCK_K=bk, PACKED=ptx,
         F16_DOT=f16_dot,
         PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
         HEAD=head, PARTS=parts,
         CONV_KW=conv.weight.shape[1] if conv.rows else 0, LATE_TRIGGER=late_trigger,
+        X_IN_PLACE=f16_dot and x_in_place,
+        ONE_STEP=bk == k and (f16_dot and x_in_place if one_step is None else one_step),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     return y
@@ -429,12 +563,16 @@ def default_config(n: int, k: int) -> tuple[int, int, int, bool]:
     1024 16 x 2048, 2 warps (2.91 vs 3.88). Kept in fp32: K >= 4096 (4096 -> 2048) 8 x
     4096, 2 warps (3.61 us; fp16 pairs 3.95); the 8-bit router 2048 -> 257 4 x 2048, 4
     warps (3.0 us); smaller matrices 4 x 1024, 2 warps (eighth-session sweeps). The fp16
-    pairs need many rows per thread to pay for converting x (1-warp 8-row blocks lost)."""
+    pairs need many rows per thread to pay for converting x (1-warp 8-row blocks lost).
+    Nineteenth session, with x loaded in place and one K step (`x_in_place_pays`,
+    docs/bench/gemv-x-blocks-*-s19.json): 2048 -> 9216 16 x 2048, 2 warps 4.05 us (32 x
+    1024, 4 warps 5.43); 2048 -> 8192 3.79 (32 x 2048, 4 warps 3.76, 8 x 2048 3.93);
+    2048 -> 12352 keeps 32 x 1024 (5.45; 16 x 2048 5.58, 32 x 2048 5.53)."""
     if n >= 65536:
         return 32, 1024, 4, True
     if k >= 4096:
         return 8, 4096, 2, False
-    if n > 8192:
+    if n > 9216:
         return 32, 1024, 4, True
     if n > 4096:
         return 16, 2048, 2, True
