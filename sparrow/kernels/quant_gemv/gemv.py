@@ -135,6 +135,16 @@ def _f16_pair(a, b):
     return tl.inline_asm_elementwise(_F16_PAIR_ASM, "=r,f,f", [a, b], tl.int32, True, 1)
 
 
+@triton.jit
+def _pair_dots(b_w, a0, a1, a2, a3, b0, b1, b2, b3):
+    """Each even-odd pair of words (b_w [GROUPS, BLOCK_N, WPG]) against its fp16 x pairs
+    (a: the even word's, b: the odd word's): [GROUPS, BLOCK_N, WPG / 2] (`_F16_DOT_ASM`)."""
+    w_even, w_odd = tl.split(tl.reshape(b_w, [b_w.shape[0], b_w.shape[1], b_w.shape[2] // 2, 2]))
+    return tl.inline_asm_elementwise(_F16_DOT_ASM, "=f,r,r,r,r,r,r,r,r,r,r",
+                                     [w_even, w_odd, a0, a1, a2, a3, b0, b1, b2, b3],
+                                     tl.float32, True, 1)  # fmt: skip
+
+
 # Two words' x (16 16-bit values, 32 bytes) as 8 registers of pairs. As inline PTX the load
 # takes the register layout of its use, where the compiler gives a `tl.load` a layout of its
 # own and moves the values to their use through shared memory. Pure, so that copies of it
@@ -205,10 +215,7 @@ def _codes_dot_x_f16(b_w, x_ptr, GROUPS: tl.constexpr, WPG: tl.constexpr):
     down = ((e + 10) << 23).to(tl.float32, bitcast=True)  # 2^(e - 117): 1 / up and the 2^-24
     a0, a1, a2, a3 = _word_pairs(e0, e1, e2, e3, e4, e5, e6, e7, up)
     b0, b1, b2, b3 = _word_pairs(o0, o1, o2, o3, o4, o5, o6, o7, up)
-    w_even, w_odd = tl.split(tl.reshape(b_w, [b_w.shape[0], b_w.shape[1], b_w.shape[2] // 2, 2]))
-    b_d = tl.inline_asm_elementwise(_F16_DOT_ASM, "=f,r,r,r,r,r,r,r,r,r,r",
-                                    [w_even, w_odd, a0, a1, a2, a3, b0, b1, b2, b3],
-                                    tl.float32, True, 1)  # fmt: skip
+    b_d = _pair_dots(b_w, a0, a1, a2, a3, b0, b1, b2, b3)
     return tl.sum(b_d * down, axis=2), tl.sum(b_xs, axis=2)
 
 
@@ -236,10 +243,7 @@ def _codes_dot_x_f16_loaded(b_w, p_x):
     a1, b1 = _split_pairs(_f16_pair(x1 * 0.0625, x5 * 0.0625))  # against codes times 16
     a2, b2 = _split_pairs(_f16_pair(x2, x6))
     a3, b3 = _split_pairs(_f16_pair(x3 * 0.0625, x7 * 0.0625))
-    w_even, w_odd = tl.split(tl.reshape(b_w, [b_w.shape[0], b_w.shape[1], b_w.shape[2] // 2, 2]))
-    b_d = tl.inline_asm_elementwise(_F16_DOT_ASM, "=f,r,r,r,r,r,r,r,r,r,r",
-                                    [w_even, w_odd, a0, a1, a2, a3, b0, b1, b2, b3],
-                                    tl.float32, True, 1)  # fmt: skip
+    b_d = _pair_dots(b_w, a0, a1, a2, a3, b0, b1, b2, b3)
     return tl.sum(b_d, axis=2) * down[:, None], b_xs[:, None]
 
 
