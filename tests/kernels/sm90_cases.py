@@ -127,6 +127,12 @@ CASES = {
                          "BLOCK_N": 32, "BLOCK_K": 512, "PACKED": True, "F16_DOT": True,
                          "PREFETCH": True},
                  {"num_warps": 2}),  # the down projection's launch
+    "moe_gemv_batch": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
+                       GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True,
+                               "APPLY_WEIGHT": True, "BLOCK_N": 32, "BLOCK_K": 512,
+                               "PACKED": True, "F16_DOT": True, "ONE_STEP": True,
+                               "USE_PDL": False},
+                       {"num_warps": 2}),  # ... at 8-48 tokens (no PDL: one step, no loop)
     "moe_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
                        GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "GATED": True,
                                "BLOCK_N": 16, "PACKED": True, "F16_DOT": True,
@@ -175,8 +181,8 @@ def _aligned(fn, constexprs: dict) -> dict:
 
 def compile_case(name: str) -> dict:
     fn, pointers, constexprs, options = CASES[name]
-    if "USE_PDL" in fn.arg_names:  # compiled as launched with PDL on
-        constexprs = constexprs | {"USE_PDL": True}
+    if "USE_PDL" in fn.arg_names:  # compiled as launched with PDL on, unless the case says
+        constexprs = {"USE_PDL": True} | constexprs
     src = ASTSource(fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs,
                     attrs=_aligned(fn, constexprs))
     try:

@@ -326,15 +326,23 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
     PREFETCH (with programmatic dependent launch): the first weight tile is loaded before
     waiting for the previous kernel (weights never depend on it; x does), and each tile
-    while the one before is consumed. ONE_STEP (K == BLOCK_K): no prefetch inside the loop,
-    where a masked-off tile took registers (246 -> 168 at 16 x 2048 with 2 warps, x in
-    place). X_IN_PLACE (F16_DOT): `_codes_dot_x_f16`, else `_codes_dot_x_f16_loaded`."""
+    while the one before is consumed. ONE_STEP (K == BLOCK_K): with PREFETCH, no prefetch
+    inside the loop, where a masked-off tile took registers (246 -> 168 at 16 x 2048 with 2
+    warps, x in place); without PREFETCH and PDL, no loop (straight-line code). X_IN_PLACE
+    (F16_DOT): `_codes_dot_x_f16`, else `_codes_dot_x_f16_loaded`."""
     PER_WORD: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GROUP // PER_WORD
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     o_g = tl.arange(0, GROUPS)
     o_v = tl.arange(0, WPG)
     o_gw = o_g[:, None] * WPG + o_v[None, :]  # word within the block, [GROUPS, WPG]
+    if ONE_STEP and not PREFETCH and not USE_PDL:  # one block, no loop
+        b_w = _words(w_ptr, o_n, m_n, 0, o_gw, stride_wn, WPG)
+        b_d, b_xs = _block_dot(x_ptr, b_w, 0, o_gw, BITS, GROUP, PACKED, F16_DOT, X_IN_PLACE)
+        b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_n, 0, o_g, stride_sn)
+        b_acc = _block_sum(b_d, b_xs, b_s, b_b, 0, o_g, BITS, GROUP, F16_DOT, sq_ptr, eps,
+                           HEAD, PARTS)  # fmt: skip
+        return tl.sum(b_acc, axis=0)
     b_acc = tl.zeros([GROUPS, BLOCK_N], dtype=tl.float32)
     num_groups = K // GROUP
     if PREFETCH:
@@ -507,8 +515,14 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     layer's bf16 output rounding. rms, conv: the GDN fusions of `quant_gemv_rms_scaled`
     and `quant_gemv_conv` (plain GEMVs only). x_in_place (fp16 pairs): x loaded in the
     products' layout (`_codes_dot_x_f16`), by default where that pays (`x_in_place_pays`).
-    one_step: no weight prefetch inside the loop, for K in one block (by default with x in
-    place: measured there, `x_in_place_pays`; fp32 products then spilled registers)."""
+    one_step: K in one block, taken as no weight prefetch inside the loop (by default with x
+    in place: measured there, `x_in_place_pays`; fp32 products then spilled registers) or,
+    without prefetch and PDL, as no loop (by default). On the H200 the MoE layer's down
+    GEMV (K 512) without the loop, 8 layers from HBM, alternating 5 rounds
+    (docs/bench/moe-gemv-one-step-ab-*-s19.json): 8 tokens 49.58 -> 47.66 us, 32 tokens
+    138.2 -> 130.7, outputs identical; under PDL it lost (2 tokens 25.04 -> 26.45), and
+    with prefetch too (2048 -> 9216 4.29 -> 5.03 us: the loads before the wait had no loop
+    to keep them there, docs/bench/gemv-one-step-ab-*-s19.json)."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
@@ -532,6 +546,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         x_in_place = x_in_place_pays(bk, spec, num_warps)
     x_in_place = x_in_place and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0
     ptx = x.is_cuda and spec.bits == 4  # the packed PTX paths
+    prefetch = pdl["USE_PDL"] and not experts if prefetch is None else prefetch
     f16_dot = ptx and x.dtype != torch.float32 and (experts if f16_dot is None else f16_dot)
     fast(_gemv_kernel)[grid](
         x, packed.view(torch.int32), scales, biases, y, rw, ids, *sw,
@@ -544,11 +559,12 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n,
         BLOCK_K=bk, PACKED=ptx,
         F16_DOT=f16_dot,
-        PREFETCH=pdl["USE_PDL"] and not experts if prefetch is None else prefetch,
+        PREFETCH=prefetch,
         HEAD=head, PARTS=parts,
         CONV_KW=conv.weight.shape[1] if conv.rows else 0, LATE_TRIGGER=late_trigger,
         X_IN_PLACE=f16_dot and x_in_place,
-        ONE_STEP=bk == k and (f16_dot and x_in_place if one_step is None else one_step),
+        ONE_STEP=bk == k and (one_step if one_step is not None
+                              else f16_dot and x_in_place or not prefetch),
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     return y
