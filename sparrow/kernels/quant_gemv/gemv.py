@@ -462,6 +462,93 @@ def x_in_place_pays(block_k: int, spec: QuantSpec, num_warps: int) -> bool:
     return spec.bits == 4 and block_k // spec.group_size * (spec.group_size // 16) >= 32 * num_warps
 
 
+@triton.jit
+def _down_sum_kernel(
+    h_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr, sw_ptr, ss_ptr, sb_ptr,
+    N, stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
+    SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, SHARED: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    PACKED: tl.constexpr, F16_DOT: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """y[t, o_n] = sum_j rw[a] (h[a] @ W_ids[a][o_n]^T), a = t * SLOTS + j: the down
+    projections of all of a token's assignments and their weighted sum (the combine) in one
+    program per BLOCK_N outputs and token; SHARED: the last slot reads sw, ss, sb. The
+    (slot, group) pairs of the token form the group axis of one tile ([SLOTS_P2 * GROUPS_P2,
+    BLOCK_N, WPG] words, both padded to powers of two and masked off), so the sum over slots
+    is the sum over that axis, in registers and in a fixed order. K = GROUPS * GROUP.
+    PREFETCH (programmatic dependent launch after a late trigger, as the chained down GEMV):
+    ids, weights and scales are read before the wait."""
+    if PREFETCH:
+        let_next_launch(USE_PDL)
+    else:
+        wait_for_previous(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GROUP // PER_WORD
+    i_n, i_t = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_sg = tl.arange(0, SLOTS_P2 * GROUPS_P2)
+    m_sg = (o_sg // GROUPS_P2 < SLOTS) & (o_sg % GROUPS_P2 < GROUPS)
+    # padding reads the last slot's last group (masked off, or weighted 0 for x)
+    slot = tl.minimum(o_sg // GROUPS_P2, SLOTS - 1)
+    g = tl.minimum(o_sg % GROUPS_P2, GROUPS - 1)
+    a = i_t * SLOTS + slot
+    i_e = tl.load(ids_ptr + a).to(tl.int64)
+    p_w = w_ptr + i_e * stride_we
+    p_s, p_b = s_ptr + i_e * stride_se, b_ptr + i_e * stride_se
+    if SHARED:
+        own = slot == SLOTS - 1
+        p_w = tl.where(own, sw_ptr + i_e * 0, p_w)
+        p_s, p_b = tl.where(own, ss_ptr + i_e * 0, p_s), tl.where(own, sb_ptr + i_e * 0, p_b)
+    o_v = tl.arange(0, WPG)
+    o_gw = g[:, None] * WPG + o_v[None, :]  # word of the (slot, group) pair, [SG, WPG]
+    m_w = m_sg[:, None, None] & m_n[None, :, None]
+    b_w = tl.load(p_w[:, None, None] + o_n[None, :, None] * stride_wn + o_gw[:, None, :],
+                  mask=m_w, other=0)  # fmt: skip
+    o_s = o_n[None, :] * stride_sn + g[:, None]
+    m_s = m_sg[:, None] & m_n[None, :]
+    b_s = tl.load(p_s[:, None] + o_s, mask=m_s, other=0.0).to(tl.float32)
+    b_b = tl.load(p_b[:, None] + o_s, mask=m_s, other=0.0).to(tl.float32)
+    if PREFETCH:
+        wait_previous(USE_PDL)
+    b_d, b_xs = _block_dot((h_ptr + a * stride_hm)[:, None], b_w, 0, o_gw, BITS, GROUP, PACKED,
+                           F16_DOT, False)  # fmt: skip
+    b_g = _block_sum(b_d, b_xs, b_s, b_b, 0, g, BITS, GROUP, F16_DOT, None, 0.0, 0, 1)
+    b_rw = tl.load(rw_ptr + a, mask=m_sg, other=0.0)  # 0 for the padding
+    b_y = tl.sum(b_g * b_rw[:, None], axis=0)
+    tl.store(y_ptr + i_t * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
+
+
+def launch_down_sum(h, w, y, spec: QuantSpec, rw, ids, slots: int, shared_w=None,
+                    block_n: int = 8, num_warps: int = 4, prefetch: bool = False):  # fmt: skip
+    """y [T, N] = per token the sum over its `slots` assignments a (rows of h [T * slots, K])
+    of rw[a] * (h[a] @ W_ids[a]^T), w = (packed, scales, biases) stacks [E, N, ...];
+    shared_w: one expert's weights for each token's last slot (`_down_sum_kernel`: the down
+    GEMVs and the combine in one kernel). prefetch: as the chained down GEMV's
+    (`launch_gemv`), after a launch with late_trigger only."""
+    packed, scales, biases = w
+    n, k = y.shape[1], h.shape[1]
+    if k % spec.group_size or h.shape[0] != y.shape[0] * slots or ids.numel() != h.shape[0]:
+        raise ValueError(f"h {list(h.shape)}, y {list(y.shape)}, ids {ids.numel()} do not fit "
+                         f"{slots} slots and groups of {spec.group_size}")  # fmt: skip
+    grid = (triton.cdiv(n, block_n), y.shape[0])
+    pdl = launch_args(y, grid)
+    ptx = h.is_cuda and spec.bits == 4
+    fast(_down_sum_kernel)[grid](
+        h, packed.view(torch.int32), scales, biases, y, rw, ids,
+        *shared_expert_args(shared_w, packed, scales),
+        n, h.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
+        y.stride(0),
+        SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), SHARED=shared_w is not None,
+        BITS=spec.bits, GROUP=spec.group_size,
+        GROUPS=k // spec.group_size, GROUPS_P2=triton.next_power_of_2(k // spec.group_size),
+        BLOCK_N=block_n, PACKED=ptx,
+        F16_DOT=ptx and h.dtype != torch.float32, PREFETCH=prefetch and pdl["USE_PDL"],
+        num_warps=num_warps, **pdl,
+    )  # fmt: skip
+    return y
+
+
 class HeadRms(NamedTuple):
     """x's heads scaled by 1 / rms inside the GEMV: sq_sums [H, P] partial sums of squares
     of each head (P a power of two), inv_rms = rsqrt(sum / head_dim + eps)."""
