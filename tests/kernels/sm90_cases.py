@@ -100,7 +100,8 @@ CASES = {
                         {"num_warps": 4}),  # ... with the conv step (`quant_gemv_conv`)
     "quant_gemv_rms_scaled": (gemv._gemv_kernel, GEMV_PTRS | {"x_ptr": "fp32", "sq_ptr": "fp32"},
                               GEMV | {"BLOCK_N": 8, "BLOCK_K": 4096, "PACKED": True,
-                                      "PREFETCH": True, "HEAD": 128, "PARTS": 8},
+                                      "PREFETCH": True, "HEAD": 128, "PARTS": 8,
+                                      "ONE_STEP": True},
                               {"num_warps": 2}),  # the GDN out-projection at batch 1
     "quant_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
                          GEMV | {"GATED": True, "BLOCK_N": 4, "PACKED": True},
@@ -125,7 +126,7 @@ CASES = {
     "moe_gemv": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
                  GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "APPLY_WEIGHT": True,
                          "BLOCK_N": 32, "BLOCK_K": 512, "PACKED": True, "F16_DOT": True,
-                         "PREFETCH": True},
+                         "PREFETCH": True, "ONE_STEP": True},
                  {"num_warps": 2}),  # the down projection's launch
     "moe_gemv_batch": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
                        GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True,

@@ -326,10 +326,16 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
     PREFETCH (with programmatic dependent launch): the first weight tile is loaded before
     waiting for the previous kernel (weights never depend on it; x does), and each tile
-    while the one before is consumed. ONE_STEP (K == BLOCK_K): with PREFETCH, no prefetch
-    inside the loop, where a masked-off tile took registers (246 -> 168 at 16 x 2048 with 2
-    warps, x in place); without PREFETCH and PDL, no loop (straight-line code). X_IN_PLACE
-    (F16_DOT): `_codes_dot_x_f16`, else `_codes_dot_x_f16_loaded`."""
+    while the one before is consumed. ONE_STEP: K == BLOCK_K. Then with PREFETCH and
+    X_IN_PLACE there is no prefetch inside the loop, where a masked-off tile took registers
+    (246 -> 168 at 16 x 2048 with 2 warps; with fp32 products ptxas then spilled 3 KB, hence
+    only with x in place), and without PREFETCH and PDL no loop (straight-line code). On
+    the H200 the MoE layer's down GEMV (K 512) without the loop, 8 layers from HBM,
+    alternating 5 rounds (docs/bench/moe-gemv-one-step-ab-*-s19.json): 8 tokens 49.58 ->
+    47.66 us, 32 tokens 138.2 -> 130.7, outputs identical; under PDL it lost (2 tokens
+    25.04 -> 26.45), and with prefetch too (2048 -> 9216 4.29 -> 5.03 us: the loads before
+    the wait had no loop to keep them there, docs/bench/gemv-one-step-ab-*-s19.json).
+    X_IN_PLACE (F16_DOT): `_codes_dot_x_f16`, else `_codes_dot_x_f16_loaded`."""
     PER_WORD: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GROUP // PER_WORD
     GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -357,7 +363,7 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
             b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn)
         b_acc += _block_sum(b_d, b_xs, b_s, b_b, g0, o_g, BITS, GROUP, F16_DOT, sq_ptr, eps,
                             HEAD, PARTS)  # fmt: skip
-        if PREFETCH and not ONE_STEP:  # the next tile (none past the end)
+        if PREFETCH and not (ONE_STEP and X_IN_PLACE):  # the next tile (none past the end)
             m_next = m_n & (o_n * 0 + g0 + GROUPS < num_groups)
             b_w = _words(w_ptr, o_n, m_next, g0 + GROUPS, o_gw, stride_wn, WPG)
             b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_next, g0 + GROUPS, o_g, stride_sn)
@@ -455,7 +461,7 @@ def x_in_place_pays(block_k: int, spec: QuantSpec, num_warps: int) -> bool:
     two threads load and convert the same x. Where more threads share a pair, the x is
     converted once and passed through shared memory (`_codes_dot_x_f16_loaded`). On the
     H200, graphs over weights beyond L2, alternating 5 rounds (docs/bench/gemv-x-*-s19.json):
-    2048 -> 8192 at 16 x 2048 with 2 warps 4.66 -> 4.08 us (with `one_step` 3.79), 2048 ->
+    2048 -> 8192 at 16 x 2048 with 2 warps 4.66 -> 4.08 us (with ONE_STEP 3.79), 2048 ->
     9216 5.94 -> 4.23 (4.05), 2048 -> 1024 2.57 -> 2.08 (1.90), outputs equal to the bit;
     with two threads a pair, 32 x 1024 with 4 warps, 2048 -> 12352 5.56 -> 5.46 but the
     MoE layer at 8 tokens (gate_up 16 x 1024, 4 warps) 49.3 -> 58.9 us."""
@@ -582,8 +588,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
                 num_stages: int = 2, gated: bool = False, ids=None, rw=None, top_k: int = 1,
                 shared_w=None, prefetch: bool | None = None, f16_dot: bool | None = None,
                 rms: HeadRms | None = None, conv: ConvStep | None = None,
-                late_trigger: bool = False, x_in_place: bool | None = None,
-                one_step: bool | None = None):  # fmt: skip
+                late_trigger: bool = False, x_in_place: bool | None = None):  # fmt: skip
     """Rows of y [R, N] from x ([R // top_k, K] if gated else [R, K]) and w = (packed, scales,
     biases): [N (2N if gated), K * bits / 32] and [N, K / group], or with experts (ids [R])
     stacks of those [E, ...]. rw [R]: routing weights to apply. shared_w: one expert's
@@ -602,14 +607,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
     layer's bf16 output rounding. rms, conv: the GDN fusions of `quant_gemv_rms_scaled`
     and `quant_gemv_conv` (plain GEMVs only). x_in_place (fp16 pairs): x loaded in the
     products' layout (`_codes_dot_x_f16`), by default where that pays (`x_in_place_pays`).
-    one_step: K in one block, taken as no weight prefetch inside the loop (by default with x
-    in place: measured there, `x_in_place_pays`; fp32 products then spilled registers) or,
-    without prefetch and PDL, as no loop (by default). On the H200 the MoE layer's down
-    GEMV (K 512) without the loop, 8 layers from HBM, alternating 5 rounds
-    (docs/bench/moe-gemv-one-step-ab-*-s19.json): 8 tokens 49.58 -> 47.66 us, 32 tokens
-    138.2 -> 130.7, outputs identical; under PDL it lost (2 tokens 25.04 -> 26.45), and
-    with prefetch too (2048 -> 9216 4.29 -> 5.03 us: the loads before the wait had no loop
-    to keep them there, docs/bench/gemv-one-step-ab-*-s19.json)."""
+    K in one block changes the loop (ONE_STEP, see `gemv_rows`)."""
     packed, scales, biases = w
     n, k = y.shape[1], x.shape[1]
     experts = ids is not None
@@ -650,8 +648,7 @@ def launch_gemv(x, w, y, spec: QuantSpec, block_n: int, block_k: int, num_warps:
         HEAD=head, PARTS=parts,
         CONV_KW=conv.weight.shape[1] if conv.rows else 0, LATE_TRIGGER=late_trigger,
         X_IN_PLACE=f16_dot and x_in_place,
-        ONE_STEP=bk == k and (one_step if one_step is not None
-                              else f16_dot and x_in_place or not prefetch),
+        ONE_STEP=bk == k,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )  # fmt: skip
     return y
