@@ -12,7 +12,6 @@ in L2; in the model each of 40 layers reads its own from HBM. So at decode sizes
 is also timed as COPIES distinct copies replayed in turn in one graph ("HBM us").
 
     python -m sparrow.bench.moe --out bench-out/moe.json
-    python -m sparrow.bench.moe --down-sum 1 2 8 32   # one A/B of a decode-size variant
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ from sparrow.bench.report import write_report
 from sparrow.bench.timing import BF16_FLOP_PER_S, HBM_BYTES_PER_S, graph_time_us
 from sparrow.config import ModelConfig, QuantConfig
 from sparrow.kernels import set_backend
-from sparrow.kernels.moe_gemm import grouped_gemm
-from sparrow.kernels.moe_gemm.grouped_gemm import GEMV_TOKENS, GemmTiles, moe_experts, tiles_for
+from sparrow.kernels.moe_gemm.grouped_gemm import GemmTiles, moe_experts, tiles_for
 from sparrow.layers.moe import SparseMoE
 from sparrow.quant import modules
 from sparrow.quant.modules import quantized_copy
@@ -159,56 +157,15 @@ def sweep_tiles(ours, cfg: ModelConfig, tokens: list[int]) -> dict:
     return table
 
 
-def ab_down_sum(layers: list, cfg: ModelConfig, tokens: list[int], rounds: int = 5) -> dict:
-    """The decode-size layer with the down GEMVs and the combine as one kernel
-    (`grouped_gemm.DOWN_SUM_TOKENS`) against the two kernels: `layers` (distinct weights,
-    beyond L2 together) replayed in turn in one graph, the two alternating, medians of
-    `rounds`; and the largest difference between their outputs."""
-    table = {}
-    set_backend("triton")
-    saved = grouped_gemm.DOWN_SUM_TOKENS
-    try:
-        for t in tokens:
-            x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-            times, outs = {"two kernels": [], "one kernel": []}, {}
-            for _ in range(rounds):
-                for name, limit in (("two kernels", 0), ("one kernel", GEMV_TOKENS)):
-                    grouped_gemm.DOWN_SUM_TOKENS = limit
-                    with torch.inference_mode():
-                        times[name].append(graph_time_us(
-                            [lambda layer=layer, x=x: layer(x) for layer in layers], replays=20,
-                            rounds=3))  # fmt: skip
-                        outs[name] = layers[0](x).float()
-            diff = (outs["one kernel"] - outs["two kernels"]).abs().max()
-            row = {name: statistics.median(v) for name, v in times.items()}
-            row["rel_diff"] = (diff / outs["two kernels"].abs().max()).item()
-            table[t] = row
-            print(f"{t:>6} tokens: two kernels {row['two kernels']:8.2f} us, one kernel "
-                  f"{row['one kernel']:8.2f} us, rel. diff {row['rel_diff']:.1e}")  # fmt: skip
-    finally:
-        grouped_gemm.DOWN_SUM_TOKENS = saved
-        set_backend("auto")
-    return table
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     p.add_argument("--out", default="bench-out/moe.json")
     p.add_argument("--sweep", type=int, nargs="*", default=None,
                    help="also sweep GEMM tiles at these token counts")  # fmt: skip
-    p.add_argument("--down-sum", type=int, nargs="*", default=None,
-                   help="only time the down GEMVs + combine as one kernel against two, at "
-                        "these decode sizes (`ab_down_sum`)")  # fmt: skip
     args = p.parse_args(argv)
 
     cfg = ModelConfig()
-    if args.down_sum:
-        layers = [build_layers(cfg)[1] for _ in range(COPIES)]
-        report = {"gpu": torch.cuda.get_device_name(),
-                  "down_sum_ab": ab_down_sum(layers, cfg, args.down_sum)}  # fmt: skip
-        write_report(args.out, report)
-        return report
     hf, ours = build_layers(cfg)
     copies = None
     if any(t <= 8 for t in args.tokens):

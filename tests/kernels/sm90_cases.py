@@ -134,11 +134,6 @@ CASES = {
                                "PACKED": True, "F16_DOT": True, "ONE_STEP": True,
                                "USE_PDL": False},
                        {"num_warps": 2}),  # ... at 8-48 tokens (no PDL: one step, no loop)
-    "moe_down_sum": (gemv._down_sum_kernel, GEMV_PTRS | {"h_ptr": "bf16"},
-                     {"SLOTS": 9, "SLOTS_P2": 16, "SHARED": True, "BITS": 4, "GROUP": 64,
-                      "GROUPS": 8, "GROUPS_P2": 8, "BLOCK_N": 8, "PACKED": True,
-                      "F16_DOT": True, "PREFETCH": True},
-                     {"num_warps": 4}),  # the down GEMVs and the combine at one token
     "moe_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
                        GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "GATED": True,
                                "BLOCK_N": 16, "PACKED": True, "F16_DOT": True,

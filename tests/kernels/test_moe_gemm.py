@@ -155,33 +155,3 @@ def test_chained_expert_gemvs(monkeypatch):
 
     monkeypatch.setattr(grouped_gemm, "_chained", lambda tokens, device: True)
     _run(2, e=4, k=2, d=2048, inter=1024, dtype=torch.float32, device="cpu", tol=1e-5)
-
-
-@pytest.mark.parametrize("t, fold, chained", [(1, True, True), (3, True, False),
-                                               (2, False, False)])  # fmt: skip
-def test_down_sum_in_the_layer(monkeypatch, t, fold, chained):
-    """The down GEMVs and the combine as one kernel (`DOWN_SUM_TOKENS`), with the shared
-    expert as one more assignment or without one, chained as at one token or not."""
-    from sparrow.kernels.moe_gemm import grouped_gemm
-
-    monkeypatch.setattr(grouped_gemm, "DOWN_SUM_TOKENS", 48)
-    monkeypatch.setattr(grouped_gemm, "_chained", lambda tokens, device: chained)
-    spec = QuantSpec(4, 64)
-    e, k, d, inter = 8, 2, 128, 192
-    gate_up, down = _weights(e, d, inter, spec, torch.float32, "cpu", seed=11)
-    gen = torch.Generator().manual_seed(12)
-    x, fused = torch.randn(t, d, generator=gen), torch.randn(t, e + 1, generator=gen)
-    logits, gate = fused[:, :e], fused[:, e:]
-    weights, ids = route(logits, k)
-    expected = naive.moe_experts(x, weights, ids, gate_up, down, spec)
-    shared = None
-    if fold:
-        s_gate_up, s_down = (tuple(p[0] for p in w) for w in _weights(1, d, inter, spec,
-                                                                       torch.float32, "cpu",
-                                                                       seed=13))  # fmt: skip
-        shared = Shared(gate, weights=(s_gate_up, s_down))
-        one, zero = torch.ones(t, 1), torch.zeros(t, 1, dtype=torch.long)
-        expected = expected + torch.sigmoid(gate) * naive.moe_experts(
-            x, one, zero, *(tuple(p[None] for p in w) for w in (s_gate_up, s_down)), spec)
-    out = moe_experts(x, logits, k, gate_up, down, spec, shared=shared)
-    assert rel_err(out, expected) < 1e-5

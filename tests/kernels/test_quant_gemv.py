@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 from sparrow.kernels.causal_conv1d.conv import state_pool
 from sparrow.kernels.quant_gemv.gemv import (
-    launch_down_sum,
     launch_gemv,
     quant_gemv,
     quant_gemv_conv,
@@ -243,48 +242,3 @@ def test_gated_gemv_real_size_gpu(m):
     y = quant_gemv(x, packed, scales, biases, spec, gated=True)
     full = quant_matmul(x, packed, scales, biases, spec).float()
     assert rel_err(y, F.silu(full[:, :512]) * full[:, 512:]) < 1e-2
-
-
-def _down_sum_case(e, n, k, t, slots, shared, bits, dtype, device):
-    spec = QuantSpec(bits, 64)
-    gen = torch.Generator().manual_seed(e * 100 + n + k + t)
-    ws = [quantize(torch.randn(n, k, generator=gen), spec, dtype) for _ in range(e + 1)]
-    stacks = tuple(torch.stack([w[i] for w in ws[:e]]).to(device) for i in range(3))
-    sw = tuple(x.to(device) for x in ws[e]) if shared else None
-    h = torch.randn(t * slots, k, generator=gen).to(device, dtype)
-    ids = torch.randint(0, e, (t * slots,), generator=gen, dtype=torch.int32).to(device)
-    rw = torch.rand(t * slots, generator=gen).to(device)
-    expected = torch.zeros(t, n, device=device)
-    for a in range(t * slots):
-        w = sw if shared and a % slots == slots - 1 else tuple(x[ids[a]] for x in stacks)
-        expected[a // slots] += rw[a] * quant_matmul(h[a : a + 1], *w, spec)[0].float()
-    return spec, h, stacks, sw, ids, rw, expected
-
-
-DOWN_SUM_CASES = [(6, 40, 192, 2, 3, True, 4), (5, 16, 128, 1, 9, True, 4),
-                  (4, 24, 128, 3, 2, False, 8)]
-
-
-@pytest.mark.parametrize("e, n, k, t, slots, shared, bits", DOWN_SUM_CASES)
-def test_down_sum_matches_reference(e, n, k, t, slots, shared, bits):
-    """The down GEMVs of all of a token's assignments and their weighted sum in one kernel:
-    slots and groups (K / 64 = 3) not powers of two, N not a multiple of the row block, a
-    shared expert in the last slot, 8-bit words."""
-    spec, h, stacks, sw, ids, rw, expected = _down_sum_case(e, n, k, t, slots, shared, bits,
-                                                            torch.float32, "cpu")  # fmt: skip
-    y = launch_down_sum(h, stacks, torch.empty(t, n), spec, rw, ids, slots, sw, block_n=8,
-                        num_warps=2)  # fmt: skip
-    assert rel_err(y, expected) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 8])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_down_sum_real_size_gpu(t, prefetch):
-    """The MoE layer's down projection: 256 experts, 2048 x 512, 8 routed slots + the shared
-    expert, bf16."""
-    spec, h, stacks, sw, ids, rw, expected = _down_sum_case(256, 2048, 512, t, 9, True, 4,
-                                                            torch.bfloat16, "cuda")  # fmt: skip
-    y = torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)
-    launch_down_sum(h, stacks, y, spec, rw, ids, 9, sw, prefetch=prefetch)
-    assert rel_err(y, expected) < 1e-2

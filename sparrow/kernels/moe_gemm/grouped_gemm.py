@@ -27,7 +27,7 @@ from sparrow.kernels.launch import fast
 from sparrow.kernels.moe_routing.naive import Routing
 from sparrow.kernels.moe_routing.routing import align, topk_route
 from sparrow.kernels.pdl import launch_args, wait_for_previous
-from sparrow.kernels.quant_gemv.gemv import launch_down_sum, launch_gemv, shared_expert_args
+from sparrow.kernels.quant_gemv.gemv import launch_gemv, shared_expert_args
 from sparrow.quant.affine import QuantSpec
 
 
@@ -247,12 +247,6 @@ class Shared:
     weights: tuple[tuple, tuple] | None = None
 
 
-# Up to this many tokens the down GEMVs and the combine may run as one kernel
-# (`launch_down_sum`: per token the weighted sum over its assignments, no partial rows). Off
-# until timed on the H200 against the down GEMV + combine kernels (CPU-tested and compiled for
-# sm_90 only; 166 registers at 8 rows x 9 slots with 4 warps).
-DOWN_SUM_TOKENS = 0
-
 # Up to this many tokens each assignment runs as a GEMV (decode batches). The whole layer in a
 # CUDA graph on the H200, GEMVs vs grouped GEMM: 8 tokens 64.8 vs 150.1 us, 16: 106.2 vs 195.4,
 # 32: 192.0 vs 283.8, 48: 275.4 vs 309.0, 64: 359.7 vs 347.7 (the GEMM's tiles: best of 48).
@@ -352,10 +346,6 @@ def moe_experts(
     if gemv:
         chained = _chained(t, x.device)
         _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up, chained)
-        if t <= DOWN_SUM_TOKENS and (fold or shared is None):
-            out = torch.empty(t, d, device=x.device, dtype=x.dtype)
-            return launch_down_sum(h, down, out, spec, weights.reshape(-1), ids, slots,
-                                   shared_down, prefetch=chained)  # fmt: skip
     # weighted expert rows, summed per token by the combine: fp32 for a few decode tokens, the
     # activation dtype in prefill (t * k rows of D: at 4K tokens 268 MB each way in fp32)
     partial = torch.empty(t * slots, d, device=x.device, dtype=torch.float32 if gemv else x.dtype)
