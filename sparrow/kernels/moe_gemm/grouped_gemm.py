@@ -343,13 +343,12 @@ def moe_experts(
                               shared_id=0 if gemv else e)  # fmt: skip
     slots = top_k + fold
     h = torch.empty(t * slots, inter, device=x.device, dtype=x.dtype)
-    if gemv:
-        chained = _chained(t, x.device)
-        _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up, chained)
     # weighted expert rows, summed per token by the combine: fp32 for a few decode tokens, the
     # activation dtype in prefill (t * k rows of D: at 4K tokens 268 MB each way in fp32)
     partial = torch.empty(t * slots, d, device=x.device, dtype=torch.float32 if gemv else x.dtype)
     if gemv:
+        chained = _chained(t, x.device)
+        _launch_gemv(x, gate_up, h, None, ids, slots, True, spec, shared_gate_up, chained)
         _launch_gemv(h, down, partial, weights, ids, slots, False, spec, shared_down, chained)
     else:
         tiles = tiles or tiles_for(t * top_k, e)

@@ -191,6 +191,19 @@ def _word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, up):
 
 
 @triton.jit
+def _pow2_scales(amax):
+    """(up, down) for x whose largest |x| is amax: up = 2^(141 - e) brings it into
+    [2^14, 2^15) (e its biased exponent); down = 2^(e - 117) takes up off again together
+    with the 2^-24 of the codes' fp16 subnormals. Both stay normal fp32 (x beyond 2^117:
+    inf)."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the largest |x|
+    e = tl.minimum(tl.maximum(e, 14), 244)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
+    down = ((e + 10) << 23).to(tl.float32, bitcast=True)  # 2^(e - 117)
+    return up, down
+
+
+@triton.jit
 def _codes_dot_x_f16(b_w, x_ptr, GROUPS: tl.constexpr, WPG: tl.constexpr):
     """(sum_k q_k x_k [GROUPS, BLOCK_N], sum_k x_k [GROUPS, 1]) per group of 4-bit codes
     (words [GROUPS, BLOCK_N, WPG], x from x_ptr on: a pointer from `after_wait`), the
@@ -209,10 +222,7 @@ def _codes_dot_x_f16(b_w, x_ptr, GROUPS: tl.constexpr, WPG: tl.constexpr):
     b_xs = e0 + e1 + e2 + e3 + e4 + e5 + e6 + e7 + o0 + o1 + o2 + o3 + o4 + o5 + o6 + o7
     amax = tl.maximum(_abs_max8(e0, e1, e2, e3, e4, e5, e6, e7),
                       _abs_max8(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the largest |x|
-    e = tl.minimum(tl.maximum(e, 14), 244)  # scales stay normal fp32 (x beyond 2^117: inf)
-    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
-    down = ((e + 10) << 23).to(tl.float32, bitcast=True)  # 2^(e - 117): 1 / up and the 2^-24
+    up, down = _pow2_scales(amax)
     a0, a1, a2, a3 = _word_pairs(e0, e1, e2, e3, e4, e5, e6, e7, up)
     b0, b1, b2, b3 = _word_pairs(o0, o1, o2, o3, o4, o5, o6, o7, up)
     b_d = _pair_dots(b_w, a0, a1, a2, a3, b0, b1, b2, b3)
@@ -234,10 +244,7 @@ def _codes_dot_x_f16_loaded(b_w, p_x):
     b_x = tl.load(p_x[:, :, None] + tl.arange(0, 8)[None, None, :]).to(tl.float32)
     b_xs = tl.sum(tl.sum(b_x, axis=2), axis=1)
     amax = tl.max(tl.max(tl.abs(b_x), axis=2), axis=1)
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the largest |x|
-    e = tl.minimum(tl.maximum(e, 14), 244)  # scales stay normal fp32 (x beyond 2^117: inf)
-    up = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
-    down = ((e + 10) << 23).to(tl.float32, bitcast=True)  # 2^(e - 117): 1 / up and the 2^-24
+    up, down = _pow2_scales(amax)
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots8(b_x * up[:, None, None])
     a0, b0 = _split_pairs(_f16_pair(x0, x4))
     a1, b1 = _split_pairs(_f16_pair(x1 * 0.0625, x5 * 0.0625))  # against codes times 16
