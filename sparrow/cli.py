@@ -23,8 +23,8 @@ def _device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one request through the engine (scheduler + runner)."""
     from sparrow.core.sampling_params import SamplingParams
+    from sparrow.engine.llm import LLM
     from sparrow.generate import GenerationStats
-    from sparrow.llm import LLM
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -61,9 +61,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible server over the engine (single process)."""
     import uvicorn
 
-    from sparrow.llm import LLM
+    from sparrow.engine.async_engine import AsyncEngine
+    from sparrow.engine.llm import LLM
     from sparrow.server.app import build_app
-    from sparrow.server.async_engine import AsyncEngine
 
     device, dtype = _device_and_dtype(args)
     llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True,

@@ -8,8 +8,8 @@ from sparrow.config import QuantConfig
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import SchedulerConfig
+from sparrow.engine.llm import LLM
 from sparrow.generate import generate
-from sparrow.llm import LLM
 from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
 from sparrow.loader.weights import load_checkpoint
 

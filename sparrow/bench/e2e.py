@@ -26,7 +26,7 @@ from sparrow.bench.timing import HBM_BYTES_PER_S, kernel_profile
 from sparrow.config import ModelConfig, QuantConfig
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import SchedulerConfig
-from sparrow.llm import LLM
+from sparrow.engine.llm import LLM
 from sparrow.loader.random_checkpoint import random_model
 from sparrow.worker.cache import build_metadata
 

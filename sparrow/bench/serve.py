@@ -35,7 +35,7 @@ import torch
 
 from sparrow.bench.report import write_report
 from sparrow.core.sampling_params import SamplingParams
-from sparrow.llm import LLM
+from sparrow.engine.llm import LLM
 from sparrow.loader.random_checkpoint import PRESETS
 
 

@@ -11,8 +11,8 @@ from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.attention import naive
 from sparrow.kernels.attention.paged import paged_attention, paged_decode_attention
 from sparrow.layers.linear import Projections
+from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.norms import ZeroCenteredRMSNorm
-from sparrow.worker.cache import StepMetadata
 
 # Whole prompts (no cached prefix) in a step of at most this many sequences attend through
 # torch SDPA, one call per prompt (FlashAttention on the GPU: 526-622 TFLOP/s for this head

@@ -21,8 +21,8 @@ from sparrow.kernels.gated_delta_rule.naive import (
 )
 from sparrow.kernels.quant_gemv.gemv import quant_gemv_conv, quant_gemv_rms_scaled
 from sparrow.layers.linear import Projections, is_quantized
+from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.norms import GatedRMSNorm
-from sparrow.worker.cache import StepMetadata
 
 
 def causal_conv1d(

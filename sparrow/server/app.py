@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from sparrow.core.detokenizer import IncrementalText
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
-from sparrow.server.async_engine import AsyncEngine, EngineFull
+from sparrow.engine.async_engine import AsyncEngine, EngineFull
 from sparrow.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

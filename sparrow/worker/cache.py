@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.kernels.causal_conv1d.conv import state_pool
+from sparrow.layers.metadata import StepMetadata
 
 
 @dataclass(frozen=True)
@@ -68,22 +69,6 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> t
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-@dataclass
-class StepMetadata:
-    """Everything a forward step needs besides the weights, built once per step."""
-
-    input_ids: torch.Tensor  # [T] new tokens of all sequences, back to back
-    positions: torch.Tensor  # [T] absolute position of each new token
-    seq_lens: list[int]  # [B] new tokens per sequence (host)
-    cu_seqlens: torch.Tensor  # [B + 1] int32
-    context_lens: torch.Tensor  # [B] int32, cached tokens after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64, cache row (block * block_size + offset) per token
-    state_slots: torch.Tensor  # [B] int32, recurrent-state slot per sequence
-    max_q_len: int
-    prefix_free: bool = False  # every sequence starts at position 0 (no cached prefix; host)
 
 
 def build_metadata(

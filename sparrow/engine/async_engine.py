@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import TokenLogprob
-from sparrow.llm import LLM
+from sparrow.engine.llm import LLM
 
 
 @dataclass

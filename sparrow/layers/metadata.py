@@ -1,0 +1,28 @@
+"""Per-step metadata: what a forward step needs besides the weights and the cache tensors.
+
+The worker builds one `StepMetadata` per step (`sparrow.worker.cache.build_metadata`, or the
+CUDA-graph buffers); layers read it. It lives here so that layers and models never import
+the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepMetadata:
+    """Everything a forward step needs besides the weights, built once per step."""
+
+    input_ids: torch.Tensor  # [T] new tokens of all sequences, back to back
+    positions: torch.Tensor  # [T] absolute position of each new token
+    seq_lens: list[int]  # [B] new tokens per sequence (host)
+    cu_seqlens: torch.Tensor  # [B + 1] int32
+    context_lens: torch.Tensor  # [B] int32, cached tokens after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64, cache row (block * block_size + offset) per token
+    state_slots: torch.Tensor  # [B] int32, recurrent-state slot per sequence
+    max_q_len: int
+    prefix_free: bool = False  # every sequence starts at position 0 (no cached prefix; host)
