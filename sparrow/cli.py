@@ -9,9 +9,61 @@ from pathlib import Path
 
 import torch
 
-from sparrow.config import ConfigError
+from sparrow.config import (
+    DTYPES,
+    LOAD_FORMATS,
+    CacheConfig,
+    ConfigError,
+    DeviceConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_QUANT = ["4bit", "8bit"]
+# Engine flags: (flag, sub-config field, its config class, type, help). Defaults are the
+# config's own, so `--help` shows what runs.
+_ENGINE_FLAGS = (
+    ("--max-model-len", "max_model_len", SchedulerConfig, int,
+     "prompt + output tokens per request; None: the model's context"),
+    ("--max-num-seqs", "max_num_seqs", SchedulerConfig, int, "sequences in a batch at most"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", SchedulerConfig, int,
+     "token budget of one step (longer prompts are chunked)"),
+    ("--block-size", "block_size", CacheConfig, int, "tokens per KV-cache block"),
+    ("--num-blocks", "num_blocks", CacheConfig, int,
+     "KV-cache blocks; None: what fits in --gpu-memory-utilization"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", CacheConfig, float,
+     "fraction of GPU memory for weights, cache and activations"),
+    ("--tensor-parallel-size", "tensor_parallel_size", ParallelConfig, int,
+     "GPUs per engine (1 today)"),
+    ("--device", "device", DeviceConfig, str, "auto, cpu, cuda or cuda:N"),
+)  # fmt: skip
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags of `generate` / `serve` describe."""
+    settings = {field: getattr(args, field) for _, field, *_ in _ENGINE_FLAGS}
+    return EngineConfig.from_kwargs(
+        model=args.model, quantize=args.quantize, load_format=args.load_format,
+        dtype=args.dtype, enforce_eager=args.enforce_eager, **settings,
+    )  # fmt: skip
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", help="checkpoint directory; None: the built-in small model")
+    group.add_argument("--quantize", choices=_QUANT, default=None,
+                       help="quantise a float checkpoint on load (group-affine, MLX layout)")
+    group.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                       help="dummy: the checkpoint's config.json with random weights")
+    group.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="auto: bfloat16 on a GPU, float32 on a CPU")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run decode steps eagerly, without CUDA graphs")  # fmt: skip
+    for flag, field, config, kind, text in _ENGINE_FLAGS:
+        default = getattr(config, field)
+        group.add_argument(flag, dest=field, type=kind, default=default, help=text)
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
@@ -30,30 +82,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,
     )  # fmt: skip
-    device, dtype = _device_and_dtype(args)
-    llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True,
-              load_format=args.load_format)  # fmt: skip
+    llm = LLM(config=engine_config(args), progress=True)
     text = args.prompt
     if not args.raw:
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    request = llm.add_request(text, params)
+    ids = llm.tokenizer.encode(text)
+    warm_s = 0.0
+    if llm.model.device.type == "cuda":  # compile this prompt's kernels outside the timing
+        t0 = time.perf_counter()
+        llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True))
+        warm_s = time.perf_counter() - t0
+    request = llm.add_request(ids, params)
+    processor = llm.output_processor()  # decodes a short window per token
+    processor.add(request.request_id, request.params)
     stats = GenerationStats(prompt_tokens=len(request.prompt_token_ids))
     start = time.perf_counter()
     first = None
-    shown = ""
     while llm.scheduler.has_unfinished():
-        llm.step()
-        if first is None and request.output_token_ids:
-            first = time.perf_counter()
-            stats.prefill_s = first - start
-        out = llm.tokenizer.decode(request.output_token_ids)
-        if not out.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-            sys.stdout.write(out[len(shown) :])
+        for delta in processor.process(llm.step()):
+            if first is None and delta.token_ids:
+                first = time.perf_counter()
+                stats.prefill_s = first - start
+            sys.stdout.write(delta.text)
             sys.stdout.flush()
-            shown = out
     stats.decode_tokens = len(request.output_token_ids)
     stats.decode_s = time.perf_counter() - first
-    print(f"\n{stats.summary()}")
+    compiled = f" (after a {warm_s:.1f} s warm-up that compiles the kernels)" if warm_s else ""
+    print(f"\n{stats.summary()}{compiled}")
     return 0
 
 
@@ -65,14 +120,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sparrow.engine.llm import LLM
     from sparrow.server.app import build_app
 
-    device, dtype = _device_and_dtype(args)
-    llm = LLM(args.model, device, dtype, quantize=args.quantize, progress=True,
-              load_format=args.load_format)  # fmt: skip
-    if device.startswith("cuda"):
+    llm = LLM(config=engine_config(args), progress=True)
+    if llm.model.device.type == "cuda":
         llm.warmup()  # first requests do not wait for kernels to compile
     name = args.served_model_name or (Path(args.model).name if args.model else "default")
-    app = build_app(AsyncEngine(llm, max_waiting=args.max_waiting), name, args.api_key,
-                    args.max_body_bytes)  # fmt: skip
+    app = build_app(AsyncEngine(llm, max_waiting=args.max_waiting), llm.tokenizer, name,
+                    args.api_key, args.max_body_bytes)  # fmt: skip
     print(f"[sparrow] serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=30)  # fmt: skip
@@ -117,9 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sparrow", description="Sparrow: an inference engine for sparse MoE LLMs."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    defaults = argparse.ArgumentDefaultsHelpFormatter
 
-    gen = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout")
-    gen.add_argument("--model", help="checkpoint directory (default: built-in small random model)")
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout",
+                         formatter_class=defaults)  # fmt: skip
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -127,18 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     gen.add_argument("--seed", type=int, default=None)
-    _add_load_format(gen)
-    _add_device_args(gen)
-    gen.add_argument(
-        "--quantize",
-        choices=_QUANT,
-        default=None,
-        help="quantise a float checkpoint's weights on load (group-affine, MLX layout)",
-    )
+    _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    srv.add_argument("--model", help="checkpoint directory (default: built-in small random model)")
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
+                         formatter_class=defaults)  # fmt: skip
     srv.add_argument("--served-model-name", help="the model id clients use (default: dir name)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
@@ -150,9 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="queued requests before new ones get 503 + Retry-After",
     )
-    srv.add_argument("--quantize", choices=_QUANT, default=None)
-    _add_load_format(srv)
-    _add_device_args(srv)
+    _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
@@ -187,18 +232,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_args(qnt)
     qnt.set_defaults(func=cmd_checkpoint_quantize)
     return parser
-
-
-_QUANT = ["4bit", "8bit"]
-
-
-def _add_load_format(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--load-format",
-        choices=("auto", "dummy"),
-        default="auto",
-        help="dummy: random weights for the checkpoint's config (benchmarks)",
-    )
 
 
 def _add_device_args(parser: argparse.ArgumentParser) -> None:

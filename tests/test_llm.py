@@ -7,7 +7,6 @@ import torch
 from sparrow.config import QuantConfig
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams
-from sparrow.core.scheduler import SchedulerConfig
 from sparrow.engine.llm import LLM
 from sparrow.generate import generate
 from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
@@ -25,8 +24,7 @@ def ckpt(tmp_path_factory):
 
 
 def _engine(ckpt, **scheduler):
-    config = SchedulerConfig(**({"block_size": 16, "num_blocks": 256} | scheduler))
-    return LLM(ckpt, device="cpu", scheduler=config)
+    return LLM(ckpt, device="cpu", **({"block_size": 16, "num_blocks": 256} | scheduler))
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +48,22 @@ def test_batched_engine_matches_single_generation(ckpt, expected, scheduler):
     assert all(o.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) for o in outs)
 
 
+def test_generate_cuts_the_text_at_a_stop_string(ckpt):
+    """A stop string ends its request (reason STOP, cache freed); the text stops before it."""
+    llm = _engine(ckpt)
+    free = llm.scheduler.kv.pool.num_free
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    full = llm.generate([PROMPTS[0]], params)[0]
+    text = full.text
+    stop = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if "\ufffd" not in text[i : i + 2])  # fmt: skip
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                    stop=(stop,)))[0]  # fmt: skip
+    assert out.text == text[: text.find(stop)] and out.finish_reason is FinishReason.STOP
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert llm.scheduler.kv.pool.num_free == free and not llm.scheduler.has_unfinished()
+
+
 def test_seeded_sampling_is_reproducible(ckpt):
     llm = _engine(ckpt)
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=11)
@@ -63,13 +77,13 @@ def test_seeded_sampling_is_reproducible(ckpt):
 def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the gathered path
     """Decode steps replayed from CUDA graphs (batch padded to a captured size) give the
     eager path's greedy tokens, with requests joining and leaving mid-batch (fp32)."""
-    config = SchedulerConfig(block_size=16, num_blocks=256, max_num_seqs=3, max_model_len=512)
+    config = {"block_size": 16, "num_blocks": 256, "max_num_seqs": 3, "max_model_len": 512}
     prompts = PROMPTS + [list(range(50, 70))]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16, 7)]
     outs = {}
     for graphs in (False, True):
         model = load_checkpoint(ckpt, "cuda", torch.float32, QuantConfig.from_name(quantize))
-        llm = LLM(model, scheduler=config, cuda_graphs=graphs)
+        llm = LLM(model, enforce_eager=not graphs, **config)
         assert (llm.runner.graphs is not None) == graphs
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]

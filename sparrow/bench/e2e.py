@@ -23,11 +23,12 @@ import torch
 
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, kernel_profile
-from sparrow.config import ModelConfig, QuantConfig
+from sparrow.config import QuantConfig
+from sparrow.core.cache_spec import paged_bytes_per_block
 from sparrow.core.sampling_params import SamplingParams
-from sparrow.core.scheduler import SchedulerConfig
 from sparrow.engine.llm import LLM
 from sparrow.loader.random_checkpoint import random_model
+from sparrow.models.qwen3_5_moe import ModelArgs
 from sparrow.worker.cache import build_metadata
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -69,8 +70,7 @@ def decode_bytes_per_token(model: torch.nn.Module, context: int) -> float:
         routed += nbytes if ".experts." in name else 0
     if not cfg.tie_word_embeddings:  # the embedding reads one row, not the table
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    spec = model.cache_spec()
-    kv = spec.kv_bytes_per_block(1, model.dtype) * context
+    kv = paged_bytes_per_block(model.cache_specs(), 1, model.dtype.itemsize) * context
     return total - routed + routed * cfg.num_experts_per_tok / cfg.num_experts + kv
 
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     concurrency = [int(x) for x in args.concurrency.split(",") if x]
-    cfg = ModelConfig() if args.layers is None else ModelConfig().replace(num_layers=args.layers)
+    cfg = ModelArgs() if args.layers is None else ModelArgs().replace(num_layers=args.layers)
     torch.manual_seed(0)
 
     engines: dict[str, object] = {}
@@ -125,14 +125,15 @@ def main(argv: list[str] | None = None) -> dict:
         hf = build_hf(cfg, torch.bfloat16)
         engines["hf"] = hf
     max_len = max(lengths) + args.decode + 1
-    sched = SchedulerConfig(max_num_seqs=max(concurrency + [1]), max_model_len=max_len,
-                            num_blocks=-(-max_len // 128) + 8 * max(concurrency + [1]))  # fmt: skip
+    most = max(concurrency + [1])
+    sched = {"max_num_seqs": most, "max_model_len": max_len,
+             "num_blocks": -(-max_len // 128) + 8 * most}  # fmt: skip
     for variant in args.variants.split(","):
         if variant == "bf16":
             model = ours_from_hf(cfg, hf) if hf is not None else random_model(cfg, 0, "cuda")
         else:
             model = random_model(cfg, 0, "cuda", quantize=QuantConfig.from_name(variant))
-        engines[f"sparrow-{variant}"] = LLM(model, scheduler=sched)
+        engines[f"sparrow-{variant}"] = LLM(model, **sched)
     print(f"[e2e] engines ready; GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
 
     gen = torch.Generator().manual_seed(0)

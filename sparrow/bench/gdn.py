@@ -33,7 +33,8 @@ from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen, state_pool
 from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step
-from sparrow.kernels.quant_gemv.gemv import quant_gemv, quant_gemv_conv, quant_gemv_rms_scaled
+from sparrow.kernels.quant_gemv.gdn import quant_gemv_conv, quant_gemv_rms_scaled
+from sparrow.kernels.quant_gemv.gemv import quant_gemv
 from sparrow.layers.norms import GatedRMSNorm
 from sparrow.quant.affine import QuantSpec, quantize
 

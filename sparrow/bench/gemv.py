@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us
-from sparrow.kernels.quant_gemv.gemv import default_config, quant_gemv
+from sparrow.kernels.quant_gemv.gemv import GemvTiles, quant_gemv
 from sparrow.kernels.quant_gemv.naive import quant_matmul
 from sparrow.quant.affine import QuantSpec, quantize
 
@@ -41,6 +42,15 @@ def _copies(n: int, k: int, spec: QuantSpec):
     return [tuple(t.clone() for t in q) for _ in range(count)], nbytes, w.bfloat16()
 
 
+def _named(tiles: GemvTiles, f16_named: bool) -> tuple[str, GemvTiles]:
+    """(name in the report, tiles): the f16_dot suffix where it was chosen, not defaulted."""
+    name = f"bn{tiles.block_n}_bk{tiles.block_k}_w{tiles.num_warps}_s{tiles.num_stages}"
+    name += {None: "", True: "_pf", False: "_nopf"}[tiles.prefetch]
+    if f16_named:
+        name += "_f16dot" if tiles.f16_dot else "_f32dot"
+    return name, tiles
+
+
 def bench_shape(n: int, k: int, configs, rows: int) -> dict:
     spec = QuantSpec(4, 64)
     copies, nbytes, w_bf16 = _copies(n, k, spec)
@@ -56,13 +66,8 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
         ),
         "configs": {},
     }
-    for bn, bk, nw, ns, pf, f16 in configs if rows == 1 else [(None,) * 6]:
-        name, kw = "default", {}
-        if bn:
-            name = f"bn{bn}_bk{bk}_w{nw}_s{ns}" + {None: "", True: "_pf", False: "_nopf"}[pf]
-            name += {None: "", True: "_f16dot", False: "_f32dot"}[f16]
-            kw = {"block_n": bn, "block_k": bk, "num_warps": nw, "num_stages": ns,
-                  "prefetch": pf, "f16_dot": f16}  # fmt: skip
+    for name, tiles in configs if rows == 1 else [("default", None)]:
+        kw = {"tiles": tiles}
         try:
             y = quant_gemv(x, *copies[0], spec, **kw)
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -82,14 +87,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="bench-out/gemv.json")
     p.add_argument("--quick", action="store_true",
-                   help="`default_config` only, with and without the weight prefetch, "
-                        "products in fp16 pairs or fp32")  # fmt: skip
+                   help="`GemvTiles.for_shape` blocks only, with and without the weight "
+                        "prefetch, products in fp16 pairs or fp32")  # fmt: skip
     p.add_argument("--rows", type=int, default=1, help="activation rows (1-16)")
     p.add_argument("--f16-dot", action="store_true",
-                   help="sweep with the products in packed fp16 pairs (`launch_gemv`)")
+                   help="sweep with the products in packed fp16 pairs (`GemvTiles.f16_dot`)")
     args = p.parse_args(argv)
-    f16 = True if args.f16_dot else None
-    sweep = [(bn, bk, nw, 2, None, f16)  # 3 stages never beat 2 in the sweeps of 2026-11-30
+    sweep = [(bn, bk, nw)  # 3 stages never beat 2 in the sweeps of 2026-11-30
              for bn, bk, nw in itertools.product([4, 8, 16, 32, 64], [512, 1024, 2048, 4096],
                                                  [1, 2, 4, 8])
              if bn * bk <= 64 * 2048]  # fmt: skip
@@ -97,10 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'shape':<28}{'floor us':>10}{'ours us':>10}{'frac bw':>9}{'bf16 us':>10}"
           f"{'deq+mm us':>11}  best config")  # fmt: skip
     for name, (n, k) in SHAPES.items():
+        default = GemvTiles.for_shape(n, k)
         # --quick: the default blocks, with and without the weight prefetch, fp16 or fp32 products
-        configs = ([(*default_config(n, k)[:3], 2, pf, f16) for pf in (True, False)
-                    for f16 in (True, False)] if args.quick
-                   else [c for c in sweep if c[1] <= k])  # fmt: skip
+        configs = ([_named(replace(default, prefetch=pf, f16_dot=f16), True)
+                    for pf in (True, False) for f16 in (True, False)] if args.quick
+                   else [_named(GemvTiles(bn, bk, nw, f16_dot=args.f16_dot or default.f16_dot),
+                                args.f16_dot)
+                         for bn, bk, nw in sweep if bk <= k])  # fmt: skip
         r = bench_shape(n, k, configs, args.rows)
         report["shapes"][name] = r
         print(f"{name:<28}{r['floor_us']:>10.2f}{r['best_us']:>10.2f}"

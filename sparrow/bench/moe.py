@@ -25,12 +25,14 @@ import torch
 
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import BF16_FLOP_PER_S, HBM_BYTES_PER_S, graph_time_us
-from sparrow.config import ModelConfig, QuantConfig
+from sparrow.config import QuantConfig
 from sparrow.kernels import set_backend
-from sparrow.kernels.moe_gemm.grouped_gemm import GemmTiles, moe_experts, tiles_for
+from sparrow.kernels.moe.experts import moe_experts
+from sparrow.kernels.moe.grouped_gemm import GemmTiles
+from sparrow.kernels.moe.shared import Shared
 from sparrow.layers.moe import SparseMoE
-from sparrow.quant import modules
-from sparrow.quant.modules import quantized_copy
+from sparrow.layers.quantized import quantized_copy
+from sparrow.models.qwen3_5_moe import ModelArgs, sparse_moe
 
 TOKENS = (1, 8, 64, 512, 2048, 8192)
 COPIES = 8  # layers cycled for the HBM case: 8 x ~15 MB per step at 1 token, beyond L2
@@ -53,7 +55,7 @@ def _time(fn, tokens: int) -> float:
     return graph_time_us([fn], replays=50) if tokens <= 8 else _eager_us(fn)
 
 
-def build_layers(cfg: ModelConfig):
+def build_layers(cfg: ModelArgs):
     """(HF bf16 block with grouped_mm, our 4-bit layer built from the same weights)."""
     from transformers import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
@@ -65,13 +67,27 @@ def build_layers(cfg: ModelConfig):
     for p in hf.parameters():
         p.requires_grad_(False).normal_(0, 0.02)
     with torch.device("meta"):
-        float_layer = SparseMoE(cfg)
+        float_layer = sparse_moe(cfg)
     float_layer.load_state_dict(hf.state_dict(), strict=True, assign=True)
     ours = quantized_copy(float_layer, QuantConfig.mlx_default(), torch.bfloat16, "layers.0.mlp.")
     return hf, ours
 
 
-def bench_tokens(hf, ours, cfg: ModelConfig, t: int, copies: list | None = None) -> dict:
+def shared_apart(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The 4-bit layer with its shared expert run as its own layers (dequantise + cuBLAS per
+    projection), its output added in the combine kernel, instead of as one more assignment
+    per token in the experts' kernels."""
+    router_logits, shared_gate = layer.project("gates", x)
+    e = layer.experts
+    return moe_experts(
+        x, router_logits, layer.top_k,
+        (e.gate_up_proj, e.gate_up_proj_scales, e.gate_up_proj_biases),
+        (e.down_proj, e.down_proj_scales, e.down_proj_biases), e.spec,
+        shared=Shared(shared_gate, output=layer.shared_expert(x)),
+    )  # fmt: skip
+
+
+def bench_tokens(hf, ours, cfg: ModelArgs, t: int, copies: list | None = None) -> dict:
     """copies: more layers like `ours` (distinct weights) for the HBM case at decode sizes."""
     d, inter, k, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, 256
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
@@ -87,10 +103,8 @@ def bench_tokens(hf, ours, cfg: ModelConfig, t: int, copies: list | None = None)
                                    replays=20)  # fmt: skip
         out = ours(x)
         # the alternative: the shared expert as its own layers (dequantise + cuBLAS)
-        fold_limit, modules.SHARED_AS_EXPERT_TOKENS = modules.SHARED_AS_EXPERT_TOKENS, 0
-        apart_us = _time(lambda: ours(x), t)
-        apart_graph_us = graph_time_us([lambda: ours(x)], replays=20)
-        modules.SHARED_AS_EXPERT_TOKENS = fold_limit
+        apart_us = _time(lambda: shared_apart(ours, x), t)
+        apart_graph_us = graph_time_us([lambda: shared_apart(ours, x)], replays=20)
         set_backend("reference")  # dequantise each expert, then matmul
         ref = ours(x)
         deq_us = _eager_us(lambda: ours(x), rounds=3) if t <= 512 else float("nan")
@@ -120,10 +134,10 @@ def bench_tokens(hf, ours, cfg: ModelConfig, t: int, copies: list | None = None)
     }  # fmt: skip
 
 
-def sweep_tiles(ours, cfg: ModelConfig, tokens: list[int]) -> dict:
+def sweep_tiles(ours, cfg: ModelArgs, tokens: list[int]) -> dict:
     """Time the routed experts (routing, both GEMMs, combine) for each tile config inside a
     CUDA graph (GPU time: eagerly the host's launches hide the differences up to ~2K
-    tokens): the table behind tiles_for."""
+    tokens): the table behind `GemmTiles.for_shape`."""
     e = ours.experts
     gate_up = (e.gate_up_proj, e.gate_up_proj_scales, e.gate_up_proj_biases)
     down = (e.down_proj, e.down_proj_scales, e.down_proj_biases)
@@ -150,7 +164,7 @@ def sweep_tiles(ours, cfg: ModelConfig, tokens: list[int]) -> dict:
                 times[str(tiles)] = f"error: {str(err)[:120]}"
         ok = {c: v for c, v in times.items() if isinstance(v, float)}
         best = min(ok, key=ok.get)
-        default = str(tiles_for(t * cfg.num_experts_per_tok, cfg.num_experts))
+        default = str(GemmTiles.for_shape(t * cfg.num_experts_per_tok, cfg.num_experts))
         table[t] = {"best": best, "best_us": ok[best], "default": default,
                     "default_us": times.get(default), "all": times}  # fmt: skip
         print(f"{t:>6} tokens: best {ok[best]:9.1f} us {best}; default {times.get(default)}")
@@ -165,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also sweep GEMM tiles at these token counts")  # fmt: skip
     args = p.parse_args(argv)
 
-    cfg = ModelConfig()
+    cfg = ModelArgs()
     hf, ours = build_layers(cfg)
     copies = None
     if any(t <= 8 for t in args.tokens):

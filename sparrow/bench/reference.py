@@ -16,8 +16,8 @@ import statistics
 import torch
 
 from sparrow.bench.report import write_report
-from sparrow.config import ModelConfig
 from sparrow.eval.hf_compare import agreement, build_hf, ours_from_hf, run_hf, run_ours
+from sparrow.models.qwen3_5_moe import ModelArgs
 
 
 def _hf_gdn_backend() -> str:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="bench-out/reference.json")
     args = p.parse_args(argv)
 
-    cfg = ModelConfig() if args.layers is None else ModelConfig().replace(num_layers=args.layers)
+    cfg = ModelArgs() if args.layers is None else ModelArgs().replace(num_layers=args.layers)
     torch.manual_seed(0)
     hf = build_hf(cfg, torch.bfloat16)
     ours = ours_from_hf(cfg, hf)

@@ -1,17 +1,40 @@
-"""Where benchmark and eval results go: JSON files under bench-out/ by default."""
+"""Where benchmark and eval results go: JSON files under bench-out/ by default, each with the
+commit and the command that produced it."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 
+def _commit() -> str:
+    """The checkout's commit, "+dirty" when the tree has uncommitted changes; "unknown"
+    outside a git checkout (the GPU machine's copy of the tree may have no .git)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, text=True, capture_output=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("SPARROW_COMMIT", "unknown")
+    return head + ("+dirty" if dirty else "")
+
+
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
-    """The report, with the SPARROW_* settings it ran under (SPARROW_KERNELS changes what
-    is measured)."""
-    report = report | {"env": {k: v for k, v in os.environ.items() if k.startswith("SPARROW_")}}
+    """The report, with its commit, command and the SPARROW_* settings it ran under
+    (SPARROW_KERNELS changes what is measured)."""
+    command = "python -m " + sys.modules["__main__"].__spec__.name if getattr(
+        sys.modules["__main__"], "__spec__", None) else sys.argv[0]  # fmt: skip
+    report = {
+        "commit": _commit(),
+        "command": " ".join([command, *map(shlex.quote, sys.argv[1:])]),
+    } | report | {"env": {k: v for k, v in os.environ.items() if k.startswith("SPARROW_")}}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

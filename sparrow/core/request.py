@@ -1,11 +1,12 @@
-"""A request as the scheduler tracks it."""
+"""A request as the scheduler tracks it, and what a step gives it (token ids only: text is
+the output processor's, in sparrow/engine)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from sparrow.core.sampling_params import SamplingParams
+from sparrow.core.sampling_params import SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -28,7 +29,6 @@ class Request:
     arrival: int = 0  # order of arrival; earlier requests keep priority
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_text: str = ""  # decoded output, kept by the caller when stop strings are used
     num_computed_tokens: int = 0  # tokens whose KV / state the model already holds
     # sampled on the device, not yet read back: they follow output_token_ids (the runner
     # feeds them from the device) and count in num_tokens
@@ -47,3 +47,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What a request gained from a step: new token ids, and the finish reason once the
+    engine ends it (stop token, length, abort)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for

@@ -13,37 +13,21 @@ After a step is launched, `commit` counts its tokens as computed and gives each 
 whose input is complete one pending token: sampled on the device, read back later. The next
 step can then be planned (and launched) before the host has the tokens: the runner feeds
 pending tokens from the device. `resolve` takes the tokens once read back: appends them,
-applies the stop conditions and frees what finished requests held. A request whose length
-limit the pending tokens reach is not planned again (it finishes on resolve); one that
-stops on a token computes one step more, discarded. `update_from_output` is the two at once.
+applies the stop conditions (stop tokens, length; stop strings are matched on the text by
+the output processor, which then aborts the request here) and frees what finished requests
+held. A request whose length limit the pending tokens reach is not planned again (it
+finishes on resolve); one that stops on a token computes one step more, discarded.
+`update_from_output` is the two at once.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sparrow.config import CacheConfig, SchedulerConfig
 from sparrow.core.block_pool import KVCacheManager, StateSlotPool
-from sparrow.core.detokenizer import IncrementalText
-from sparrow.core.request import FinishReason, Request, RequestStatus
-from sparrow.core.sampling_params import TokenLogprob
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 8192  # token budget per step
-    max_num_seqs: int = 64  # running requests at most
-    max_model_len: int = 262144  # prompt + output tokens per request
-    block_size: int = 128
-    num_blocks: int = 1024  # KV-cache blocks (from the memory budget)
-    num_state_slots: int = 64  # recurrent-state slots
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks",
-                     "num_state_slots"):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+from sparrow.core.request import FinishReason, Request, RequestOutput, RequestStatus
 
 
 @dataclass
@@ -59,24 +43,19 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens.values())
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
-    logprobs: list[TokenLogprob] | None = None  # filled by the engine when asked for
-
-
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, detokenize: Callable[[list[int]], str] | None = None
-    ):
-        self.config = config
-        self.detokenize = detokenize  # needed for stop strings
-        self._texts: dict[str, IncrementalText] = {}  # output text of requests with stops
-        self.kv = KVCacheManager(config.num_blocks, config.block_size)
-        self.slots = StateSlotPool(config.num_state_slots)
-        self.requests: dict[str, Request] = {}
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig):
+        """config and cache resolved: max_model_len, num_blocks and num_state_slots set.
+        The scheduler sees token ids only (stop tokens, length); stop strings are the output
+        processor's (sparrow/engine)."""
+        if None in (config.max_model_len, cache.num_blocks, cache.num_state_slots):
+            raise ValueError(f"unresolved scheduler settings: {config}, {cache}")
+        self.config, self.cache_config = config, cache
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size)
+        self.slots = StateSlotPool(cache.num_state_slots)
+        self.requests: dict[str, Request] = {}  # unfinished ones
+        # finished with tokens still in flight: request id -> how many (discarded on resolve)
+        self._draining: dict[str, int] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._arrivals = 0
@@ -85,7 +64,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ValueError for one that can never run."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._draining:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.validate(request)
         request.arrival, self._arrivals = self._arrivals, self._arrivals + 1
@@ -105,18 +84,20 @@ class Scheduler:
                 f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
                 f"({request.params.max_tokens}) = {total} exceeds the context limit of {limit}"
             )
-        if -(-total // self.config.block_size) > self.config.num_blocks:
+        blocks, size = self.cache_config.num_blocks, self.cache_config.block_size
+        if -(-total // size) > blocks:
             raise ValueError(
                 f"request needs {total} tokens of KV cache; the cache holds "
-                f"{self.config.num_blocks * self.config.block_size}"
+                f"{blocks * size}"
             )
 
-    def abort(self, request_id: str) -> bool:
-        """Finish a request now and free what it holds. False if it is unknown or done."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Finish a request now (with `reason`: STOP when a stop string ended it) and free
+        what it holds. False if it is unknown or done."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
-        self._finish(request, FinishReason.ABORT)
+        self._finish(request, reason)
         return True
 
     def has_unfinished(self) -> bool:
@@ -197,8 +178,9 @@ class Scheduler:
         outputs = []
         for rid in sampling:
             request = self.requests.get(rid)
-            if request is None or request.is_finished:
-                continue  # finished meanwhile: its later tokens are discarded
+            if request is None:  # finished meanwhile: its later tokens are discarded
+                self._drained(rid)
+                continue
             request.num_pending -= 1
             new = []
             reason = None
@@ -216,17 +198,8 @@ class Scheduler:
     # -- internals -----------------------------------------------------------------------
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        if token in params.stop_token_ids:
+        if token in request.params.stop_token_ids:
             return FinishReason.STOP
-        if params.stop and self.detokenize is not None:
-            text = self._texts.setdefault(request.request_id, IncrementalText(self.detokenize))
-            request.output_text = text.add([token])
-            for stop in params.stop:
-                at = request.output_text.find(stop)
-                if at >= 0:
-                    request.output_text = request.output_text[:at]
-                    return FinishReason.STOP
         if self._length_reached(request, 0):
             return FinishReason.LENGTH
         return None
@@ -253,7 +226,16 @@ class Scheduler:
         self._release(request)
         if request in self.waiting:  # preempted while a token was pending
             self.waiting.remove(request)
+        if request.num_pending:
+            self._draining[request.request_id] = request.num_pending
         request.num_pending = 0
-        self._texts.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        del self.requests[request.request_id]  # its id may come again once nothing is in flight
+
+    def _drained(self, request_id: str) -> None:
+        left = self._draining.get(request_id, 0) - 1
+        if left > 0:
+            self._draining[request_id] = left
+        else:
+            self._draining.pop(request_id, None)

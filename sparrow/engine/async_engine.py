@@ -1,116 +1,170 @@
-"""The engine on a thread of its own, fed and drained by asyncio handlers.
+"""The engine on a thread of its own, behind `EngineClient`, fed and drained by asyncio.
 
-Handlers never wait for a model step: they validate and tokenize on their side, then drop
-the request (or an abort) into an inbox and await the request's outputs on its own queue.
-The engine thread drains the inboxes between steps, runs `LLM.step()` while there is work,
-and posts each step's outputs to the event loop.
+Handlers never wait for a model step: `add` validates on their side, then drops the request
+into the inbox and returns a stream reading the request's own queue. The engine thread
+takes adds and aborts from the inbox in order between steps, runs `LLM.step()` while there
+is work, turns each step's token outputs into text deltas with the output processor (which
+ends a request at a stop string and aborts it in the scheduler at once) and posts them to
+the event loop. If the loop fails, every open stream raises `EngineError` and health says
+so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from sparrow.core.request import FinishReason, Request
-from sparrow.core.sampling_params import TokenLogprob
+from sparrow.core.sampling_params import SamplingParams
+from sparrow.engine.client import (
+    EngineClient,
+    EngineError,
+    EngineFull,
+    EngineHealth,
+    EngineInfo,
+    EngineStats,
+    InvalidRequest,
+)
 from sparrow.engine.llm import LLM
+from sparrow.engine.output_processor import OutputDelta
+
+_Message = tuple[str, Request | str]  # ("add", request) or ("abort", request_id)
 
 
-@dataclass
-class StreamItem:
-    token_ids: list[int]  # new tokens
-    finish_reason: FinishReason | None
-    logprobs: list[TokenLogprob] | None = None
+class AsyncEngine(EngineClient):
+    """The in-process EngineClient over an `LLM`. At most `max_waiting` requests queue."""
 
-
-class EngineFull(RuntimeError):
-    """The queue is at its limit (or the server is stopping): retry later."""
-
-
-class AsyncEngine:
     def __init__(self, llm: LLM, max_waiting: int = 256):
-        self.llm, self.max_waiting = llm, max_waiting
-        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
-        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._llm, self.max_waiting = llm, max_waiting
+        self._info = llm.info()
+        self._processor = llm.output_processor()  # the engine thread's alone
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._added = self._taken = 0  # adds put in / taken from the inbox (one writer each)
         self._outputs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._work = threading.Event()
         self._stopping = False
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="sparrow-engine", daemon=True)
         self._thread.start()
 
-    def add(self, request: Request) -> asyncio.Queue:
-        """Queue a validated request (LLM.make_request); raises EngineFull."""
-        if self._stopping:
-            raise EngineFull("the server is shutting down")
-        if self.llm.scheduler.num_waiting + self._inbox.qsize() >= self.max_waiting:
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    async def add(self, request_id: str, prompt_token_ids: list[int],
+                  params: SamplingParams) -> AsyncIterator[OutputDelta]:  # fmt: skip
+        self._check_accepting()
+        if request_id in self._outputs:
+            raise InvalidRequest(f"duplicate request id {request_id!r}")
+        try:
+            request = self._llm.make_request(list(prompt_token_ids), params, request_id)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from e
+        if self.stats().waiting >= self.max_waiting:
             raise EngineFull(f"{self.max_waiting} requests are already waiting")
         out: asyncio.Queue = asyncio.Queue()
-        self._outputs[request.request_id] = (asyncio.get_running_loop(), out)
-        self._inbox.put(request)
+        self._outputs[request_id] = (asyncio.get_running_loop(), out)
+        if self._error is not None:  # failed while registering: nobody would post to it
+            self._outputs.pop(request_id, None)
+            self._check_accepting()
+        self._added += 1
+        self._inbox.put(("add", request))
         self._work.set()
-        return out
+        return self._stream(request_id, out)
 
-    async def stream(self, request_id: str, out: asyncio.Queue) -> AsyncIterator[StreamItem]:
-        """The request's outputs until it finishes; aborts it if the consumer goes away."""
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._work.set()
+
+    def stats(self) -> EngineStats:
+        stats = self._llm.stats()
+        queued = self._added - self._taken
+        return EngineStats(stats.waiting + queued, stats.running, stats.kv_usage)
+
+    def health(self) -> EngineHealth:
+        alive = self._error is None and self._thread.is_alive()
+        return EngineHealth(alive=alive, accepting=alive and not self._stopping)
+
+    async def shutdown(self, timeout: float = 60.0) -> None:
+        """Stop taking requests; in-flight ones finish, then the thread exits."""
+        self._stopping = True
+        self._work.set()
+        await asyncio.to_thread(self._thread.join, timeout)
+
+    def _check_accepting(self) -> None:
+        if self._error is not None:
+            raise EngineError(f"the engine stopped: {self._error!r}")
+        if self._stopping:
+            raise EngineFull("the server is shutting down")
+
+    async def _stream(self, request_id: str, out: asyncio.Queue) -> AsyncIterator[OutputDelta]:
+        """The request's deltas until it finishes; aborts it if the consumer goes away."""
         finished = False
         try:
             while not finished:
-                item: StreamItem = await out.get()
+                item: OutputDelta | BaseException = await out.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
                 finished = item.finish_reason is not None
                 yield item
         finally:
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._aborts.put(request_id)
-        self._work.set()
-
-    def stats(self) -> dict[str, float]:
-        scheduler = self.llm.scheduler
-        return {"waiting": scheduler.num_waiting + self._inbox.qsize(),
-                "running": len(scheduler.running), "kv_usage": scheduler.kv.usage}  # fmt: skip
-
-    def shutdown(self, timeout: float = 60.0) -> None:
-        """Stop taking requests; in-flight ones finish, then the thread exits."""
-        self._stopping = True
-        self._work.set()
-        self._thread.join(timeout=timeout)
-
     # -- the engine thread ---------------------------------------------------------------
 
-    def _post(self, request_id: str, item: StreamItem) -> None:
-        entry = self._outputs.get(request_id)
-        if item.finish_reason is not None:
-            self._outputs.pop(request_id, None)
+    def _post(self, request_id: str, item: OutputDelta | BaseException) -> None:
+        last = isinstance(item, BaseException) or item.finish_reason is not None
+        entry = self._outputs.pop(request_id, None) if last else self._outputs.get(request_id)
         if entry is not None:
             loop, out = entry
-            loop.call_soon_threadsafe(out.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(out.put_nowait, item)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
 
     def _drain(self) -> None:
         while not self._inbox.empty():
-            request = self._inbox.get()
-            try:
-                self.llm.scheduler.add_request(request)
-            except ValueError:  # validated before; only a race with shutdown lands here
-                self._post(request.request_id, StreamItem([], FinishReason.ABORT))
-        while not self._aborts.empty():
-            request_id = self._aborts.get()
-            self.llm.abort(request_id)
-            self._post(request_id, StreamItem([], FinishReason.ABORT))
+            kind, payload = self._inbox.get()
+            if kind == "add":
+                self._taken += 1
+                self._admit(payload)
+            elif self._processor.abort(payload) is not None:
+                self._llm.abort(payload)
+                self._post(payload, OutputDelta(payload, [], "", FinishReason.ABORT))
 
-    def _run(self) -> None:
+    def _admit(self, request: Request) -> None:
+        try:
+            self._llm.scheduler.add_request(request)
+        except ValueError:  # validated before; only a duplicate id lands here
+            self._post(request.request_id, OutputDelta(request.request_id, [], "",
+                                                       FinishReason.ABORT))  # fmt: skip
+            return
+        self._processor.add(request.request_id, request.params)
+
+    def _loop(self) -> None:
         while True:
             self._work.wait()
             self._work.clear()  # before draining: anything added later sets it again
             self._drain()
-            if self.llm.scheduler.has_unfinished():
-                for out in self.llm.step():
-                    item = StreamItem(out.new_token_ids, out.finish_reason, out.logprobs)
-                    self._post(out.request_id, item)
+            if self._llm.scheduler.has_unfinished():
+                for delta in self._processor.process(self._llm.step()):
+                    self._post(delta.request_id, delta)
                 self._work.set()
             elif self._stopping and self._inbox.empty():
                 return
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 (reported, then every stream ends with it)
+            self._error = e
+            print("[sparrow] the engine loop failed:", file=sys.stderr)
+            traceback.print_exc()
+            for request_id in list(self._outputs):
+                self._post(request_id, EngineError(f"the engine stopped: {e!r}"))

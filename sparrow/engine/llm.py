@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from sparrow.config import QuantConfig, load_model_config
-from sparrow.core.block_pool import kv_blocks_for_memory
+from sparrow.config import EngineConfig
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
-from sparrow.core.scheduler import RequestOutput, Scheduler, SchedulerConfig
+from sparrow.core.scheduler import RequestOutput, Scheduler
+from sparrow.engine.client import EngineInfo, EngineStats
+from sparrow.engine.output_processor import OutputProcessor
+from sparrow.engine.resolve import resolve, resolve_device
 from sparrow.loader.random_checkpoint import default_checkpoint, random_model
 from sparrow.loader.weights import load_checkpoint
+from sparrow.models import load_model_args
 from sparrow.tokenizer import load_tokenizer
 from sparrow.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -36,66 +39,48 @@ class Completion:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path | torch.nn.Module | None = None,
-        device: str | None = None,
-        dtype: torch.dtype | None = None,
-        quantize: str | None = None,
-        scheduler: SchedulerConfig | None = None,
-        progress: bool = False,
-        cuda_graphs: bool = True,
-        load_format: str = "auto",
-    ):
+    def __init__(self, model: str | Path | torch.nn.Module | None = None,
+                 config: EngineConfig | None = None, *, progress: bool = False,
+                 **settings: Any):  # fmt: skip
         """model: a checkpoint directory, None for the built-in default, or a model already
-        in memory (prompts then go in as token ids unless it is a directory's). quantize: None
-        or "4bit" / "8bit" (group-affine, quantised on load). cuda_graphs: replay decode steps
-        from captured graphs on a GPU (False: eager, like vLLM's enforce_eager). load_format
-        "dummy": the directory's config.json and tokenizer with random weights (no
-        safetensors needed; for benchmarks, as in vLLM)."""
-        if isinstance(model, torch.nn.Module):
+        in memory (prompts then go in as token ids). `config` or keyword shortcuts of
+        `EngineConfig.from_kwargs` (`max_model_len=`, `max_num_seqs=`, `enforce_eager=`,
+        `gpu_memory_utilization=`, `dtype=`, `device=`, `quantize="4bit"`, `load_format=
+        "dummy"`, `block_size=`, `num_blocks=`, ...), not both."""
+        if config is not None and settings:
+            raise ValueError("give an EngineConfig or keyword settings, not both")
+        if isinstance(settings.get("dtype"), torch.dtype):
+            settings["dtype"] = str(settings["dtype"]).removeprefix("torch.")
+        in_memory = isinstance(model, torch.nn.Module)
+        if config is None:
+            config = EngineConfig.from_kwargs(model=None if in_memory else model, **settings)
+        self.config = config
+        if in_memory:
             self.model, self.tokenizer = model, None
-            device = str(model.device)
         else:
-            model_dir = Path(model) if model is not None else default_checkpoint()
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-            dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-            quant = QuantConfig.from_name(quantize)
-            if load_format == "dummy":
-                self.model = random_model(load_model_config(model_dir), 0, device, dtype, quant)
-            elif load_format == "auto":
-                self.model = load_checkpoint(model_dir, device, dtype, quantize=quant,
-                                             progress=progress)  # fmt: skip
-            else:
-                raise ValueError(f"load_format {load_format!r}: expected 'auto' or 'dummy'")
-            self.tokenizer = load_tokenizer(model_dir)
-        cfg = self.model.config
-        scheduler = scheduler or self._default_scheduler_config(device)
-        detokenize = self.tokenizer.decode if self.tokenizer else None
-        self.scheduler = Scheduler(scheduler, detokenize=detokenize)
-        self.runner = ModelRunner(self.model, scheduler, cuda_graphs=cuda_graphs)
+            self.model, self.tokenizer = self._load(config, progress)
+        args = self.model.config
+        self.scheduler_config, self.cache_config = resolve(config, self.model)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.runner = ModelRunner(self.model, self.scheduler_config, self.cache_config,
+                                  cuda_graphs=not config.device.enforce_eager)  # fmt: skip
         self._in_flight: tuple[list[str], LaunchedStep] | None = None  # launched, not read
         self._ids = itertools.count()
         special = {self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")
                    } if self.tokenizer else set()  # fmt: skip
-        self.default_stop_ids = tuple(sorted((special - {None}) | set(cfg.eos_token_ids)))
+        self.default_stop_ids = tuple(sorted((special - {None}) | set(args.eos_token_ids)))
 
-    def _default_scheduler_config(self, device: str) -> SchedulerConfig:
-        """KV blocks from the memory left after the weights (GPU: 90% of what is free; CPU:
-        enough for 8K tokens), printed so the budget is visible."""
-        cfg = self.model.config
-        base = SchedulerConfig(max_model_len=cfg.max_position_embeddings)
-        per_block = self.model.cache_spec().kv_bytes_per_block(base.block_size, self.model.dtype)
-        if device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info(torch.device(device))
-            blocks = kv_blocks_for_memory(free, per_block, reserve_fraction=0.1)
+    @staticmethod
+    def _load(config: EngineConfig, progress: bool):
+        model_dir = Path(config.model) if config.model is not None else default_checkpoint()
+        device, dtype = resolve_device(config.device)
+        if config.load_format == "dummy":
+            model = random_model(load_model_args(model_dir), config.seed, device, dtype,
+                                 config.quantization)  # fmt: skip
         else:
-            blocks = 8192 // base.block_size
-        if blocks < 1:
-            raise RuntimeError("no memory left for the KV cache after loading the weights")
-        print(f"[sparrow] KV cache: {blocks} blocks of {base.block_size} tokens "
-              f"({blocks * per_block / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
-        return dataclasses.replace(base, num_blocks=blocks)
+            model = load_checkpoint(model_dir, device, dtype, quantize=config.quantization,
+                                    progress=progress)  # fmt: skip
+        return model, load_tokenizer(model_dir)
 
     def warmup(self, lengths: tuple[int, ...] = (256, 1024, 4096), batch: int = 5) -> None:
         """Compile the kernels for prefill shapes before serving: one prompt of each length
@@ -108,19 +93,27 @@ class LLM:
         for prompts in groups:
             self.generate(prompts, params)
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
-        """A validated request (not queued yet): ValueError if it can never run."""
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: give prompts as token ids")
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> Request:  # fmt: skip
+        """A validated request (not queued yet): ValueError if it can never run. Stop token
+        ids default to the model's end tokens unless `params` gives some or ignores EOS.
+        Reads only settings: safe to call from another thread than the one stepping."""
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
+            raise ValueError("this engine has no tokenizer: give prompts as token ids and "
+                             "no stop strings")  # fmt: skip
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if not params.stop_token_ids and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=self.default_stop_ids)
-        request = Request(f"req-{next(self._ids)}", ids, params)
+        request = Request(request_id or f"req-{next(self._ids)}", ids, params)
         self.scheduler.validate(request)
         return request
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
-        request = self.make_request(prompt, params)
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:  # fmt: skip
+        request = self.make_request(prompt, params, request_id)
         self.scheduler.add_request(request)
         return request
 
@@ -144,24 +137,48 @@ class LLM:
                 self.runner.free(out.request_id)
         return outputs
 
-    def abort(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id):
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Finish a request now (STOP: a stop string ended it) and free what it holds."""
+        if self.scheduler.abort(request_id, reason):
             self.runner.free(request_id)
+
+    def output_processor(self) -> OutputProcessor:
+        """An output processor that decodes with this engine's tokenizer (no text without
+        one) and finishes here, with reason STOP, a request a stop string ended."""
+        decode = self.tokenizer.decode if self.tokenizer is not None else _no_text
+        return OutputProcessor(decode, on_stop=lambda rid: self.abort(rid, FinishReason.STOP))
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.scheduler.config.max_model_len, self.model.config.vocab_size,
+                          self.default_stop_ids)  # fmt: skip
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(scheduler.num_waiting, len(scheduler.running), scheduler.kv.usage)
 
     def generate(
         self,
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[Completion]:
-        """Run all prompts to completion, batched; results in prompt order."""
+        """Run all prompts to completion, batched; results in prompt order. The text stops
+        before the first stop string, which ends its request (reason STOP)."""
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        processor = self.output_processor()
+        done = {}
+        for r in requests:
+            processor.add(r.request_id, r.params)
+            done[r.request_id] = Completion(r.request_id, r.prompt_token_ids, [], "", None)
         while self.scheduler.has_unfinished():
-            self.step()
-        return [
-            Completion(r.request_id, r.prompt_token_ids, r.output_token_ids,
-                       self.tokenizer.decode(r.output_token_ids) if self.tokenizer else "",
-                       r.finish_reason)
-            for r in requests
-        ]  # fmt: skip
+            for delta in processor.process(self.step()):
+                completion = done[delta.request_id]
+                completion.token_ids += delta.token_ids
+                completion.text += delta.text
+                completion.finish_reason = delta.finish_reason
+        return list(done.values())
+
+
+def _no_text(ids: list[int]) -> str:
+    return ""

@@ -19,8 +19,8 @@ import time
 import torch
 
 from sparrow.bench.report import write_report
-from sparrow.config import ModelConfig
 from sparrow.loader.weights import load_tensors
+from sparrow.models.qwen3_5_moe import ModelArgs
 from sparrow.worker.sequences import SequenceBatch
 
 
@@ -32,7 +32,7 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, result
 
 
-def build_hf(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+def build_hf(cfg: ModelArgs, dtype: torch.dtype) -> torch.nn.Module:
     """HF's model with HF's own init, created directly on the GPU."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -43,7 +43,7 @@ def build_hf(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
     return hf.eval()
 
 
-def ours_from_hf(cfg: ModelConfig, hf: torch.nn.Module) -> torch.nn.Module:
+def ours_from_hf(cfg: ModelArgs, hf: torch.nn.Module) -> torch.nn.Module:
     return load_tensors(cfg, hf.state_dict(), "cuda", hf.dtype, where="HF state dict")
 
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    cfg = ModelConfig().replace(num_layers=args.layers)
+    cfg = ModelArgs().replace(num_layers=args.layers)
     torch.manual_seed(0)
     hf32 = build_hf(cfg, torch.float32)
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)

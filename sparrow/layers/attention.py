@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.config import ModelConfig
+from sparrow.core.cache_spec import PagedKVSpec
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.attention import naive
 from sparrow.kernels.attention.paged import paged_attention, paged_decode_attention
@@ -41,19 +41,22 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
 class GatedAttention(Projections, nn.Module):
     FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float):  # fmt: skip
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
         # q_proj rows are per head [q (head_dim) | gate (head_dim)].
-        self.q_proj = nn.Linear(cfg.hidden_size, 2 * self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.kernel_fits = fits_tiles(self.head_dim)
+        self.q_proj = nn.Linear(hidden, 2 * num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
+        self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
+        self.kernel_fits = fits_tiles(head_dim)
+
+    def cache_spec(self) -> PagedKVSpec:
+        return PagedKVSpec(self.num_kv_heads, self.head_dim)
 
     def forward(
         self,
@@ -84,6 +87,10 @@ class GatedAttention(Projections, nn.Module):
         elif use_triton(x) and self.kernel_fits:
             out = paged_attention(q.contiguous(), *args, gate=gate.contiguous(),
                                   max_q_len=meta.max_q_len)  # fmt: skip
+        elif meta.max_q_len == 1:  # no host reads: decode graphs capture it
+            out = naive.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                               meta.context_lens, self.scale)  # fmt: skip
+            out = out * torch.sigmoid(gate)
         else:
             out = naive.paged_attention(q, *args) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, -1))

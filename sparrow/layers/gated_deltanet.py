@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.config import ModelConfig
+from sparrow.core.cache_spec import RecurrentStateSpec
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
+from sparrow.kernels.causal_conv1d.naive import causal_conv1d, causal_conv1d_step
 from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import (
     fused_recurrent_step,
@@ -18,33 +19,25 @@ from sparrow.kernels.gated_delta_rule.fused_recurrent import (
 from sparrow.kernels.gated_delta_rule.naive import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
+    recurrent_step_batched,
 )
-from sparrow.kernels.quant_gemv.gemv import quant_gemv_conv, quant_gemv_rms_scaled
+from sparrow.kernels.quant_gemv.gdn import quant_gemv_conv, quant_gemv_rms_scaled
 from sparrow.layers.linear import Projections, is_quantized
 from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.norms import GatedRMSNorm
 
 
-def causal_conv1d(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU. x: [L, C]; conv_state: [C, K-1]; weight: [C, K].
-    Returns (y [L, C], new conv_state)."""
-    x_ext = torch.cat((conv_state, x.t().to(conv_state.dtype)), dim=-1)  # [C, K-1+L]
-    y = F.conv1d(x_ext[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])[0]
-    return F.silu(y).t().to(x.dtype), x_ext[:, x_ext.shape[1] - conv_state.shape[1] :]
-
-
 class GatedDeltaNet(Projections, nn.Module):
     FUSED = {"in": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel: int, eps: float):  # fmt: skip
         super().__init__()
-        d = cfg.hidden_size
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
-        self.conv_dim, self.kernel = cfg.linear_conv_dim, cfg.linear_conv_kernel
+        d = hidden
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim, self.kernel = 2 * self.key_dim + self.value_dim, conv_kernel  # [q | k | v]
         self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(d, self.num_v_heads, bias=False)
@@ -54,9 +47,13 @@ class GatedDeltaNet(Projections, nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.head_v_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
         self.kernels_fit = fits_tiles(self.head_k_dim, self.head_v_dim)
+
+    def cache_spec(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(self.conv_dim, self.kernel,
+                                  (self.num_v_heads, self.head_k_dim, self.head_v_dim))  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, meta: StepMetadata, cache: tuple[torch.Tensor, torch.Tensor]
@@ -121,9 +118,15 @@ class GatedDeltaNet(Projections, nn.Module):
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def _mix_reference(self, mixed_qkv, a, b, meta, conv_pool, state_pool) -> torch.Tensor:
-        """One sequence at a time through naive.py: [T, Hv, Dv] fp32."""
+        """naive.py's ops: [T, Hv, Dv] fp32. A decode step (one token per sequence) runs all
+        sequences at once without host reads, so it can be captured in a CUDA graph; other
+        steps run one sequence at a time."""
         weight = self.conv1d.weight[:, 0]
         g, beta = self._decay(a), b.sigmoid()
+        if meta.max_q_len == 1:
+            slots = meta.state_slots
+            qkv = causal_conv1d_step(mixed_qkv, conv_pool, slots, weight)
+            return recurrent_step_batched(*self._split_heads(qkv), g, beta, state_pool, slots)
         outs = []
         pieces = zip(mixed_qkv.split(meta.seq_lens), g.split(meta.seq_lens),
                      beta.split(meta.seq_lens), meta.state_slots.tolist(), strict=True)  # fmt: skip

@@ -52,7 +52,7 @@ def fuse_linears(modules: list[nn.Module]) -> FusedLinears | None:
         return None
     first, sizes = modules[0], [m.out_features for m in modules]
     # Zero rows up to a multiple of 8 outputs: cuBLAS runs an unvectorised kernel on odd
-    # widths (the 257-wide router + shared gate took 82 us per layer at 4K tokens on the H200,
+    # widths (the 257-wide router + shared gate unpadded: 82 us per layer at 4K tokens on the H200,
     # `cutlass_75 ... align1` in the e2e prefill profile); the split drops them.
     pad = -sum(sizes) % 8
     with torch.device("meta"):

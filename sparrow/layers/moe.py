@@ -7,18 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.config import ModelConfig
 from sparrow.kernels import use_triton
+from sparrow.kernels.moe import naive
 from sparrow.layers.linear import Projections
-
-
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits: [T, E]. Returns (weights [T, k] in the logits' dtype, expert ids [T, k]):
-    softmax in fp32 over all experts, top-k, renormalised to sum to 1."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
 
 
 class SwiGLU(Projections, nn.Module):
@@ -64,7 +55,7 @@ class Experts(nn.Module):
                       shared_gate: torch.Tensor | None = None):  # fmt: skip
         """Route (softmax top-k) and run the experts: [T, hidden] -> [T, hidden]. With a
         shared expert and its gate logit [T, 1], add sigmoid(gate) * shared(x)."""
-        weights, ids = route(router_logits, top_k)
+        weights, ids = naive.route(router_logits, top_k)
         out = self(x, weights, ids)
         return out if shared is None else out + torch.sigmoid(shared_gate) * shared(x)
 
@@ -76,14 +67,7 @@ class Experts(nn.Module):
         if use_triton(x) and x.is_cuda:
             grouped = self._grouped if x.dtype == torch.bfloat16 else self._gathered
             return grouped(x, weights, ids)
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, slot = torch.where(ids == e)
-            gate_up, down = self.expert_weights(e)
-            gate, up = F.linear(x[token], gate_up.to(x.dtype)).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down.to(x.dtype)) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return naive.experts(x, weights, ids, self.expert_weights)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         """Assignments sorted by expert, then torch's grouped GEMM per projection: no host
@@ -116,13 +100,14 @@ class Experts(nn.Module):
 class SparseMoE(Projections, nn.Module):
     FUSED = {"gates": ("gate", "shared_expert_gate")}  # the router and the shared expert's
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
+                 shared_intermediate: int):  # fmt: skip
         super().__init__()
-        self.top_k = cfg.num_experts_per_tok
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared_expert = SwiGLU(hidden, shared_intermediate)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""

@@ -2,6 +2,8 @@
 
 Only the first `rotary_dim` of each head's dims rotate (NeoX halves); the rest pass through.
 Text tokens have equal temporal/height/width positions, which reduces mRoPE to plain RoPE.
+The rotation by these tables is fused with the q/k norm (`kernels.rms_norm.naive.apply_rotary`
+defines it).
 """
 
 from __future__ import annotations
@@ -28,20 +30,14 @@ class RotaryEmbedding:
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
         device = positions.device
-        if device not in self._tables:  # copied once per device (no copies in a graph)
-            self._tables[device] = (self.inv_freq.to(device), self.axis.to(device))
+        if device not in self._tables:  # copied once per device, from pinned memory on a
+            # GPU: such a copy is legal while a CUDA graph is being captured
+            self._tables[device] = tuple(t.pin_memory().to(device, non_blocking=True)
+                                         if device.type == "cuda" else t.to(device)
+                                         for t in (self.inv_freq, self.axis))  # fmt: skip
         inv_freq, axis = self._tables[device]
         freqs = positions.float()[:, :, None] * inv_freq  # [3, T, R/2]
         freqs = freqs.gather(0, axis.expand(1, freqs.shape[1], -1))[0]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, R] with R <= D. Rotates the first R dims of every head."""
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    x1, x2 = x_rot.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    x_rot = x_rot * cos[:, None] + rotated * sin[:, None]
-    return torch.cat((x_rot, x_pass), dim=-1)

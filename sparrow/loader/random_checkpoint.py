@@ -23,15 +23,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sparrow.config import ModelConfig, QuantConfig
+from sparrow.config import QuantConfig
 from sparrow.loader.weights import build_empty_model, load_tensors
 from sparrow.loader.writer import ShardWriter
+from sparrow.models.qwen3_5_moe import ModelArgs
 
 # fmt: off
-PRESETS: dict[str, ModelConfig] = {
-    "qwen3.6-35b-a3b": ModelConfig(),
+PRESETS: dict[str, ModelArgs] = {
+    "qwen3.6-35b-a3b": ModelArgs(),
     # Small enough for CPU tests and the built-in default (full vocabulary, 4 layers).
-    "qwen3.6-tiny": ModelConfig(
+    "qwen3.6-tiny": ModelArgs(
         hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
         mrope_section=(2, 1, 1), linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -60,7 +61,7 @@ def _hf_name(param: str) -> str:
 
 
 def random_tensors(
-    cfg: ModelConfig,
+    cfg: ModelArgs,
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
@@ -95,7 +96,7 @@ def _split_experts(
 
 
 def random_model(
-    cfg: ModelConfig,
+    cfg: ModelArgs,
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
@@ -109,7 +110,7 @@ def random_model(
 
 def write_random_checkpoint(
     out_dir: str | Path,
-    cfg: ModelConfig,
+    cfg: ModelArgs,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     shard_bytes: int = 4 << 30,

@@ -19,12 +19,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from sparrow.config import ModelConfig, QuantConfig, load_model_config
+from sparrow.config import QuantConfig
 from sparrow.layers.linear import fuse_all
+from sparrow.layers.quantized import companion, quantize_modules
 from sparrow.loader.writer import INDEX_FILE
-from sparrow.models import get_architecture
+from sparrow.models import get_architecture, load_model_args
+from sparrow.models.qwen3_5_moe import ModelArgs
 from sparrow.quant.affine import QuantSpec, quantize
-from sparrow.quant.modules import companion, quantize_modules
 
 _FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 _PACKED_DTYPES = {torch.int32, torch.uint32}
@@ -38,7 +39,7 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated, or does not match the model's config."""
 
 
-def build_empty_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_empty_model(cfg: ModelArgs, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The model with parameters on the meta device (no memory) for the loader to fill;
     quantised modules where `cfg.quantization` says so."""
     with torch.device("meta"):
@@ -219,7 +220,7 @@ def load_checkpoint(
     `device`. A float checkpoint is quantised on load when `quantize` is given; a quantised
     checkpoint loads as stored."""
     model_dir = Path(model_dir)
-    cfg = load_model_config(model_dir)
+    cfg = load_model_args(model_dir)
     if quantize is not None and cfg.quantization is None:
         cfg = cfg.replace(quantization=quantize)
     headers = _headers(checkpoint_files(model_dir).values())
@@ -243,7 +244,7 @@ def load_checkpoint(
 
 
 def load_tensors(
-    cfg: ModelConfig,
+    cfg: ModelArgs,
     tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,

@@ -1,4 +1,4 @@
-"""Qwen3.5 / Qwen3.6 MoE text model (`qwen3_5_moe`): the plain-PyTorch reference path.
+"""Qwen3.5 / Qwen3.6 MoE (`qwen3_5_moe`, `qwen3_5_moe_text`): args, model, weight names, caches.
 
 Layers: `layer_types[i]` picks Gated DeltaNet ("linear_attention") or gated full attention
 ("full_attention") as the token mixer; every layer then runs the sparse MoE. Parameters are
@@ -6,38 +6,284 @@ named exactly like the HF text model without its prefix (`layers.3.self_attn.q_p
 so a checkpoint maps onto them by `checkpoint_name`.
 
 A step takes the new tokens of several sequences back to back with their `StepMetadata`
-(positions, block tables, state slots) and the `ModelCache` (paged K/V per attention layer,
-conv + recurrent state pools per GDN layer): a prompt, a prompt chunk, or one decode token per
-sequence all go through the same `forward`. `cache_spec` says what the cache must hold.
+(positions, block tables, state slots) and the `ModelCache` (one entry per layer, shaped by
+`cache_specs`): a prompt, a prompt chunk, or one decode token per sequence all go through
+the same `forward`.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from sparrow.config import FULL_ATTENTION, ModelConfig
+from sparrow.config import ConfigError, QuantConfig
+from sparrow.core.cache_spec import CacheSpec
 from sparrow.layers.attention import GatedAttention
 from sparrow.layers.gated_deltanet import GatedDeltaNet
+from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.moe import SparseMoE
 from sparrow.layers.norms import ZeroCenteredRMSNorm
 from sparrow.layers.rotary import RotaryEmbedding
-from sparrow.worker.cache import CacheSpec, ModelCache, StepMetadata
+
+MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+# What HF's Qwen3_5MoeTextConfig assumes for keys a config.json leaves out, where it differs
+# from the ModelArgs defaults (the released checkpoint's values).
+_HF_MISSING = {"rope_theta": 10_000.0, "max_position_embeddings": 32768}
+
+# ModelArgs field -> key of the HF text_config holding it (scalars only).
+_HF_TEXT_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "linear_conv_kernel": "linear_conv_kernel_dim",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads",
+    "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim",
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "initializer_range": "initializer_range",
+}
+# Keys of the RoPE parameters block, same names on both sides.
+_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The text model of Qwen3.5/3.6 MoE. Defaults are Qwen3.6-35B-A3B's checkpoint (`from_hf`
+    fills keys a config.json leaves out with HF's defaults instead)."""
+
+    architecture: str = "qwen3_5_moe"  # the registry key of this file
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_layers: int = 40
+    layer_types: tuple[str, ...] = ()
+    # Gated full attention.
+    num_attention_heads: int = 16
+    num_kv_heads: int = 2
+    head_dim: int = 256
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    mrope_section: tuple[int, ...] = (11, 11, 10)
+    # Gated DeltaNet.
+    linear_conv_kernel: int = 4
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    # Mixture of experts.
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    # Everything else.
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    eos_token_ids: tuple[int, ...] = (248046,)
+    quantization: QuantConfig | None = None  # set for checkpoints stored quantised
+    full_attention_interval: int = 4  # the layout when layer_types is not given
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            # Every interval-th layer is full attention (3, 7, 11, ... for 4), as HF lays out.
+            every = self.full_attention_interval
+            types = tuple(FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION
+                          for i in range(self.num_layers))  # fmt: skip
+            object.__setattr__(self, "layer_types", types)
+        _validate(self)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelArgs:
+        """Parse the dict of an HF `config.json` (`qwen3_5_moe` with `text_config`, or a bare
+        `qwen3_5_moe_text`). Raises ConfigError on unsupported or inconsistent configs."""
+        text = raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5_moe" else raw
+        if not isinstance(text, dict):
+            raise ConfigError("text_config must be a JSON object")
+        for key, expected in (("hidden_act", "silu"), ("attention_bias", False),
+                              ("attn_output_gate", True)):  # fmt: skip
+            if key in text and text[key] != expected:
+                raise ConfigError(f"{key}={text[key]!r} is not supported (expected {expected!r})")
+        rope = text.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope_type {rope['rope_type']!r} is not supported "
+                              "(expected 'default')")  # fmt: skip
+        eos = text.get("eos_token_id")
+        eos = raw.get("eos_token_id") if eos is None else eos
+        eos = 248046 if eos is None or eos == [] else eos  # HF leaves it null by default
+        values: dict[str, Any] = dict(_HF_MISSING)
+        try:
+            for name, key in _HF_TEXT_KEYS.items():
+                kind = type(getattr(cls, name))  # int, float or bool
+                if key == "tie_word_embeddings" and key in raw:  # HF ties by the top level
+                    values[name] = bool(raw[key])
+                elif key in text:
+                    values[name] = kind(text[key])
+            for key in _ROPE_KEYS:
+                if key in rope or key in text:
+                    values[key] = float(rope.get(key, text.get(key)))
+            if "mrope_section" in rope:
+                values["mrope_section"] = tuple(int(x) for x in rope["mrope_section"])
+            if "full_attention_interval" in text:
+                values["full_attention_interval"] = int(text["full_attention_interval"])
+            return cls(**values, layer_types=tuple(text.get("layer_types") or ()),
+                       eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+                       quantization=QuantConfig.from_checkpoint(raw))  # fmt: skip
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"malformed config: {e}") from e
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the depthwise conv: [q | k | v]."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def replace(self, **changes: Any) -> ModelArgs:
+        values = {f: getattr(self, f) for f in self.__dataclass_fields__} | changes
+        relayout = {"num_layers", "full_attention_interval"} & set(changes)
+        if relayout and "layer_types" not in changes:
+            values["layer_types"] = ()
+        return ModelArgs(**values)
+
+    def to_hf_text_config(self) -> dict[str, Any]:
+        """The `text_config` dict of an HF `config.json` (model_type `qwen3_5_moe_text`)."""
+        text = {key: getattr(self, f) for f, key in _HF_TEXT_KEYS.items()}
+        return text | {
+            "model_type": "qwen3_5_moe_text",
+            "layer_types": list(self.layer_types),
+            "full_attention_interval": self.full_attention_interval,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attn_output_gate": True,
+            "rope_parameters": {
+                "rope_type": "default",
+                **{key: getattr(self, key) for key in _ROPE_KEYS},
+                "mrope_section": list(self.mrope_section),
+                "mrope_interleaved": True,
+            },
+            "eos_token_id": self.eos_token_ids[0]
+            if len(self.eos_token_ids) == 1
+            else list(self.eos_token_ids),
+            "mamba_ssm_dtype": "float32",
+        }
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A full HF `config.json` of model_type `qwen3_5_moe` (text config nested)."""
+        return {
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "model_type": "qwen3_5_moe",
+            "text_config": self.to_hf_text_config(),
+            "vision_config": {
+                "model_type": "qwen3_5_moe_vision",
+                "out_hidden_size": self.hidden_size,
+            },
+            "image_token_id": 248056,
+            "video_token_id": 248057,
+            "vision_start_token_id": 248053,
+            "vision_end_token_id": 248054,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+def _validate(cfg: ModelArgs) -> None:
+    positive = [
+        "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
+        "full_attention_interval",
+        "head_dim", "linear_conv_kernel", "linear_num_key_heads", "linear_num_value_heads",
+        "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
+    ]  # fmt: skip
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if len(cfg.layer_types) != cfg.num_layers:
+        raise ConfigError(
+            f"layer_types has {len(cfg.layer_types)} entries but num_hidden_layers is "
+            f"{cfg.num_layers}"
+        )
+    unknown = sorted(set(cfg.layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"unknown layer types {unknown}; expected one of {list(LAYER_TYPES)}")
+    if cfg.num_attention_heads % cfg.num_kv_heads:
+        raise ConfigError(
+            f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({cfg.num_kv_heads})"
+        )
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        raise ConfigError(
+            f"linear_num_value_heads ({cfg.linear_num_value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({cfg.linear_num_key_heads})"
+        )
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ConfigError(
+            f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds num_experts "
+            f"({cfg.num_experts})"
+        )
+    rotary = cfg.rotary_dim
+    if not (0 < rotary <= cfg.head_dim) or rotary % 2:
+        raise ConfigError(
+            f"partial_rotary_factor {cfg.partial_rotary_factor} gives rotary dim {rotary}; it "
+            f"must be even and in (0, head_dim={cfg.head_dim}]"
+        )
+    # mrope_section is not checked against the rotary width: HF slices it to fit (text
+    # positions are equal on all three axes, so the split does not change text).
+
+
+
+def sparse_moe(cfg: ModelArgs) -> SparseMoE:
+    """The MoE block of one layer (also built alone by benchmarks and tests)."""
+    return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                     cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str):
+    def __init__(self, cfg: ModelArgs, layer_type: str):
         super().__init__()
         self.is_attention = layer_type == FULL_ATTENTION
         if self.is_attention:
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(cfg.hidden_size, cfg.num_attention_heads,
+                                            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         else:
-            self.linear_attn = GatedDeltaNet(cfg)
-        self.mlp = SparseMoE(cfg)
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel,
+                cfg.rms_norm_eps)
+        self.mlp = sparse_moe(cfg)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.self_attn if self.is_attention else self.linear_attn
 
     def forward(self, x, residual, cos, sin, meta: StepMetadata, cache):
         """x: the previous layer's output (its MLP's, not yet added to the residual stream),
@@ -56,7 +302,7 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3_5MoeModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -75,29 +321,19 @@ class Qwen3_5MoeModel(nn.Module):
         """The activation dtype (weights may be packed integers)."""
         return self.norm.weight.dtype
 
-    def cache_spec(self) -> CacheSpec:
-        cfg = self.config
-        return CacheSpec(
-            num_attention_layers=sum(layer.is_attention for layer in self.layers),
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            num_recurrent_layers=sum(not layer.is_attention for layer in self.layers),
-            conv_shape=(cfg.linear_conv_dim, cfg.linear_conv_kernel - 1),
-            state_shape=(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                         cfg.linear_value_head_dim),
-        )  # fmt: skip
+    def cache_specs(self) -> list[CacheSpec | None]:
+        """What each layer keeps between steps: paged K/V for attention, conv + recurrent
+        state slots for Gated DeltaNet."""
+        return [layer.mixer.cache_spec() for layer in self.layers]
 
-    def forward(self, meta: StepMetadata, cache: ModelCache) -> torch.Tensor:
-        """Run the step's new tokens (meta.input_ids [T]); reads and extends the cache.
-        Returns final-norm hidden states [T, hidden]."""
+    def forward(self, meta: StepMetadata, cache) -> torch.Tensor:
+        """Run the step's new tokens (meta.input_ids [T]); reads and extends the cache
+        (`cache.layers[i]`: layer i's tensors). Returns final-norm hidden states [T, hidden]."""
         x = self.embed_tokens(meta.input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
-        attn = iter(zip(cache.k, cache.v, strict=True))
-        recurrent = iter(zip(cache.conv, cache.state, strict=True))
         residual = None
-        for layer in self.layers:
-            caches = next(attn) if layer.is_attention else next(recurrent)
-            x, residual = layer(x, residual, cos, sin, meta, caches)
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x, residual = layer(x, residual, cos, sin, meta, layer_cache)
         return self.norm.add(x, residual)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,14 @@
-"""OpenAI request bodies (validated with pydantic) and the error body."""
+"""The OpenAI protocol: request bodies (validated with pydantic), the error body, and the
+JSON shapes of responses, stream chunks, usage and logprobs."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sparrow.core.request import FinishReason
+from sparrow.engine.output_processor import LogprobEntry, TokenText
 
 
 class ContentPart(BaseModel):
@@ -69,5 +73,69 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
+class ApiError(Exception):
+    """An error answered with the error body: HTTP status, message, OpenAI error type."""
+
+    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.headers = status, message, kind, headers
+
+
 def error_body(message: str, kind: str, code: int | str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    """"length" at max_tokens or the context limit; "stop" at a stop token or string (and an
+    abort)."""
+    if reason is None:
+        return None
+    return "length" if reason is FinishReason.LENGTH else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """Chat format: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def one(t: TokenText) -> dict[str, Any]:
+        return {"token": t.text, "logprob": t.logprob, "bytes": list(t.bytes)}
+
+    return {"content": [one(e.token) | {"top_logprobs": [one(t) for t in e.top]}
+                        for e in entries]}  # fmt: skip
+
+
+def text_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
+    """Completions format: parallel lists, with each token's character offset."""
+    return {"tokens": [e.token.text for e in entries],
+            "token_logprobs": [e.token.logprob for e in entries],
+            "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
+            "text_offset": [e.offset for e in entries]}  # fmt: skip
+
+
+def logprobs_body(entries: list[LogprobEntry] | None, chat: bool) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return chat_logprobs(entries) if chat else text_logprobs(entries)
+
+
+def choice_body(index: int, text: str, reason: str | None, logprobs: dict | None,
+                chat: bool, delta: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One choice of a response (`delta`: of a stream chunk)."""
+    if chat:
+        content = {"delta" if delta else "message": {"content": text} if delta
+                   else {"role": "assistant", "content": text}}  # fmt: skip
+    else:
+        content = {"text": text}
+    return {"index": index, **content, "finish_reason": reason, "logprobs": logprobs}
+
+
+def response_body(response_id: str, created: int, model: str, choices: list[dict],
+                  chat: bool, chunk: bool = False, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """A whole response, or (`chunk`) one event of a stream."""
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": response_id, "object": f"{kind}.chunk" if chat and chunk else kind,
+            "created": created, "model": model, "choices": choices, **extra}  # fmt: skip

@@ -1,64 +1,60 @@
-"""The model's cache tensors and the per-step metadata that indexes them.
+"""The model's cache tensors, built from the layers' cache specs, and the per-step metadata
+that indexes them.
 
-Attention layers keep K/V in a paged pool ([num_blocks, block_size, Hkv, D] per layer, a
-request's blocks listed in its block table); Gated DeltaNet layers keep conv and recurrent
-states in slot pools ([num_slots, ...] per layer, one slot per running request; the conv
-pool position-major in memory, `state_pool`). Which block and which slot a request owns is
-decided on the CPU (`sparrow.core`); this module holds the tensors and turns a step's plan
-into `StepMetadata`.
+Paged layers (`PagedKVSpec`) keep K/V in a block pool per layer ([num_blocks, block_size,
+Hkv, D], a request's blocks listed in its block table, shared by all paged layers);
+slot layers (`RecurrentStateSpec`) keep conv and recurrent states in slot pools ([num_slots,
+...] per layer, one slot per running request; the conv pool position-major in memory,
+`state_pool`). Which block and which slot a request owns is decided on the CPU
+(`sparrow.core`); this module holds the tensors and turns a step's plan into `StepMetadata`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
+from sparrow.core.cache_spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from sparrow.kernels.causal_conv1d.conv import state_pool
 from sparrow.layers.metadata import StepMetadata
 
 
-@dataclass(frozen=True)
-class CacheSpec:
-    """What a model needs cached per token (attention) and per request (recurrent)."""
-
-    num_attention_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_recurrent_layers: int
-    conv_shape: tuple[int, ...]  # per request and layer: [C, K - 1]
-    state_shape: tuple[int, ...]  # per request and layer: [Hv, Dk, Dv], fp32
-
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        item = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_attention_layers * block_size * self.num_kv_heads * self.head_dim * item
-
-
 class ModelCache:
-    """One block and one state slot beyond those the scheduler hands out (`pad_block`,
+    """`layers[i]`: what layer i keeps, per its spec: (k, v) block pools for a paged layer,
+    (conv, state) slot pools for a recurrent one, None for a layer that keeps nothing.
+
+    One block and one state slot beyond those the scheduler hands out (`pad_block`,
     `pad_slot`) are scratch: padding rows of a captured decode step write there."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int,
-                 device: torch.device | str, dtype: torch.dtype):  # fmt: skip
-        self.spec, self.block_size = spec, block_size
+    def __init__(self, specs: Sequence[CacheSpec | None], num_blocks: int, block_size: int,
+                 num_slots: int, device: torch.device | str, dtype: torch.dtype):  # fmt: skip
+        self.specs, self.block_size = list(specs), block_size
         self.pad_block, self.pad_slot = num_blocks, num_slots
-        num_blocks, num_slots = num_blocks + 1, num_slots + 1
-        kv_shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = [torch.zeros(kv_shape, device=device, dtype=dtype)
-                  for _ in range(spec.num_attention_layers)]  # fmt: skip
-        self.v = [torch.zeros_like(k) for k in self.k]
-        channels, kernel = spec.conv_shape[0], spec.conv_shape[1] + 1
-        self.conv = [state_pool(num_slots, channels, kernel, device, dtype)
-                     for _ in range(spec.num_recurrent_layers)]  # fmt: skip
-        self.state = [torch.zeros(num_slots, *spec.state_shape, device=device,
-                                  dtype=torch.float32)
-                      for _ in range(spec.num_recurrent_layers)]  # fmt: skip
+        self.layers = [self._allocate(s, num_blocks + 1, num_slots + 1, device, dtype)
+                       for s in self.specs]  # fmt: skip
+
+    def _allocate(self, spec: CacheSpec | None, num_blocks: int, num_slots: int, device,
+                  dtype) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
+        if spec is None:
+            return None
+        if isinstance(spec, PagedKVSpec):
+            shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            return (torch.zeros(shape, device=device, dtype=dtype),
+                    torch.zeros(shape, device=device, dtype=dtype))  # fmt: skip
+        if isinstance(spec, RecurrentStateSpec):
+            conv = state_pool(num_slots, spec.conv_channels, spec.conv_kernel, device, dtype)
+            state = torch.zeros(num_slots, *spec.state_shape, device=device,
+                                dtype=torch.float32)  # fmt: skip
+            return conv, state
+        raise TypeError(f"no cache storage for spec {spec!r}")
 
     def reset_slots(self, slots: torch.Tensor) -> None:
-        """Zero the recurrent states of requests that start (or restart) now."""
-        for conv, state in zip(self.conv, self.state, strict=True):
-            conv.index_fill_(0, slots, 0)  # (`conv[slots] = 0` copies the 0 over and syncs)
-            state.index_fill_(0, slots, 0)
+        """Zero the per-slot states of requests that start (or restart) now."""
+        for spec, tensors in zip(self.specs, self.layers, strict=True):
+            if spec is not None and not spec.paged:
+                for t in tensors:  # (`t[slots] = 0` copies the 0 over and syncs)
+                    t.index_fill_(0, slots, 0)
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow.config import CacheConfig, SchedulerConfig
 from sparrow.core.request import Request
 from sparrow.core.sampling_params import TokenLogprob
-from sparrow.core.scheduler import SchedulerConfig, SchedulerOutput
+from sparrow.core.scheduler import SchedulerOutput
 from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs
 from sparrow.worker.sampler import sample_rows, token_logprob
@@ -59,19 +60,21 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: SchedulerConfig, cuda_graphs: bool = True):
-        """cuda_graphs: capture decode steps (GPU only; False runs every step eagerly)."""
+    def __init__(self, model: torch.nn.Module, sched: SchedulerConfig, cache: CacheConfig,
+                 cuda_graphs: bool = True):  # fmt: skip
+        """sched, cache: resolved settings. cuda_graphs: capture decode steps (GPU only;
+        False runs every step eagerly)."""
         self.model = model
-        self.cache = ModelCache(model.cache_spec(), config.num_blocks, config.block_size,
-                                config.num_state_slots, model.device, model.dtype)  # fmt: skip
+        self.cache = ModelCache(model.cache_specs(), cache.num_blocks, cache.block_size,
+                                cache.num_state_slots, model.device, model.dtype)  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
         # the last token sampled for each state slot (and the padding slot)
         self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
                                        device=model.device)  # fmt: skip
         self.graphs = None
         if cuda_graphs and model.device.type == "cuda":
-            max_blocks = -(-config.max_model_len // config.block_size)
-            self.graphs = DecodeGraphs(model, self.cache, config.max_num_seqs, max_blocks)
+            max_blocks = -(-sched.max_model_len // cache.block_size)
+            self.graphs = DecodeGraphs(model, self.cache, sched.max_num_seqs, max_blocks)
             self.graphs.capture()
 
     def free(self, request_id: str) -> None:

@@ -16,7 +16,7 @@ class SequenceBatch:
     def __init__(self, model: torch.nn.Module, num_seqs: int, max_len: int, block_size: int = 16):
         self.model = model
         per_seq = -(-max_len // block_size)
-        self.cache = ModelCache(model.cache_spec(), num_seqs * per_seq, block_size, num_seqs,
+        self.cache = ModelCache(model.cache_specs(), num_seqs * per_seq, block_size, num_seqs,
                                 model.device, model.dtype)  # fmt: skip
         self.tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(num_seqs)]
         self.computed = [0] * num_seqs

@@ -7,12 +7,21 @@ as running the request alone.
 
 import pytest
 
+from sparrow.config import CacheConfig, SchedulerConfig
 from sparrow.core.block_pool import KVCacheManager, StateSlotPool, kv_blocks_for_memory
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
-from sparrow.core.scheduler import Scheduler, SchedulerConfig
+from sparrow.core.scheduler import Scheduler
 
 VOCAB = 1000
+_CACHE_KEYS = ("block_size", "num_blocks", "num_state_slots")
+
+
+def configs(**kw) -> tuple[SchedulerConfig, CacheConfig]:
+    """Resolved settings: a 262,144-token context, 1,024 blocks, 64 state slots unless given."""
+    cache = {"num_blocks": 1024, "num_state_slots": 64} | {
+        k: kw.pop(k) for k in _CACHE_KEYS if k in kw}
+    return SchedulerConfig(**({"max_model_len": 262144} | kw)), CacheConfig(**cache)
 
 
 def token_at(request: Request, position: int | None = None) -> int:
@@ -27,7 +36,7 @@ def run_step(scheduler: Scheduler):
     for rid, n in plan.num_scheduled_tokens.items():
         request = scheduler.requests[rid]
         # the runner gets whole block tables that cover what it computes
-        covered = len(plan.block_tables[rid]) * scheduler.config.block_size
+        covered = len(plan.block_tables[rid]) * scheduler.cache_config.block_size
         assert request.num_computed_tokens + n <= covered
     sampled = {}
     for rid, n in plan.num_scheduled_tokens.items():
@@ -53,7 +62,7 @@ def make(rid: str, prompt_len: int, max_tokens: int = 5, **params) -> Request:
 
 
 def alone(request: Request) -> list[int]:
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, num_blocks=4096))
+    scheduler = Scheduler(*configs(max_num_batched_tokens=1 << 20, num_blocks=4096))
     copy = make(request.request_id, len(request.prompt_token_ids), request.params.max_tokens)
     scheduler.add_request(copy)
     run_all(scheduler)
@@ -61,7 +70,7 @@ def alone(request: Request) -> list[int]:
 
 
 def test_single_request_prefill_then_decode():
-    scheduler = Scheduler(SchedulerConfig(block_size=16, num_blocks=8))
+    scheduler = Scheduler(*configs(block_size=16, num_blocks=8))
     request = make("a", 20, max_tokens=3)
     scheduler.add_request(request)
     plans = run_all(scheduler)
@@ -71,8 +80,8 @@ def test_single_request_prefill_then_decode():
 
 
 def test_budget_mixes_decodes_and_prefill_chunks():
-    config = SchedulerConfig(max_num_batched_tokens=64, block_size=16, num_blocks=64)
-    scheduler = Scheduler(config)
+    config = configs(max_num_batched_tokens=64, block_size=16, num_blocks=64)
+    scheduler = Scheduler(*config)
     requests = [make("a", 10, 8), make("b", 100, 4), make("c", 30, 4)]
     for r in requests:
         scheduler.add_request(r)
@@ -84,8 +93,8 @@ def test_budget_mixes_decodes_and_prefill_chunks():
 
 
 def test_128k_prompt_runs_in_chunks_within_budget():
-    config = SchedulerConfig(max_num_batched_tokens=8192, block_size=128, num_blocks=1100)
-    scheduler = Scheduler(config)
+    config = configs(max_num_batched_tokens=8192, block_size=128, num_blocks=1100)
+    scheduler = Scheduler(*config)
     request = make("long", 131072, max_tokens=2)
     scheduler.add_request(request)
     plans = run_all(scheduler)
@@ -95,7 +104,7 @@ def test_128k_prompt_runs_in_chunks_within_budget():
 
 
 def test_requests_join_and_leave_mid_batch():
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=32, block_size=16))
+    scheduler = Scheduler(*configs(max_num_batched_tokens=32, block_size=16))
     first = make("first", 8, max_tokens=6)
     scheduler.add_request(first)
     run_step(scheduler)
@@ -109,27 +118,45 @@ def test_requests_join_and_leave_mid_batch():
     assert first.output_token_ids == alone(first) and late.output_token_ids == alone(late)
 
 
-def test_stop_token_and_stop_string():
+def test_stop_token_and_abort_with_stop():
+    """Stop tokens end a request here; stop strings are the output processor's, which ends
+    one through `abort(id, STOP)`."""
     stop_token = token_at(make("s", 5))  # the first token the fake model will sample
-    scheduler = Scheduler(SchedulerConfig(), detokenize=lambda ids: " ".join(map(str, ids)))
+    scheduler = Scheduler(*configs(block_size=16, num_blocks=8))
     by_token = make("s", 5, max_tokens=10, stop_token_ids=(stop_token,))
     scheduler.add_request(by_token)
     run_all(scheduler)
     assert by_token.finish_reason is FinishReason.STOP and len(by_token.output_token_ids) == 1
 
-    expected = alone(make("t", 4, max_tokens=10))
-    stop = f" {expected[2]}"  # appears once the third token is decoded
-    by_string = make("t", 4, max_tokens=10, stop=(stop,))
+    by_string = make("t", 4, max_tokens=10, stop=("never seen by the scheduler",))
     scheduler.add_request(by_string)
+    run_step(scheduler)
+    run_step(scheduler)
+    assert scheduler.abort("t", FinishReason.STOP) and not scheduler.has_unfinished()
+    assert by_string.finish_reason is FinishReason.STOP and len(by_string.output_token_ids) == 2
+    assert scheduler.kv.pool.num_free == 8
+
+
+def test_finished_ids_are_forgotten_once_nothing_is_in_flight():
+    scheduler = Scheduler(*configs(block_size=16, num_blocks=8))
+    scheduler.add_request(make("a", 4, max_tokens=10))
+    first = scheduler.commit(scheduler.schedule())  # the prompt: samples a token
+    second = scheduler.commit(scheduler.schedule())  # launched on the pending token
+    assert [o.new_token_ids for o in scheduler.resolve(first, {"a": [7]})] == [[7]]
+    assert scheduler.abort("a") and "a" not in scheduler.requests
+    with pytest.raises(ValueError, match="duplicate"):  # a token of it is still in flight
+        scheduler.add_request(make("a", 4))
+    assert scheduler.resolve(second, {"a": [8]}) == []
+    again = make("a", 4, max_tokens=2)
+    scheduler.add_request(again)
     run_all(scheduler)
-    assert by_string.finish_reason is FinishReason.STOP
-    assert by_string.output_token_ids == expected[:3] and stop not in by_string.output_text
+    assert len(again.output_token_ids) == 2 and scheduler.kv.pool.num_free == 8
 
 
 def test_preemption_when_blocks_run_out_gives_the_same_tokens():
     # 6 blocks of 4 tokens: two requests of 10 + 12 tokens cannot both keep growing.
-    config = SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=6)
-    scheduler = Scheduler(config)
+    config = configs(max_num_batched_tokens=64, block_size=4, num_blocks=6)
+    scheduler = Scheduler(*config)
     old, new = make("old", 9, max_tokens=12), make("new", 5, max_tokens=12)
     scheduler.add_request(old)
     scheduler.add_request(new)
@@ -141,18 +168,20 @@ def test_preemption_when_blocks_run_out_gives_the_same_tokens():
 
 
 def test_admission_queues_instead_of_overcommitting():
-    config = SchedulerConfig(max_num_seqs=2, num_state_slots=2, block_size=16, num_blocks=64)
-    scheduler = Scheduler(config)
-    for i in range(5):
-        scheduler.add_request(make(f"r{i}", 10, max_tokens=3))
+    config = configs(max_num_seqs=2, num_state_slots=2, block_size=16, num_blocks=64)
+    scheduler = Scheduler(*config)
+    requests = [make(f"r{i}", 10, max_tokens=3) for i in range(5)]
+    for r in requests:
+        scheduler.add_request(r)
     plan, _ = run_step(scheduler)
     assert sorted(plan.num_scheduled_tokens) == ["r0", "r1"] and scheduler.num_waiting == 3
     run_all(scheduler)
-    assert all(r.finish_reason is FinishReason.LENGTH for r in scheduler.requests.values())
+    assert all(r.finish_reason is FinishReason.LENGTH for r in requests)
+    assert not scheduler.requests  # finished requests are forgotten
 
 
 def test_requests_that_can_never_run_are_refused():
-    scheduler = Scheduler(SchedulerConfig(max_model_len=100, block_size=16, num_blocks=4))
+    scheduler = Scheduler(*configs(max_model_len=100, block_size=16, num_blocks=4))
     with pytest.raises(ValueError, match="exceeds the context limit of 100"):
         scheduler.add_request(make("x", 98, max_tokens=5))
     with pytest.raises(ValueError, match="the cache holds 64"):
@@ -165,7 +194,7 @@ def test_requests_that_can_never_run_are_refused():
 
 
 def test_abort_frees_at_once():
-    scheduler = Scheduler(SchedulerConfig(block_size=16, num_blocks=10))
+    scheduler = Scheduler(*configs(block_size=16, num_blocks=10))
     running, queued = make("run", 40, max_tokens=50), make("queued", 10)
     scheduler.add_request(running)
     run_step(scheduler)
@@ -213,20 +242,19 @@ def run_all_overlapped(scheduler: Scheduler, max_steps: int = 10_000):
 
 
 def _workload(kind: str) -> tuple[Scheduler, list[Request]]:
-    detok = lambda ids: " ".join(map(str, ids))  # noqa: E731
     if kind == "preemption":
-        config = SchedulerConfig(max_num_batched_tokens=64, block_size=4, num_blocks=6)
+        config = configs(max_num_batched_tokens=64, block_size=4, num_blocks=6)
         requests = [make("old", 9, max_tokens=12), make("new", 5, max_tokens=12)]
     elif kind == "stops":
-        config = SchedulerConfig(max_num_batched_tokens=32, block_size=16)
+        config = configs(max_num_batched_tokens=32, block_size=16)
         tokens = alone(make("t", 4, max_tokens=10))
         requests = [make("s", 5, max_tokens=10, stop_token_ids=(token_at(make("s", 5)),)),
-                    make("t", 4, max_tokens=10, stop=(f" {tokens[2]}",)),
+                    make("t", 4, max_tokens=10, stop_token_ids=(tokens[2],)),
                     make("u", 40, max_tokens=7), make("v", 3, max_tokens=1)]  # fmt: skip
     else:
-        config = SchedulerConfig(max_num_batched_tokens=64, block_size=16, num_blocks=64)
+        config = configs(max_num_batched_tokens=64, block_size=16, num_blocks=64)
         requests = [make("a", 10, 8), make("b", 100, 4), make("c", 30, 4)]
-    scheduler = Scheduler(config, detokenize=detok)
+    scheduler = Scheduler(*config)
     for r in requests:
         scheduler.add_request(r)
     return scheduler, requests
@@ -241,6 +269,6 @@ def test_one_step_in_flight_gives_the_same_outputs(kind):
     for want, got in zip(expected, requests, strict=True):
         assert got.output_token_ids == want.output_token_ids
         assert got.finish_reason is want.finish_reason and got.num_pending == 0
-    config = overlapped.config
-    assert overlapped.kv.pool.num_free == config.num_blocks
-    assert overlapped.slots.num_free == config.num_state_slots
+    cache = overlapped.cache_config
+    assert overlapped.kv.pool.num_free == cache.num_blocks
+    assert overlapped.slots.num_free == cache.num_state_slots

@@ -19,9 +19,8 @@ from sparrow.kernels.attention import paged
 from sparrow.kernels.causal_conv1d import conv
 from sparrow.kernels.dequant import dequant
 from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
-from sparrow.kernels.moe_gemm import grouped_gemm
-from sparrow.kernels.moe_routing import routing
-from sparrow.kernels.quant_gemv import gemv, mma
+from sparrow.kernels.moe import combine, expert_gemv, grouped_gemm, routing
+from sparrow.kernels.quant_gemv import gdn, gemv, mma
 from sparrow.kernels.rms_norm import norm
 
 FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
@@ -30,10 +29,11 @@ FLOATS = {"eps", "scale"}  # fp32 scalars; every other scalar is i32
 # Qwen3.6-35B-A3B in bf16 as the layers launch them.
 GEMV_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "ids_ptr": "i32",
              "sw_ptr": "i32", "slot_ptr": "i32"}
-GEMV = {"TOP_K": 1, "EXPERTS": False, "SHARED": False, "GATED": False, "APPLY_WEIGHT": False,
-        "BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False,
-        "F16_DOT": False, "HEAD": 0, "PARTS": 1, "CONV_KW": 0, "X_IN_PLACE": False,
-        "ONE_STEP": False}
+ROW = {"BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": False,
+       "F16_DOT": False, "X_IN_PLACE": False, "ONE_STEP": False}  # every row GEMV's
+GEMV = ROW | {"GATED": False}
+EXPERT = ROW | {"TOP_K": 9, "SHARED": True, "GATED": False, "APPLY_WEIGHT": False,
+                "LATE_TRIGGER": False}
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
 TF32 = {"PRECISION": "tf32"}
 CASES = {
@@ -94,14 +94,14 @@ CASES = {
                                       "PREFETCH": True, "F16_DOT": True, "X_IN_PLACE": True,
                                       "ONE_STEP": True},
                               {"num_warps": 2}),  # 2048 -> 8192 / 9216 / 1024 at batch 1
-    "quant_gemv_conv": (gemv._gemv_kernel, GEMV_PTRS,
-                        GEMV | {"BLOCK_N": 32, "PACKED": True, "PREFETCH": True,
-                                "F16_DOT": True, "CONV_KW": 4},
+    "quant_gemv_conv": (gdn._gemv_conv_kernel, GEMV_PTRS,
+                        ROW | {"BLOCK_N": 32, "PACKED": True, "PREFETCH": True,
+                               "F16_DOT": True, "CONV_KW": 4},
                         {"num_warps": 4}),  # ... with the conv step (`quant_gemv_conv`)
-    "quant_gemv_rms_scaled": (gemv._gemv_kernel, GEMV_PTRS | {"x_ptr": "fp32", "sq_ptr": "fp32"},
-                              GEMV | {"BLOCK_N": 8, "BLOCK_K": 4096, "PACKED": True,
-                                      "PREFETCH": True, "HEAD": 128, "PARTS": 8,
-                                      "ONE_STEP": True},
+    "quant_gemv_rms_scaled": (gdn._gemv_rms_kernel, GEMV_PTRS | {"x_ptr": "fp32", "sq_ptr": "fp32"},
+                              ROW | {"BLOCK_N": 8, "BLOCK_K": 4096, "PACKED": True,
+                                     "PREFETCH": True, "HEAD": 128, "PARTS": 8,
+                                     "ONE_STEP": True},
                               {"num_warps": 2}),  # the GDN out-projection at batch 1
     "quant_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
                          GEMV | {"GATED": True, "BLOCK_N": 4, "PACKED": True},
@@ -123,21 +123,18 @@ CASES = {
     "dequant": (dequant._dequant_kernel, {"*": "bf16", "w_ptr": "i32"},
                 {"BITS": 4, "GROUP": 64, "BLOCK_N": 16, "BLOCK_K": 256, "PACKED": True},
                 {"num_warps": 4}),
-    "moe_gemv": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
-                 GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "APPLY_WEIGHT": True,
-                         "BLOCK_N": 32, "BLOCK_K": 512, "PACKED": True, "F16_DOT": True,
-                         "PREFETCH": True, "ONE_STEP": True},
+    "moe_gemv": (expert_gemv._expert_gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
+                 EXPERT | {"APPLY_WEIGHT": True, "BLOCK_N": 32, "BLOCK_K": 512, "PACKED": True,
+                           "F16_DOT": True, "PREFETCH": True, "ONE_STEP": True},
                  {"num_warps": 2}),  # the down projection's launch
-    "moe_gemv_batch": (gemv._gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
-                       GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True,
-                               "APPLY_WEIGHT": True, "BLOCK_N": 32, "BLOCK_K": 512,
-                               "PACKED": True, "F16_DOT": True, "ONE_STEP": True,
-                               "USE_PDL": False},
+    "moe_gemv_batch": (expert_gemv._expert_gemv_kernel, GEMV_PTRS | {"y_ptr": "fp32"},
+                       EXPERT | {"APPLY_WEIGHT": True, "BLOCK_N": 32, "BLOCK_K": 512,
+                                 "PACKED": True, "F16_DOT": True, "ONE_STEP": True,
+                                 "USE_PDL": False},
                        {"num_warps": 2}),  # ... at 8-48 tokens (no PDL: one step, no loop)
-    "moe_gemv_gated": (gemv._gemv_kernel, GEMV_PTRS,
-                       GEMV | {"TOP_K": 9, "EXPERTS": True, "SHARED": True, "GATED": True,
-                               "BLOCK_N": 16, "PACKED": True, "F16_DOT": True,
-                               "PREFETCH": True, "LATE_TRIGGER": True},
+    "moe_gemv_gated": (expert_gemv._expert_gemv_kernel, GEMV_PTRS,
+                       EXPERT | {"GATED": True, "BLOCK_N": 16, "PACKED": True, "F16_DOT": True,
+                                 "PREFETCH": True, "LATE_TRIGGER": True},
                        {"num_warps": 4}),  # gate_up's
     "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
                                                  "sw_ptr": "i32", "sorted_ptr": "i32",
@@ -147,7 +144,7 @@ CASES = {
                   "GROUP": 64,
                   "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "PACKED": True},
                  {"num_warps": 4, "num_stages": 3}),
-    "moe_combine": (grouped_gemm._combine_kernel, {"*": "bf16"},
+    "moe_combine": (combine._combine_kernel, {"*": "bf16"},
                     {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024}, {"num_warps": 4}),
     "topk_route": (routing._topk_kernel, {"*": "bf16", "w_ptr": "fp32", "ids_ptr": "i32"},
                    {"K": 8, "SHARED": True, "BLOCK_E": 256, "BLOCK_K": 8}, {"num_warps": 1}),
@@ -180,14 +177,20 @@ def _aligned(fn, constexprs: dict) -> dict:
             if name not in constexprs and (name.endswith("_ptr") or name.startswith("stride"))}
 
 
-def compile_case(name: str) -> dict:
+def compile_kernel(name: str):
+    """(the compiled kernel of case `name`, its runtime parameters in order)."""
     fn, pointers, constexprs, options = CASES[name]
     if "USE_PDL" in fn.arg_names:  # compiled as launched with PDL on, unless the case says
         constexprs = {"USE_PDL": True} | constexprs
     src = ASTSource(fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs,
                     attrs=_aligned(fn, constexprs))
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return kernel, [n for n in fn.arg_names if n not in constexprs]
+
+
+def compile_case(name: str) -> dict:
     try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        kernel, _ = compile_kernel(name)
     except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
         return {"case": name, "error": f"{type(e).__name__}: {e}"[-2000:]}
     return {"case": name, "cubin": "cubin" in kernel.asm, "shared_bytes": kernel.metadata.shared,

@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from sparrow.kernels.moe_gemm import naive
-from sparrow.kernels.moe_gemm.grouped_gemm import GemmTiles, Shared, moe_experts
-from sparrow.layers.moe import route
+from sparrow.kernels.moe import naive
+from sparrow.kernels.moe.expert_gemv import ExpertGemvTiles
+from sparrow.kernels.moe.experts import moe_experts
+from sparrow.kernels.moe.grouped_gemm import GemmTiles
+from sparrow.kernels.moe.shared import Shared
 from sparrow.quant.affine import QuantSpec, quantize
 from tests.conftest import rel_err
 
@@ -26,7 +28,7 @@ def _run(t, e, k, d, inter, dtype, device, logits=None, tol=1e-3, tiles=None):
         logits = torch.randn(t, e, generator=gen)
     logits = logits.to(device)
     out = moe_experts(x, logits, k, gate_up, down, spec, tiles=tiles)
-    weights, ids = route(logits.float(), k)
+    weights, ids = naive.route(logits.float(), k)
     expected = naive.moe_experts(x, weights, ids, gate_up, down, spec)
     assert out.shape == expected.shape and out.dtype == x.dtype
     assert rel_err(out, expected) < tol
@@ -74,11 +76,9 @@ def test_two_block_sizes(t):
 
 
 def test_default_tiles_from_64_rows_per_expert():
-    """About 150 rows per expert: `tiles_for` takes 128-row blocks and a 64-row block for the
-    rest of each expert."""
-    from sparrow.kernels.moe_gemm.grouped_gemm import tiles_for
-
-    assert tiles_for(300 * 2, 4).small is not None
+    """About 150 rows per expert: `GemmTiles.for_shape` takes 128-row blocks and a 64-row
+    block for the rest of each expert."""
+    assert GemmTiles.for_shape(300 * 2, 4).small is not None
     _run(300, e=4, k=2, d=128, inter=64, dtype=torch.float16, device="cpu", tol=2e-3)
 
 
@@ -119,7 +119,7 @@ def test_combine_with_shared_expert(t):
     logits, gate = fused[:, :e], fused[:, e:]  # views of the fused router output, as in the layer
     shared = torch.randn(t, d, generator=gen)
     out = moe_experts(x, logits, k, gate_up, down, spec, shared=Shared(gate, output=shared))
-    weights, ids = route(logits, k)
+    weights, ids = naive.route(logits, k)
     routed = naive.moe_experts(x, weights, ids, gate_up, down, spec)
     assert rel_err(out, routed + torch.sigmoid(gate) * shared) < 1e-5
 
@@ -138,7 +138,7 @@ def test_shared_expert_as_one_more_assignment(t):
     logits, gate = fused[:, :e], fused[:, e:]
     out = moe_experts(x, logits, k, gate_up, down, spec,
                       shared=Shared(gate, weights=(s_gate_up, s_down)))  # fmt: skip
-    weights, ids = route(logits, k)
+    weights, ids = naive.route(logits, k)
     routed = naive.moe_experts(x, weights, ids, gate_up, down, spec)
     one = torch.ones(t, 1)
     shared = naive.moe_experts(x, one, torch.zeros(t, 1, dtype=torch.long),
@@ -146,12 +146,13 @@ def test_shared_expert_as_one_more_assignment(t):
     assert rel_err(out, routed + torch.sigmoid(gate) * shared) < 1e-5
 
 
-def test_chained_expert_gemvs(monkeypatch):
-    """The expert GEMVs as they run with programmatic dependent launch (`_chained`): gate_up
-    waits, then lets the down GEMV launch, and prefetches its weight tiles within the loop;
-    the down GEMV reads ids and weights before its wait. (No PDL under the interpreter: the
-    loops and reads are what is checked.) K spans two weight tiles in both GEMVs."""
-    from sparrow.kernels.moe_gemm import grouped_gemm
-
-    monkeypatch.setattr(grouped_gemm, "_chained", lambda tokens, device: True)
-    _run(2, e=4, k=2, d=2048, inter=1024, dtype=torch.float32, device="cpu", tol=1e-5)
+def test_chained_expert_gemvs():
+    """The expert GEMVs as they run at one token with programmatic dependent launch
+    (`ExpertGemvTiles.chained`): gate_up waits, then lets the down GEMV launch, and
+    prefetches its weight tiles within the loop; the down GEMV reads ids and weights before
+    its wait. (No PDL under the interpreter: the loops and reads are what is checked.) K
+    spans two weight tiles in both GEMVs."""
+    tiles = ExpertGemvTiles.for_shape(1, pdl=True)
+    assert tiles.chained and not ExpertGemvTiles.for_shape(2, pdl=True).chained
+    _run(2, e=4, k=2, d=2048, inter=1024, dtype=torch.float32, device="cpu", tol=1e-5,
+         tiles=tiles)  # fmt: skip

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from sparrow.kernels.moe_routing import naive
-from sparrow.kernels.moe_routing.routing import align, topk_route
+from sparrow.kernels.moe import naive
+from sparrow.kernels.moe.routing import align, topk_route
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

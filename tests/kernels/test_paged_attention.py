@@ -1,11 +1,13 @@
 """Paged attention kernel vs reference: contexts around the block size, out-of-order block
 tables, chunked prefill on a cached prefix, decode, GQA, the output gate."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from sparrow.kernels.attention import naive
-from sparrow.kernels.attention.paged import paged_attention, paged_decode_attention
+from sparrow.kernels.attention.paged import DecodeTiles, paged_attention, paged_decode_attention
 from tests.conftest import rel_err
 
 
@@ -48,7 +50,9 @@ def _check(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, tol, with_gate=Tr
         # passes it, a view of the q projection (rows [q | gate] per head)
         if gate is not None:
             gate = torch.cat([q, gate], dim=-1)[..., q.shape[-1]:]
-        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, gate, splits)
+        tiles = DecodeTiles.for_shape(len(ctx_lens), hkv, d)
+        tiles = replace(tiles, splits=splits) if splits else tiles  # 0: chosen by batch
+        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, gate, tiles)
     assert rel_err(out.float(), expected) < tol
 
 

@@ -1,19 +1,17 @@
 """Fused-dequant GEMV against its reference (Triton interpreter on CPU, real sizes on GPU)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sparrow.kernels.causal_conv1d.conv import state_pool
-from sparrow.kernels.quant_gemv.gemv import (
-    launch_gemv,
-    quant_gemv,
-    quant_gemv_conv,
-    quant_gemv_rms_scaled,
-)
-from sparrow.kernels.quant_gemv.mma import quant_mma
+from sparrow.kernels.causal_conv1d.naive import causal_conv1d
+from sparrow.kernels.quant_gemv.gdn import quant_gemv_conv, quant_gemv_rms_scaled
+from sparrow.kernels.quant_gemv.gemv import GemvTiles, launch_gemv, quant_gemv
+from sparrow.kernels.quant_gemv.mma import MmaTiles, quant_mma
 from sparrow.kernels.quant_gemv.naive import quant_matmul
-from sparrow.layers.gated_deltanet import causal_conv1d
 from sparrow.layers.norms import GatedRMSNorm
 from sparrow.quant.affine import QuantSpec, quantize
 from tests.conftest import rel_err
@@ -51,7 +49,7 @@ def test_mma_configs_match_reference(config):
     """Every code path of the few-rows kernel, whatever shape picks it by default."""
     spec = QuantSpec(4, 64)
     x, packed, scales, biases = _case(6, 40, 768, spec, torch.float16, "cpu")
-    y = quant_mma(x, packed, scales, biases, spec, **config)
+    y = quant_mma(x, packed, scales, biases, spec, replace(MmaTiles.for_shape(40, 768), **config))
     expected = quant_matmul(x.float(), packed, scales.float(), biases.float(), spec)
     assert rel_err(y, expected) < 2e-3
 
@@ -68,8 +66,8 @@ def test_weight_prefetch_matches(n, k, bits, block_k, gated):
     outs = []
     for prefetch in (False, True):
         y = torch.empty(1, n)
-        launch_gemv(x, (packed, scales, biases), y, spec, block_n=8, block_k=block_k,
-                    num_warps=1, gated=gated, prefetch=prefetch)  # fmt: skip
+        launch_gemv(x, (packed, scales, biases), y, spec,
+                    GemvTiles(8, block_k, 1, prefetch=prefetch), gated=gated)
         outs.append(y)
     assert torch.equal(outs[0], outs[1])
     full = quant_matmul(x, packed, scales, biases, spec)
@@ -221,16 +219,17 @@ def test_gemv_x_in_place_gpu(n, k, block_n, block_k, warps, dtype):
         ys = []
         for in_place in (False, True):
             y = torch.empty(1, n, device="cuda", dtype=dtype)
-            launch_gemv(x, (packed, scales, biases), y, spec, block_n, block_k, warps,
-                        prefetch=prefetch, f16_dot=True, x_in_place=in_place)  # fmt: skip
+            tiles = GemvTiles(block_n, block_k, warps, f16_dot=True, prefetch=prefetch,
+                              x_in_place=in_place)  # fmt: skip
+            launch_gemv(x, (packed, scales, biases), y, spec, tiles)
             ys.append(y)
         errors = rel_err(ys[0], expected), rel_err(ys[1], expected)  # bf16 rounding: 2^-8
         assert errors[0] < 1e-2 and errors[1] <= errors[0] + 2**-8, (prefetch, errors)
     shifted = torch.empty(1, k + 1, device="cuda", dtype=dtype)[:, 1:]
     shifted.copy_(x)
     y = torch.empty(1, n, device="cuda", dtype=dtype)
-    launch_gemv(shifted, (packed, scales, biases), y, spec, block_n, block_k, warps,
-                f16_dot=True, x_in_place=True)  # fmt: skip
+    launch_gemv(shifted, (packed, scales, biases), y, spec,
+                GemvTiles(block_n, block_k, warps, f16_dot=True, x_in_place=True))
     assert rel_err(y, expected) < 1e-2 and rel_err(y, ys[0]) <= 2**-8
 
 

@@ -5,9 +5,9 @@ from torch import nn
 
 from sparrow.config import QuantConfig
 from sparrow.layers.linear import fuse_linears
+from sparrow.layers.quantized import QuantizedLinear
 from sparrow.loader.random_checkpoint import PRESETS, random_model
 from sparrow.quant.affine import QuantSpec
-from sparrow.quant.modules import QuantizedLinear
 
 
 def test_fused_outputs_equal_separate_ones():

@@ -5,10 +5,10 @@ capture fail)."""
 import pytest
 import torch
 
-from sparrow.config import ModelConfig, QuantConfig
+from sparrow.config import QuantConfig
 from sparrow.kernels import get_backend, set_backend
-from sparrow.layers.moe import SparseMoE
-from sparrow.quant.modules import quantized_copy
+from sparrow.layers.quantized import quantized_copy
+from sparrow.models.qwen3_5_moe import ModelArgs, sparse_moe
 from tests.conftest import rel_err
 
 
@@ -16,10 +16,10 @@ from tests.conftest import rel_err
 @pytest.mark.parametrize("quantized", [True, False])
 @pytest.mark.parametrize("tokens", [1, 8, 100])
 def test_moe_layer_is_capturable(tokens, quantized):
-    cfg = ModelConfig()  # full-size layer: hidden 2048, 256 experts, top-8
+    cfg = ModelArgs()  # full-size layer: hidden 2048, 256 experts, top-8
     torch.manual_seed(0)
     with torch.device("cuda"):
-        layer = SparseMoE(cfg).to(torch.bfloat16)
+        layer = sparse_moe(cfg).to(torch.bfloat16)
     for p in layer.parameters():
         p.requires_grad_(False).normal_(0, 0.02)
     moe = layer

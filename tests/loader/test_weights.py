@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sparrow.config import ModelConfig
 from sparrow.loader.random_checkpoint import random_model, random_tensors, write_random_checkpoint
 from sparrow.loader.weights import CheckpointError, load_checkpoint, load_tensors
+from sparrow.models.qwen3_5_moe import ModelArgs
 from sparrow.worker.sequences import SequenceBatch
 
-CFG = ModelConfig(
+CFG = ModelArgs(
     vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=2, num_kv_heads=1,
     head_dim=16, mrope_section=(1, 1, 0), linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=8, linear_value_head_dim=8, num_experts=6, num_experts_per_tok=2,

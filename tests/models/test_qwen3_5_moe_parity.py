@@ -1,25 +1,25 @@
 """Logits parity with the HF oracle (transformers.Qwen3_5MoeForCausalLM), fp32 on CPU."""
 
-import inspect
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
-from sparrow.config import ModelConfig
 from sparrow.loader.random_checkpoint import write_random_checkpoint
 from sparrow.loader.weights import load_checkpoint
+from sparrow.models.qwen3_5_moe import ModelArgs
 from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
+
+pytestmark = pytest.mark.usefixtures("hf_gdn_in_pytorch")
 
 TOL = 1e-4
 DECODE_STEPS = 8
 
 # Small, but every mechanism of the real model: GQA 2:1, partial mRoPE, GDN with 2 v-heads
 # per k-head, top-4 of 16 experts, and a layer_types list that is not the default pattern.
-SMALL = ModelConfig(
+SMALL = ModelArgs(
     vocab_size=300, hidden_size=64, num_layers=5,
     layer_types=("linear_attention", "full_attention", "linear_attention",
                  "linear_attention", "full_attention"),
@@ -38,20 +38,6 @@ def checkpoint(tmp_path_factory):
     cfg = SMALL.replace(initializer_range=0.1)
     return write_random_checkpoint(path, cfg, seed=1, dtype=torch.float32, tokenizer=False,
                                    progress=False)  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hf_gdn_in_pytorch():
-    """HF's GDN functions as written in PyTorch: where flash-linear-attention is importable
-    HF runs its Triton kernels instead (TF32 dots on fp32 inputs), no longer an fp32 oracle
-    (rel. errors of 2e-2..2e-1 on the H200 with fla 0.6.0 installed)."""
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-             "causal_conv1d_fn", "causal_conv1d_update")  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        for name in names:
-            mp.setattr(modeling_qwen3_5_moe, name,
-                       inspect.unwrap(getattr(modeling_qwen3_5_moe, name)))  # fmt: skip
-        yield
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

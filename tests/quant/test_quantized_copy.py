@@ -1,16 +1,16 @@
 import torch
 
-from sparrow.config import ModelConfig, QuantConfig
-from sparrow.layers.moe import SparseMoE
-from sparrow.quant.modules import QuantizedExperts, QuantizedLinear, quantized_copy
+from sparrow.config import QuantConfig
+from sparrow.layers.quantized import QuantizedExperts, QuantizedLinear, quantized_copy
+from sparrow.models.qwen3_5_moe import ModelArgs, sparse_moe
 
-CFG = ModelConfig(hidden_size=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+CFG = ModelArgs(hidden_size=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                   shared_expert_intermediate_size=64)  # fmt: skip
 
 
 def test_quantized_copy_of_a_moe_layer():
     torch.manual_seed(0)
-    layer = SparseMoE(CFG)
+    layer = sparse_moe(CFG)
     for p in layer.parameters():
         p.requires_grad_(False).normal_(0, 0.05)
     q = quantized_copy(layer, QuantConfig.mlx_default(), torch.float32, prefix="layers.0.mlp.")
@@ -31,7 +31,7 @@ def test_kernel_path_of_the_quantized_layer_matches_reference():
     from tests.conftest import rel_err
 
     torch.manual_seed(1)
-    layer = SparseMoE(CFG)
+    layer = sparse_moe(CFG)
     for p in layer.parameters():
         p.requires_grad_(False).normal_(0, 0.05)
     q = quantized_copy(layer, QuantConfig.mlx_default(), torch.float32, prefix="layers.0.mlp.")

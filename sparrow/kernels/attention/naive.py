@@ -54,3 +54,42 @@ def paged_attention(
     if gate is not None:
         out = (out.float() * torch.sigmoid(gate.float())).to(q.dtype)
     return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    blocks_per_step: int = 16,
+) -> torch.Tensor:
+    """One query per sequence over its paged cache, all sequences at once and with no host
+    reads (it can be captured in a CUDA graph). q: [B, Hq, D]; k_cache, v_cache:
+    [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]; context_lens: [B] (the
+    query is the last of them). Returns [B, Hq, D] in q's dtype.
+
+    fp32 softmax over `blocks_per_step` blocks at a time, merged online: memory stays that of
+    one step whatever the table width, and table columns past a sequence's context add
+    exactly nothing (a graph's wider, padded tables give eager's result bit for bit)."""
+    b, hq, d = q.shape
+    hkv, block_size = k_cache.shape[2], k_cache.shape[1]
+    qf = q.float().view(b, hkv, hq // hkv, d)
+    peak = torch.full((b, hkv, hq // hkv), -1e30, device=q.device)
+    total = torch.zeros_like(peak)
+    acc = torch.zeros_like(qf)
+    for start in range(0, block_tables.shape[1], blocks_per_step):
+        table = block_tables[:, start : start + blocks_per_step].long()
+        k = k_cache[table].flatten(1, 2).float()  # [B, L, Hkv, D]
+        v = v_cache[table].flatten(1, 2).float()
+        pos = start * block_size + torch.arange(k.shape[1], device=q.device)
+        s = torch.einsum("bhgd,blhd->bhgl", qf, k) * scale
+        s = s.masked_fill((pos[None, :] >= context_lens[:, None])[:, None, None, :], -torch.inf)
+        new_peak = torch.maximum(peak, s.amax(-1))
+        p = torch.exp(s - new_peak[..., None])
+        rescale = torch.exp(peak - new_peak)
+        total = total * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + torch.einsum("bhgl,blhd->bhgd", p, v)
+        peak = new_peak
+    return (acc / total[..., None]).view(b, hq, d).to(q.dtype)

@@ -17,6 +17,8 @@ be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -79,6 +81,24 @@ def _paged_attn_kernel(
     tl.store(o_ptr + p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None])
 
 
+@dataclass(frozen=True)
+class PagedTiles:
+    """The prefill kernel's query positions per program (block_m: a tile of block_m * G
+    rows), keys per step (block_n, at most a cache block), num_warps."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    @classmethod
+    def for_shape(cls, max_q_len: int, group: int, head_dim: int) -> PagedTiles:
+        """64 rows per tile (one query position when decoding). Wide heads take narrow key
+        blocks and 8 warps: at D = 256 (64 rows) the 64-key, 4-warp tile spills 3.5 KB of
+        registers, 16 keys with 8 warps 8 bytes (ptxas, sm_90, tests/kernels/sm90_cases.py)."""
+        block_m = 1 if max_q_len == 1 else max(1, 64 // group)
+        return cls(block_m, max(16, min(64, 4096 // head_dim)), 8 if head_dim >= 256 else 4)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -89,13 +109,13 @@ def paged_attention(
     scale: float,
     gate: torch.Tensor | None = None,
     max_q_len: int | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
+    tiles: PagedTiles | None = None,
 ) -> torch.Tensor:
     """Same contract as `naive.paged_attention`. q (and gate): [T, Hq, D] with D a power of
     two; k_cache, v_cache: [num_blocks, block_size, Hkv, D] with the same strides;
     block_tables [B, max_blocks] int32; cu_seqlens_q [B + 1] and context_lens [B] int32.
-    max_q_len bounds the grid (default: T, known without reading device memory)."""
+    max_q_len bounds the grid (default: T, known without reading device memory). tiles:
+    default `PagedTiles.for_shape`."""
     t, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     if hq % hkv or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
@@ -109,13 +129,10 @@ def paged_attention(
         raise ValueError("gate must have q's shape and strides")
     g = hq // hkv
     max_q_len = max_q_len or t
-    block_m = block_m or (1 if max_q_len == 1 else max(1, 64 // g))
+    tiles = tiles or PagedTiles.for_shape(max_q_len, g, d)
+    block_m = tiles.block_m
     rows = max(16, triton.next_power_of_2(block_m * g))
-    # Wide heads take narrow key blocks and 8 warps: at D = 256 (64 rows) the 64-key,
-    # 4-warp tile spills 3.5 KB of registers, 16 keys with 8 warps 8 bytes (ptxas, sm_90,
-    # tests/kernels/sm90_cases.py).
-    block_n = min(block_n or max(16, min(64, 4096 // d)), cache_block)
-    warps = 8 if d >= 256 else 4
+    block_n = min(tiles.block_n, cache_block)
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_q_len, block_m), hkv, cu_seqlens_q.numel() - 1)
     fast(_paged_attn_kernel)[grid](
@@ -124,7 +141,7 @@ def paged_attention(
         k_cache.stride(2), block_tables.stride(0), scale,
         G=g, D=d, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, CACHE_BLOCK=cache_block,
         HAS_GATE=gate is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=warps,
+        num_warps=tiles.num_warps,
     )  # fmt: skip
     return out
 
@@ -201,11 +218,22 @@ def _decode_merge_kernel(
     tl.store(o_ptr + p_o, b_o.to(o_ptr.dtype.element_ty))
 
 
-def decode_splits(batch: int, num_kv_heads: int, target_programs: int = 256) -> int:
-    """Key-range splits per (sequence, KV head): enough programs to fill the GPU at small
-    batch, one split once the batch alone fills it (a power of two, at most 64)."""
-    want = max(1, target_programs // (batch * num_kv_heads))
-    return min(64, triton.next_power_of_2(want))
+@dataclass(frozen=True)
+class DecodeTiles:
+    """The split-K decode's key ranges per (sequence, KV head) (splits) and keys per step
+    (block_n, at most a cache block)."""
+
+    splits: int
+    block_n: int
+
+    @classmethod
+    def for_shape(cls, batch: int, num_kv_heads: int, head_dim: int,
+                  target_programs: int = 256) -> DecodeTiles:  # fmt: skip
+        """Splits: enough programs to fill the GPU at small batch, one split once the batch
+        alone fills it (a power of two, at most 64). Keys per step: 8192 / D, at most 64 (D
+        = 256: 32 keys, no spills)."""
+        want = max(1, target_programs // (batch * num_kv_heads))
+        return cls(min(64, triton.next_power_of_2(want)), min(64, 8192 // head_dim))
 
 
 def paged_decode_attention(
@@ -216,12 +244,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     gate: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    block_n: int | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """One query per sequence (decode), split-K. q (and gate): [B, Hq, D], gate with any
     strides but unit stride on D (a view of the q projection); the rest as in
-    `paged_attention` (every context length >= 1). Returns [B, Hq, D] in q's dtype."""
+    `paged_attention` (every context length >= 1). Returns [B, Hq, D] in q's dtype. tiles:
+    default `DecodeTiles.for_shape`."""
     bsz, hq, d = q.shape
     _, cache_block, hkv, _ = k_cache.shape
     if hq % hkv or k_cache.shape != v_cache.shape or k_cache.shape[-1] != d:
@@ -231,7 +259,8 @@ def paged_decode_attention(
     if gate is not None and (gate.shape != q.shape or gate.stride(-1) != 1):
         raise ValueError("gate must have q's shape and unit stride on D")
     g = hq // hkv
-    splits = num_splits or decode_splits(bsz, hkv)
+    tiles = tiles or DecodeTiles.for_shape(bsz, hkv, d)
+    splits = tiles.splits
     acc = torch.empty(bsz, hq, splits, d, device=q.device, dtype=torch.float32)
     ml = torch.empty(bsz, hq, splits, 2, device=q.device, dtype=torch.float32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -241,7 +270,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale,
         S=splits, G=g, D=d, ROWS=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=min(block_n or min(64, 8192 // d), cache_block),  # D = 256: 32 keys, no spills
+        BLOCK_N=min(tiles.block_n, cache_block),
         CACHE_BLOCK=cache_block, PRECISION=precision, **launch_args(acc, grid),
     )  # fmt: skip
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)

@@ -6,8 +6,8 @@ sequences x token blocks of the longest sequence); the K - 1 inputs before a tok
 the same sequence or, before its start, from the sequence's conv state. Only a sequence's
 first token block reads the old state, so that program also writes the new one (the last
 K - 1 inputs, from x, or from the old state for sequences shorter than K - 1) after its
-reads: no other program touches the slot. The first version walked each sequence's tokens in
-one program (64 programs at 4K tokens x 8192 channels): 743 us per layer on the H200.
+reads: no other program touches the slot. Each sequence's tokens walked in one program
+instead (64 programs at 4K tokens x 8192 channels) take 743 us per layer on the H200.
 
 Decode (every sequence one token) takes `_conv_step_kernel`: its state, weights and slot do
 not depend on the kernel before it in a step, so it loads them before waiting for that
@@ -15,6 +15,8 @@ kernel (PDL) and only the new input after.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -111,6 +113,16 @@ def state_pool(num_slots: int, channels: int, kernel: int, device, dtype) -> tor
     return torch.zeros(num_slots, kernel - 1, channels, device=device, dtype=dtype).transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class ConvTiles:
+    """Tokens per program of the prefill kernel (block_t), channels per program (block_c,
+    both kernels), num_warps."""
+
+    block_t: int = 16
+    block_c: int = 128
+    num_warps: int = 4
+
+
 def causal_conv1d_varlen(
     x: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -118,16 +130,13 @@ def causal_conv1d_varlen(
     slots: torch.Tensor,
     weight: torch.Tensor,
     max_len: int | None = None,
-    block_t: int | None = None,
-    block_c: int = 128,
-    num_warps: int = 4,
+    tiles: ConvTiles = ConvTiles(),
 ) -> torch.Tensor:
     """x: [T, C] (sequences back to back, cu_seqlens [B + 1] int32, every length >= 1);
     conv_states: [S, C, K - 1] pool (any strides; `state_pool` lays it out for the kernel),
     updated in place at `slots` [B]; weight: [C, K].
     max_len bounds the longest sequence (default T; known on the host, no device read).
-    block_t: tokens per program of the prefill kernel, by default 16. max_len 1 (decode)
-    takes the one-token kernel.
+    max_len 1 (decode) takes the one-token kernel.
     Returns silu(causal depthwise conv) [T, C] in x's dtype. Decode is the case of
     sequences of length 1."""
     t, c = x.shape
@@ -149,16 +158,15 @@ def causal_conv1d_varlen(
     # distinct.
     strides = (x.stride(0), y.stride(0), *conv_states.stride())
     if max_len == 1:
-        grid = (triton.cdiv(c, block_c), b)
+        grid = (triton.cdiv(c, tiles.block_c), b)
         fast(_conv_step_kernel)[grid](x, y, weight, conv_states, slots, c, *strides, KW=kw,
-                                      BLOCK_C=block_c, num_warps=num_warps,
+                                      BLOCK_C=tiles.block_c, num_warps=tiles.num_warps,
                                       **launch_args(y, grid))  # fmt: skip
         return y
-    block_t = block_t or 16
-    grid = (triton.cdiv(c, block_c), b, triton.cdiv(max_len or t, block_t))
+    grid = (triton.cdiv(c, tiles.block_c), b, triton.cdiv(max_len or t, tiles.block_t))
     fast(_conv_kernel)[grid](
-        x, y, weight, conv_states, cu_seqlens, slots,
-        c, *strides, KW=kw, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=num_warps,
+        x, y, weight, conv_states, cu_seqlens, slots, c, *strides, KW=kw,
+        BLOCK_T=tiles.block_t, BLOCK_C=tiles.block_c, num_warps=tiles.num_warps,
         **launch_args(y, grid),
     )  # fmt: skip
     return y

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from sparrow.layers.gated_deltanet import causal_conv1d  # noqa: F401  (the model's own)
+
+def causal_conv1d(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU. x: [L, C]; conv_state: [C, K-1]; weight: [C, K].
+    Returns (y [L, C], new conv_state)."""
+    x_ext = torch.cat((conv_state, x.t().to(conv_state.dtype)), dim=-1)  # [C, K-1+L]
+    y = F.conv1d(x_ext[None].to(weight.dtype), weight[:, None], groups=weight.shape[0])[0]
+    return F.silu(y).t().to(x.dtype), x_ext[:, x_ext.shape[1] - conv_state.shape[1] :]
 
 
 def causal_conv1d_varlen(
@@ -24,3 +33,16 @@ def causal_conv1d_varlen(
         out[start:end] = y
         conv_states[slot] = new_state
     return out
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """One new token for each of B sequences, with no host reads (it can be captured in a
+    CUDA graph). x: [B, C]; conv_states: [S, C, K - 1], rows `slots` [B] read and updated in
+    place; weight: [C, K]. Returns silu(conv) [B, C]: `causal_conv1d` with L = 1."""
+    rows = slots.long()
+    window = torch.cat((conv_states[rows], x[:, :, None].to(conv_states.dtype)), dim=-1)
+    conv_states.index_copy_(0, rows, window[:, :, 1:])
+    y = (window.to(weight.dtype) * weight).sum(-1)  # [B, C]
+    return torch.nn.functional.silu(y).to(x.dtype)

@@ -6,6 +6,8 @@ version of the same (`naive.py`) goes through int64 and fp32 temporaries of the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -39,13 +41,21 @@ def _dequant_kernel(w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, stride_sn, stride_
     tl.store(p_y, b_v.to(y_ptr.dtype.element_ty), mask=(o_n < N)[:, None])
 
 
+@dataclass(frozen=True)
+class DequantTiles:
+    """Weight rows (block_n) and columns (block_k, fit to K by `fit_block_k`) per program."""
+
+    block_n: int = 16
+    block_k: int = 256
+
+
 def dequantize(
     packed: torch.Tensor,
     scales: torch.Tensor,
     biases: torch.Tensor,
     spec: QuantSpec,
     dtype: torch.dtype = torch.float32,
-    block_n: int = 16,
+    tiles: DequantTiles = DequantTiles(),
 ) -> torch.Tensor:
     """Same contract as `naive.dequantize` for a 2-D weight: packed [N, K * bits / 32] int32
     (MLX uint32 bits), scales and biases [N, K / group]. Returns [N, K] in `dtype`."""
@@ -56,7 +66,7 @@ def dequantize(
                          f"{list(scales.shape)} / biases {list(biases.shape)}")  # fmt: skip
     packed, scales, biases = (t.contiguous() for t in (packed.view(torch.int32), scales, biases))
     y = torch.empty(n, k, device=packed.device, dtype=dtype)
-    block_k = fit_block_k(k, 256, spec.group_size)
+    block_n, block_k = tiles.block_n, fit_block_k(k, tiles.block_k, spec.group_size)
     fast(_dequant_kernel)[(triton.cdiv(n, block_n), k // block_k)](
         packed, scales, biases, y, n, packed.stride(0), scales.stride(0), y.stride(0),
         BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,

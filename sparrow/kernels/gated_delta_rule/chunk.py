@@ -319,106 +319,80 @@ def _output_kernel(
 
 @dataclass(frozen=True)
 class ChunkTiles:
-    """Launch shapes of the three kernels: warps, [W | U] columns per product step of the
-    first (wy_bc), state columns per program of the sequential kernel (state_bv) and its
-    loads in flight (state_stages: the chunks ahead whose W, U and k are being fetched, plus
-    the one in use), output columns per step of the output kernel's loop (output_bv), and
-    the dot precision of the 16x16 diagonal inverses for 16-bit inputs (inverse; fp32
-    inputs always take exact fp32).
+    """Launch shapes of the three kernels. Measured on the H200: the whole function for one
+    layer, bf16, one sequence of 2K / 8K / 32K tokens, in graphs, variants alternating in one
+    run (`bench.gdn`; the function 375 / 1,489 us at 8K / 32K).
 
-    The history below names the kernels of then: the "blocks" kernel (k k^T, A and the ten
-    16x16 blocks into memory) and the "solve" kernel (W and U from them), one `_wy_kernel`
-    since the eighteenth session.
+    Slower, each against the same run's defaults: a scan parallel over segments of 4-32
+    chunks (each segment's affine map S -> M S + E in parallel, a carry across segments, then
+    the scan per segment) 1.5-1.7x at 512 to 32K tokens (1.30 against 0.83 ms at 8K, 4.94
+    against 3.18 at 32K: the M products cost more than the sequential steps they save); the
+    scan on the transposed state (S^T [BV, DK] carried, both products with the
+    state-dependent operand from registers: mma.sync, 9 barriers a step instead of 20), scan
+    kernel 72.9 / 285 / 1,124 against 54.9 / 206 / 794 us; the output computed inside the
+    scan (q S and the decayed q k^T u per step) 399.7 us at 8K against 166.0 + 137.8 apart;
+    one sequence in 2-8 pieces on two streams, 2.36-2.45 ms against 2.37 at 32K and slower
+    at 2K and 8K (the kernels slow each other down: the scan 755 -> 1,035 us in 4 pieces),
+    the scan in pieces beside each piece's output at best 3% faster at 32K; states of every other
+    chunk only (the output kernel deriving the rest) 1.902 against 1.769 ms at 32K; the ten
+    16x16 blocks of A in fp16 or bf16 1.787 against 1.778 ms; T k and T v in tf32 680
+    against 364 us for that step at 32K (fp32 operands through shared memory); the whole
+    64x64 I + A inverted by doubling (two more doublings on 64x64 products) with [W | U] =
+    T [k | v] as 64x64 dots, 184.7 / 731.7 us at 8K / 32K against 179.9 / 692.4 for the
+    blocks and the solve in two kernels (145.6 / 596.5 with the last product in bf16, errors
+    up to 1.5x larger). A step of the
+    scan moves about 2.8 MB through HBM (W, U, k in; h, u out: 1.8 TB/s at 1.55 us a step)
+    and 6 MB between L2 and the SMs: memory traffic, not only the chain of two products, sets
+    the step's time. The scan two chunks a step (three dependent products a pair instead of
+    four) matches the recurrence in fp32, but Triton 3.6 compiles its bf16 form wrong
+    (outputs off by 0.58 from the second chunk at one stage, an illegal address at two).
 
-    Measured on the H200, the whole function for one layer, bf16, 2K / 8K / 32K tokens
-    (`scratch`-style A/B in one run, ninth session): the defaults with an 8-warp state scan
-    0.181 / 0.645 / 2.51 ms, with 4 warps (now) 0.170 / 0.608 / 2.36 in a second run (8
-    warps 0.180 / 0.644 / 2.50 there);
-    state_stages 2 (before: each chunk's loads were waited on at the start of the step
-    that used them, nothing in flight across a step) 0.20 / 0.74 / 2.87; inverse "ieee"
-    0.188 / 0.683 / 2.66 (output differs from it by 4e-3 of its largest value, the final
-    state by 2.6e-3: the level of the bf16 rounding of W, U and the chunk states),
-    "tf32x3" 0.216 / 0.766 / 2.93; state_bv 16 with 4 warps 0.20 / 0.74 / 2.92, state_bv
-    64 0.21 / 0.76 / 2.95; output 128 columns with 8 warps 0.20 / 0.71 / 2.79, 64 with 8
-    warps 0.21 / 0.76 / 2.98. Before the blocks and output kernels took a q/k head per
-    program (the RATIO v-heads that read it share k k^T and q k^T) and the stages change:
-    0.218 / 0.792 / 3.11. The output computed inside the scan (q S and P u per step, P =
-    decayed q k^T from a parallel kernel; no per-chunk states in memory) measured the same
-    as the separate output kernel: 0.608 / 2.33 ms at 8K / 32K with 4 warps (not kept). So
-    did one sequence in 2-8 pieces with piece i + 1's blocks and solve on one stream beside
-    piece i's scan and output on a second (32K: 2.37 ms in one pass, 2.36-2.45 in pieces; the
-    kernels slow each other down: the scan 755 -> 1,035 us in 4 pieces; 2K and 8K slower).
-    Swept again after those changes (same harness, one change at a time from the defaults of
-    then, blocks 4 warps and solve_bc 32; 2K / 8K / 32K: 0.170 / 0.608 / 2.36 ms): blocks 2
-    warps 0.155 / 0.554 / 2.14 (16 bytes spilled at sm_90), 8 warps 0.206 / 0.756 / 2.93;
-    solve_bc 64 0.161 / 0.575 / 2.23, 16 0.213 / 0.776 / 3.00; solve 2 warps 0.161 / 0.578 /
-    2.27, 8 warps 0.199 / 0.721 / 2.82; output 32 / 128 columns 0.706 / 0.621 ms at 8K, 2 / 8
-    warps 0.605 / 0.688; state_bv 16 / 64 0.706 / 0.712; state_stages 4 0.624. Now blocks 2
-    warps and solve_bc 64.
-    A scan parallel over segments of 4-32 chunks (each segment's affine map S -> M S + E in
-    parallel, a carry across segments, then the scan per segment) measured 1.5-1.7x slower
-    than the sequential scan at 512 to 32K tokens (1.30 vs 0.83 ms at 8K, 4.94 vs 3.18 at
-    32K): the M products cost more than the sequential steps they save. The scan on the
-    transposed state (S^T [BV, DK] carried, so both products take the state-dependent
-    operand from registers: Triton emits mma.sync, 9 barriers per step instead of 20)
-    measured slower (eleventh session, scan kernel alone at 2K / 8K / 32K: 72.9 / 285 /
-    1,124 us against 54.9 / 206 / 794; 16 columns or 8 warps slower still). A step of all
-    programs moves about 2.8 MB through HBM (W, U, k in; h, u out: 1.8 TB/s at 1.55 us a
-    step) and 6 MB between L2 and the SMs: memory traffic, not only the chain of two
-    products, sets the step's time. The scan two chunks a step (three dependent products a
-    pair instead of four: W0 S and W1 S; then S1 = d0 S + K0^T u0 beside u1 = U1 - d0 W1 S
-    - (W1 K0^T) u0; then S2) matched the recurrence in fp32 on the H200 and under the
-    interpreter, but Triton 3.6 compiled its bf16 form wrong (outputs off by 0.58 from the
-    second chunk at one stage, an illegal address at two; even two plain steps per loop
-    iteration were off by 0.068 at one stage, right at two): not timed, not kept
-    (fourteenth session). The scan with k read as stored and its row factors on u (before:
-    k scaled and decayed in fp32, then staged transposed through shared memory between the
-    two products; sm_90 loop body 810 -> 515 instructions, 173 -> 128 registers): scan
-    kernel 54.9 / 207.8 / 797.8 -> 44.3 / 163.5 / 659.7 us at 2K / 8K / 32K, the whole
-    function 142.6 / 521.5 / 2,011 -> 131.9 / 479.9 / 1,862 us (graphs, alternating;
-    docs/bench/scan-k-stored-ab-*-s15.json), error against the fp32 recurrence unchanged
-    on random inputs, 0.023 / 0.041 -> 0.021 / 0.018 (output / state) for a repeated key.
-    The blocks kernel per v-head with k k^T as one 64x64 dot and the four diagonal inverses
-    as one batch of [16, 16] products (before: per q/k head, the ten k k^T blocks as 40
-    16x16x32 dots, four inverses one after another, 2 warps): 76.4 / 295.1 -> 53.5 / 205.9
-    us at 8K / 32K, the whole function 481.6 / 1,864 -> 456.6 / 1,766 us, outputs identical
-    (docs/bench/wy-ab-*-s15.json; 2 warps 460.8 / 1,767, 8 warps 502.0 / 1,950). Not kept
-    from the same run: blocks and solve as one kernel inverting the whole 64x64 I + A (two
-    more doublings on 64x64 products) and [W | U] = T [k | v] as 64x64 dots: 184.7 / 731.7
-    us for both kernels' work with tf32 products (179.9 / 692.4 split), 145.6 / 596.5 with
-    the last product in bf16 (errors up to 1.5x larger); and the output inside the scan (q S
-    and the decayed q k^T u per step): 399.7 us at 8K against 166.0 + 137.8 apart.
-    Sixteenth session, not kept (docs/bench/gdn-*-s16.json): the scan in pieces on a second
-    stream beside each piece's output 3% faster at 32K at best (the output's traffic slows
-    the scan beside it); states of every other chunk only (the output kernel deriving the
-    rest) 1.769 -> 1.902 ms at 32K; the ten blocks in fp16 or bf16 1.778 -> 1.787 ms.
-    Eighteenth session (graphs, alternating 5 rounds, docs/bench/gdn-*-ab-*-s18.json): the
-    output kernel per (chunk, q/k head) looping over both v-heads and their column blocks
-    (before: a program per 64 columns, each loading q and k and computing q k^T and the
-    decayed causal parts again) 541 -> 401 us at 32K, 138 -> 103 at 8K, outputs identical
-    (32-column steps 1,742 us for the function against 1,644, 8 warps 1,883); the scan's
-    loads unmasked (rows past the end repeat the last row, with a zero factor) 652 -> 647 us,
-    with 4 stages in flight 608 (3 stages 1,654 us for the function against 1,605, 5 stages
-    1,652; 16 columns with 4 stages 1,993; 8 warps 1,754). The solve as T = (I + A)^-1
-    (forward substitution on the identity's rows) times k and v in bf16 (before: the
-    forward substitution on every 64 columns of [k | v], 40 tf32 16x16 dots) 399 -> 364 us
-    at 32K, 103 -> 85 at 8K, errors against an fp32 run at fla's level (32K: output 0.0075,
-    state 0.0070; fla 0.0075 / 0.0076; before 0.0067 / 0.0045); T k and T v in tf32 instead
-    680 us (fp32 operands through shared memory); bf16 with 32 or 128 columns, 2 or 8 warps,
-    or 1-2 stages 1,620-1,682 us for the function against 1,574. Blocks and solve as one
-    kernel (the ten blocks taken from registers by reshapes and splits, none in memory: 168
-    MB less written and read at 32K; docs/bench/gdn-wy-fused-ab-2026-12-01-s18.json): 209 +
-    365 -> 492 us at 32K, the function 1,569 -> 1,489 us (8K 394 -> 375), outputs identical;
-    8 warps 1,722; 32 columns a step 1,552; capped at 128 registers (60 bytes spilled)
-    1,483 against 1,486 (gdn-wy-regs-ab-*-s18.json)."""
+    What the kernels do, against their alternatives: the scan reads k as stored with its row
+    factors on u (k scaled and decayed in fp32 and staged transposed through shared memory
+    instead: sm_90 loop body 810 against 515 instructions, 173 against 128 registers; scan
+    kernel 54.9 / 207.8 / 797.8 against 44.3 / 163.5 / 659.7 us; errors against the fp32
+    recurrence the same on random inputs, 0.023 / 0.041 against 0.021 / 0.018 (output /
+    state) for a repeated key) and loads unmasked (rows past the end repeat the last row,
+    with a zero factor: 647 against 652 us at 32K); the first kernel takes a (chunk, v-head)
+    with k k^T as one 64x64 dot and the four diagonal inverses as one batch (a q/k head per
+    program with 40 16x16x32 dots and the inverses one after another: 76.4 / 295.1 against
+    53.5 / 205.9 us at 8K / 32K), T = (I + A)^-1 by forward substitution on the identity's
+    rows times k and v in bf16 (forward substitution on every 64 columns of [k | v], 40 tf32
+    16x16 dots: 399 against 364 us at 32K, 103 against 85 at 8K; errors against an fp32 run
+    at flash-linear-attention's level: 32K output 0.0075, state 0.0070; fla 0.0075 /
+    0.0076), and the blocks of A from registers, none in memory (168 MB less written and read
+    at 32K; as two kernels 209 + 365 against 492 us at 32K, the function 1,569 against 1,489
+    us, 8K 394 against 375, outputs identical); the output kernel takes a (chunk, q/k head)
+    and loops over both v-heads and their column blocks (a program per 64 columns, each
+    loading q and k and computing q k^T and the decayed causal parts again: 541 against 401
+    us at 32K, 138 against 103 at 8K, outputs identical)."""
 
+    # the first kernel: 8 warps 1,722 us for the function at 32K against 1,489; capped at
+    # 128 registers (60 bytes spilled) 1,483 against 1,486
     wy_warps: int = 4
+    # [W | U] columns per product step: 32 a step 1,552 us against 1,489 at 32K; 32 or 128
+    # columns, 2 or 8 warps, 1-2 stages for the product in bf16: 1,620-1,682 against 1,574
     wy_bc: int = 64
+    # dot precision of the 16x16 diagonal inverses for 16-bit inputs (fp32 inputs take
+    # exact fp32): "ieee" 0.188 / 0.683 / 2.66 ms against 0.170 / 0.608 / 2.36 (output off by
+    # 4e-3 of its largest value, final state by 2.6e-3: the level of the bf16 rounding of W,
+    # U and the chunk states), "tf32x3" 0.216 / 0.766 / 2.93
     inverse: str = "tf32"
+    # state columns per program of the sequential kernel: 16 0.706 ms at 8K against 0.608,
+    # 64 0.712; with 4 stages 16 columns 1,993 us at 32K against 1,605
     state_bv: int = 32
+    # 8 warps 0.180 / 0.644 / 2.50 ms against 0.170 / 0.608 / 2.36; with 4 stages 1,754 us
+    # at 32K against 1,605
     state_warps: int = 4
+    # the chunks ahead whose W, U and k are in flight, plus the one in use: 608 us for the
+    # scan at 32K against 647 with 3; the function with 3 stages 1,654 us against 1,605, 5
+    # stages 1,652; 2 (each chunk's loads waited on at the start of the step that uses
+    # them) 0.20 / 0.74 / 2.87 ms against 0.170 / 0.608 / 2.36 with 3
     state_stages: int = 4
+    # output columns per step of the output kernel's loop: 32 1,742 us for the function at
+    # 32K against 1,644; 128 0.621 ms at 8K against 0.608
     output_bv: int = 64
+    # 8 warps 1,883 us at 32K against 1,644; 2 warps 0.605 ms at 8K against 0.608
     output_warps: int = 4
 
 

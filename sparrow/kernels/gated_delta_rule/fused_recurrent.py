@@ -13,19 +13,21 @@ as the norm needs: the state [Dk, Dv] as a tile [Dv // BV, Dk, BV]. Measured on 
 kernel; with 8 warps 6.8 / 7.7 / 17.0 / 130. Without it (`normed=False`, batch-1 decode with
 4-bit projections), a program owns 16 columns and the norm's 1 / rms is applied by the
 out-projection GEMV (`quant_gemv_rms_scaled`): at batch 1 the head-per-program step has only
-32 programs, each storing 64 KB of state. Measured and not kept: the conv inside the step
-too (the q/k windows written by one of a q/k head's two programs; timing only) 5.41 / 6.61 /
-12.93 / 94.5: a layer's decode is a chain of dependent kernels, and at batch 1 the conv
-kernel's time hides behind the step's state loads (issued before the wait). Earlier, with
-the step split over column blocks: the conv inside the step, its windows moved by extra
+32 programs, each storing 64 KB of state. Slower: the conv inside the step too (the q/k
+windows written by one of a q/k head's two programs; timing only) 5.41 / 6.61 / 12.93 /
+94.5: a layer's decode is a chain of dependent kernels, and at batch 1 the conv kernel's
+time hides behind the step's state loads (issued before the wait). Against the step split
+over column blocks plus a norm kernel: the conv inside the step, its windows moved by extra
 programs of the norm kernel, 4.85 vs 4.96 us at batch 1; the norm kernel waiting on
 per-(sequence, head) arrival counters instead of the whole step kernel, 7.24 vs 4.75; the
 whole decode as one kernel with conv and norm done by the last of a head's programs, 7.70
-vs 6.40; the whole norm (from o and z) in the out-projection GEMV's prologue, 2.7 us a layer
-more than the GEMV alone.
+vs 6.40; the whole norm (from o and z) in the out-projection GEMV's prologue, 2.7 us a
+layer more than the GEMV alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -124,6 +126,22 @@ def _recurrent_step_kernel(
     tl.store(y_ptr + i_b * stride_y + i_h * DV + o_col, b_y.to(y_ptr.dtype.element_ty))
 
 
+@dataclass(frozen=True)
+class RecurrentTiles:
+    """The decode step's state columns per thread group (normed: a head per program) or per
+    program (not normed), block_v (at most Dv), and num_warps."""
+
+    block_v: int
+    num_warps: int
+
+    @classmethod
+    def for_shape(cls, normed: bool) -> RecurrentTiles:
+        """normed: 32 columns (16 and 32 within 1% at every batch), 4 warps (8: see the
+        module docstring). Not normed: 16 columns on 1 warp, 8x the programs, for batch 1's
+        32 heads."""
+        return cls(32, 4) if normed else cls(16, 1)
+
+
 def fused_recurrent_step(
     qkv: torch.Tensor,
     a: torch.Tensor,
@@ -137,17 +155,15 @@ def fused_recurrent_step(
     slots: torch.Tensor,
     num_k_heads: int,
     normed: bool = True,
-    block_v: int | None = None,
-    num_warps: int | None = None,
+    tiles: RecurrentTiles | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """qkv: [B, 2 * Hk * Dk + Hv * Dv] (after the conv); a, b: [B, Hv] (projections);
     z: [B, Hv, Dv] (heads packed, any row stride); a_log, dt_bias: [Hv]; norm_weight: [Dv];
     states: [S, Hv, Dk, Dv] fp32 pool, updated in place at slots [B].
     Returns the gated-normed output [B, Hv, Dv] in z's dtype: a program per (head,
-    sequence), block_v state columns per thread group (default 32; 16 and 32 within 1% at
-    every batch), num_warps 4 (see the module docstring for 8).
-    normed=False: a program owns block_v columns (default 16, on 1 warp: 8x the programs,
-    for batch 1's 32 heads), so no program sees a whole head; returns the norm's parts
+    sequence), block_v state columns per thread group (tiles: `RecurrentTiles.for_shape`).
+    normed=False: a program owns block_v columns, so no program sees a whole head; returns
+    the norm's parts
     (p = o * w * silu(z) [B, Hv, Dv] in z's dtype, and the sums of o^2 of each head's
     column blocks [B, Hv, Dv / block_v] fp32) for the reader that scales each head of p by
     1 / rms (`quant_gemv_rms_scaled`). Measured on the H200 (graphs of 30 layers at batch 1,
@@ -168,7 +184,8 @@ def fused_recurrent_step(
     a, b = _one_row_stride(a, b)
     z = _heads_packed(z)
     y = torch.empty(bsz, hv, dv, device=qkv.device, dtype=z.dtype)
-    block_v = min(block_v or (32 if normed else 16), dv)
+    tiles = tiles or RecurrentTiles.for_shape(normed)
+    block_v = min(tiles.block_v, dv)
     cols = dv if normed else block_v
     sq = None if normed else torch.empty(bsz, hv, dv // cols, device=y.device,
                                          dtype=torch.float32)  # fmt: skip
@@ -177,7 +194,7 @@ def fused_recurrent_step(
         qkv, a, b, a_log, dt_bias, states, slots, z, norm_weight, y, sq,
         qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), z.stride(0), y.stride(0),
         eps, key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, COLS=cols, BV=block_v,
-        NORM=normed, num_warps=num_warps or (4 if normed else 1), **launch_args(y, grid),
+        NORM=normed, num_warps=tiles.num_warps, **launch_args(y, grid),
     )  # fmt: skip
     return y if normed else (y, sq)
 
@@ -242,7 +259,7 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, N, stride_zt, D: tl.c
     tl.store(y_ptr + i[:, None] * D + o_d, b_y, mask=m)
 
 
-GATED_NORM_ROWS = 8  # rows per program: one row per program was 131K programs at 4K tokens
+GATED_NORM_ROWS = 8  # rows per program: one row per program is 131K programs at 4K tokens
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float):

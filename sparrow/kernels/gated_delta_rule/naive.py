@@ -96,3 +96,26 @@ def chunk_gated_delta_rule(
         s = s * cum[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
     out = out.reshape(h, n * chunk_size, -1)[:, :t_len]
     return out.transpose(0, 1), s
+
+
+def recurrent_step_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token for each of B sequences at once, with no host reads (it can be
+    captured in a CUDA graph). q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv];
+    state_pool: [S, Hv, Dk, Dv] fp32, rows `slots` [B] read and updated in place.
+    Returns o [B, Hv, Dv] fp32: `recurrent_gated_delta_rule` with T = 1 per sequence."""
+    rows = slots.long()
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [Hv, B, D] and [Hv, B]
+    s = state_pool[rows].float() * g.t().exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
+    k_b, q_b = k.transpose(0, 1), q.transpose(0, 1)  # [B, Hv, Dk]
+    delta = (v.transpose(0, 1) - torch.einsum("bhkv,bhk->bhv", s, k_b)) * beta.t()[..., None]
+    s = s + k_b[..., None] * delta[:, :, None, :]
+    state_pool.index_copy_(0, rows, s.to(state_pool.dtype))
+    return torch.einsum("bhkv,bhk->bhv", s, q_b)

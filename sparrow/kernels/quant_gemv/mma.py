@@ -11,13 +11,16 @@ a second kernel, not SPLIT = 1 of one: with a batch axis of 1 Triton still sprea
 over it (sm_90 SASS: 9.9 instructions per code against 4.7 for the 2-D kernel).
 
 Measured on the H200 at 8 rows (`python -m sparrow.bench.gemv --rows 8`, 2026-11-30):
-2048 -> 12352 19.7 us (the row GEMV it replaced, unpacking per row: 58 us), lm_head 320 us
-(1,083), 4096 -> 2048 13.2 us with SPLIT 4 (39.5). At one row the row GEMV stays faster
-(2048 -> 12352: 24.6 us here against 14.7, now 10.2): each K step waits on the tile's round
-trip through shared memory and a chain of dependent MMAs that one row cannot hide.
+2048 -> 12352 19.7 us (the row GEMV, unpacking per row: 58 us), lm_head 320 us (1,083),
+4096 -> 2048 13.2 us with SPLIT 4 (39.5). At one row the row GEMV is faster (2048 -> 12352:
+24.6 us here against 14.7 for the row GEMV in the same run): each K step waits on the
+tile's round trip through shared memory and a chain of dependent MMAs that one row cannot
+hide.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -123,14 +126,27 @@ def _mma_split_kernel(
     tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_n[:, None] & (o_m < M)[None, :])
 
 
-def default_config(n: int, k: int) -> dict:
-    """(block_n, block_k, split, num_warps, num_stages) by shape: best of the H200 sweep at 8
-    rows. Matrices of up to 4096 rows split K over 4 warps (2 for K = 512)."""
-    if n > 4096:
-        return dict(block_n=32, block_k=256, split=1, num_warps=4, num_stages=3)
-    if k <= 512:
-        return dict(block_n=16, block_k=256, split=2, num_warps=2, num_stages=3)
-    return dict(block_n=16, block_k=256, split=4, num_warps=4, num_stages=3)
+@dataclass(frozen=True)
+class MmaTiles:
+    """Weight rows per program (block_n), K per step (block_k, fit to each K range), K ranges
+    over warps (split: 1 for the 2-D kernel, halved until it divides the groups), num_warps,
+    num_stages."""
+
+    block_n: int
+    block_k: int
+    split: int
+    num_warps: int
+    num_stages: int = 3
+
+    @classmethod
+    def for_shape(cls, n: int, k: int) -> MmaTiles:
+        """Best of the H200 sweep at 8 rows: matrices of up to 4096 rows split K over 4 warps
+        (2 for K = 512)."""
+        if n > 4096:
+            return cls(block_n=32, block_k=256, split=1, num_warps=4)
+        if k <= 512:
+            return cls(block_n=16, block_k=256, split=2, num_warps=2)
+        return cls(block_n=16, block_k=256, split=4, num_warps=4)
 
 
 def quant_mma(
@@ -139,31 +155,31 @@ def quant_mma(
     scales: torch.Tensor,
     biases: torch.Tensor,
     spec: QuantSpec,
-    **config,
+    tiles: MmaTiles | None = None,
 ) -> torch.Tensor:
     """x: [M <= 16, K] (fp16/bf16 on the GPU; fp16/fp32 under the interpreter); packed
     [N, K * bits / 32] int32; scales, biases [N, K / group]. Returns y [M, N] in x's dtype.
-    `config` overrides `default_config` (block_n, block_k, split, num_warps, num_stages)."""
+    tiles: default `MmaTiles.for_shape`."""
     m, k = x.shape
     n = packed.shape[0]
     if m > MMA_ROWS:
         raise ValueError(f"quant_mma takes at most {MMA_ROWS} rows, got {m}")
     if k % spec.group_size:
         raise ValueError(f"K = {k} is not a multiple of the group size {spec.group_size}")
-    cfg = default_config(n, k) | config
-    groups, split = k // spec.group_size, cfg["split"]
+    tiles = tiles or MmaTiles.for_shape(n, k)
+    groups, split = k // spec.group_size, tiles.split
     while groups % split:
         split //= 2
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     args = (x, packed.view(torch.int32), scales, biases, y, m, n, k,
             x.stride(0), packed.stride(0), scales.stride(0), y.stride(0))  # fmt: skip
-    meta = dict(BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=cfg["block_n"],
-                BLOCK_K=fit_block_k(k // split, cfg["block_k"], spec.group_size),
+    meta = dict(BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=tiles.block_n,
+                BLOCK_K=fit_block_k(k // split, tiles.block_k, spec.group_size),
                 PACKED=packed_unpack(scales.dtype, spec.bits, x.device),
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 means fp32
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
-    grid = (triton.cdiv(n, cfg["block_n"]),)
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
+    grid = (triton.cdiv(n, tiles.block_n),)
     if split == 1:
         fast(_mma_kernel)[grid](*args, **meta, **launch_args(y, grid))
     else:

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.layers.rotary import apply_rotary
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, R] with R <= D. Rotates the first R dims of every head."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    x1, x2 = x_rot.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    x_rot = x_rot * cos[:, None] + rotated * sin[:, None]
+    return torch.cat((x_rot, x_pass), dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

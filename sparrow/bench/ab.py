@@ -1,0 +1,150 @@
+"""The engine at two checkouts of the tree, alternating in one run (GPU): is a change a
+regression end to end?
+
+Each checkout (a directory holding a `sparrow/` package, e.g. `git worktree add /tmp/old
+REV`) runs in its own process with the full-size 4-bit model materialised on the GPU; the
+parent sends both the same work in turns (old, new, old, new, ...) and takes medians:
+batch-1 prefill and decode at each `--lengths`, and decode output tok/s at each
+`--concurrency` (prompts of 512 tokens). A checkout's own `sparrow.bench.e2e.run_engine`
+does the timing, so both sides measure the same way.
+
+    python -m sparrow.bench.ab --old /tmp/old --new . --lengths 4096,131072 --concurrency 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from sparrow.bench.report import write_report
+
+# Runs inside each checkout's process (its own `sparrow` on sys.path): builds the engine,
+# then answers one JSON request per stdin line with one JSON line on stdout.
+_WORKER = r"""
+import json, sys, torch
+from sparrow.bench.e2e import VOCAB, run_engine
+from sparrow.loader.random_checkpoint import PRESETS, random_model
+from sparrow.config import QuantConfig
+try:
+    from sparrow.engine.llm import LLM
+    settings = lambda n, l, b: {"max_num_seqs": n, "max_model_len": l, "num_blocks": b}
+except ImportError:
+    from sparrow.llm import LLM
+    from sparrow.core.scheduler import SchedulerConfig
+    settings = lambda n, l, b: {"scheduler": SchedulerConfig(max_num_seqs=n, max_model_len=l,
+                                                             num_blocks=b)}
+most, max_len, preset, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if device == "cpu":  # the smoke test: run_engine syncs the GPU between phases
+    torch.cuda.synchronize = lambda *a: None
+torch.manual_seed(0)
+args = PRESETS[preset]
+quant = QuantConfig.from_name("4bit") if device == "cuda" else None
+model = random_model(args, 0, device, torch.bfloat16 if device == "cuda" else torch.float32,
+                     quantize=quant)
+llm = LLM(model, **settings(most, max_len, -(-max_len // 128) + 8 * most))
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    gen = torch.Generator().manual_seed(job["seed"])
+    prompts = [torch.randint(0, VOCAB, (job["length"],), generator=gen).tolist()
+               for _ in range(job["batch"])]
+    t_pre, t_dec, n = run_engine(llm, prompts, job["decode"])
+    print(json.dumps({"prefill_s": t_pre, "decode_s": t_dec, "tokens": n}), flush=True)
+"""
+
+
+class Side:
+    """One checkout's engine process."""
+
+    def __init__(self, tree: Path, most: int, max_len: int, preset: str, device: str):
+        env = os.environ | {"PYTHONPATH": str(tree.resolve())}
+        argv = [str(most), str(max_len), preset, device]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER, *argv], env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tree,
+        )  # fmt: skip
+
+    def ready(self) -> None:
+        line = self.proc.stdout.readline()
+        if not line or not json.loads(line).get("ready"):
+            raise RuntimeError("an engine process failed to start (its stderr is above)")
+
+    def run(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("an engine process died (its stderr is above)")
+        return json.loads(line)
+
+
+def _alternate(sides: dict[str, Side], job: dict, rounds: int, warm: int) -> dict[str, list]:
+    runs: dict[str, list] = {name: [] for name in sides}
+    for r in range(warm + rounds):
+        for name, side in sides.items():
+            result = side.run(job)
+            if r >= warm:
+                runs[name].append(result)
+    return runs
+
+
+def _medians(runs: list[dict], length: int, batch: int) -> dict[str, float]:
+    return {
+        "prefill_tok_s": statistics.median(length * batch / r["prefill_s"] for r in runs),
+        "decode_tok_s": statistics.median(r["tokens"] / r["decode_s"] for r in runs),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--old", required=True, help="checkout directory of the baseline")
+    p.add_argument("--new", default=".", help="checkout directory of the change")
+    p.add_argument("--lengths", default="4096,131072")
+    p.add_argument("--concurrency", default="8")
+    p.add_argument("--decode", type=int, default=32, help="decode tokens per batch-1 run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--preset", default="qwen3.6-35b-a3b", help="qwen3.6-tiny: a smoke test")
+    p.add_argument("--device", default="cuda", help="cpu: the float model, a smoke test")
+    p.add_argument("--out", default="bench-out/ab.json")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    most = max(concurrency + [1])
+    max_len = max(max(lengths) + args.decode, 512 + 64) + 2
+    sides = {name: Side(Path(tree), most, max_len, args.preset, args.device)
+             for name, tree in (("old", args.old), ("new", args.new))}  # fmt: skip
+    for side in sides.values():
+        side.ready()
+    report: dict = {"old": str(args.old), "new": str(args.new), "batch1": {}, "concurrency": {}}
+    for length in lengths:
+        job = {"length": length, "batch": 1, "decode": args.decode + 1, "seed": length}
+        runs = _alternate(sides, job, args.rounds, warm=1 if length <= 16384 else 0)
+        report["batch1"][length] = {n: _medians(r, length, 1) for n, r in runs.items()}
+        _print_row(f"batch 1, {length} tokens", report["batch1"][length])
+    for c in concurrency:
+        job = {"length": 512, "batch": c, "decode": 64, "seed": c}
+        runs = _alternate(sides, job, args.rounds, warm=1)
+        report["concurrency"][c] = {n: _medians(r, 512, c) for n, r in runs.items()}
+        _print_row(f"concurrency {c}, 512 tokens", report["concurrency"][c])
+    for side in sides.values():
+        side.proc.stdin.close()
+        side.proc.wait(timeout=60)
+    write_report(args.out, report)
+    return report
+
+
+def _print_row(what: str, row: dict[str, dict[str, float]]) -> None:
+    old, new = row["old"], row["new"]
+    print(f"[ab] {what:>26}: prefill {old['prefill_tok_s']:9.0f} -> {new['prefill_tok_s']:9.0f}"
+          f" tok/s ({new['prefill_tok_s'] / old['prefill_tok_s']:.3f}x) | decode "
+          f"{old['decode_tok_s']:7.1f} -> {new['decode_tok_s']:7.1f} tok/s "
+          f"({new['decode_tok_s'] / old['decode_tok_s']:.3f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

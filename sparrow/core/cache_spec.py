@@ -1,0 +1,62 @@
+"""What each layer keeps between steps, declared by the layer itself.
+
+A model lists one spec per layer (`Model.cache_specs()`, None for a layer that keeps
+nothing). Two kinds of storage follow from them:
+- paged, per token: K/V rows (later also MSA index keys) in fixed-size blocks that every
+  paged layer addresses through the same per-request block table; the block manager
+  (`core/block_pool.py`) counts blocks, the worker's `ModelCache` holds one tensor set per
+  layer;
+- per request slot: recurrent state (the GDN conv window and matrix state), one slot per
+  running request, reset when a request starts.
+Specs are plain data: sizes here, tensors in `sparrow/worker/cache.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class PagedKVSpec:
+    """K and V of every token: [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    paged: ClassVar[bool] = True
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """Per request: the conv window [conv_channels, conv_kernel - 1] in the activation dtype
+    and the recurrent state `state_shape` (GDN: [Hv, Dk, Dv]) in fp32."""
+
+    paged: ClassVar[bool] = False
+    conv_channels: int
+    conv_kernel: int
+    state_shape: tuple[int, ...]
+
+    def bytes_per_slot(self, itemsize: int) -> int:
+        conv = self.conv_channels * (self.conv_kernel - 1) * itemsize
+        state = 4
+        for n in self.state_shape:
+            state *= n
+        return conv + state
+
+
+CacheSpec = PagedKVSpec | RecurrentStateSpec
+
+
+def paged_bytes_per_block(specs: Sequence[CacheSpec | None], block_size: int,
+                          itemsize: int) -> int:  # fmt: skip
+    """Bytes one block takes across every paged layer."""
+    return block_size * sum(s.bytes_per_token(itemsize) for s in specs if s is not None and s.paged)
+
+
+def slot_bytes(specs: Sequence[CacheSpec | None], itemsize: int) -> int:
+    """Bytes one request slot takes across every slot-addressed layer."""
+    return sum(s.bytes_per_slot(itemsize) for s in specs if s is not None and not s.paged)

@@ -1,0 +1,84 @@
+"""`EngineClient`: the one interface the HTTP server (and the gateway) talks to an engine
+through.
+
+It speaks token ids, `SamplingParams` and `OutputDelta`s (text already decoded, stop strings
+applied: the output processor runs behind it) and hands out plain data about the engine;
+no scheduler, model or `LLM` object crosses it. The in-process `AsyncEngine` implements it;
+so does the gateway's gRPC client. Tokenising and chat templates stay with the caller.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from sparrow.core.sampling_params import SamplingParams
+from sparrow.engine.output_processor import OutputDelta
+
+
+class InvalidRequest(ValueError):
+    """The request can never run (context limit, cache size, token ids out of range, ...):
+    the message says why. An HTTP server answers 400."""
+
+
+class EngineFull(RuntimeError):
+    """The queue is at its limit or the engine is stopping: retry later (503)."""
+
+
+class EngineError(RuntimeError):
+    """The engine loop stopped on an error: requests in flight end with this."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a caller needs to know to build requests."""
+
+    max_model_len: int  # prompt + output tokens per request
+    vocab_size: int  # prompt token ids are in [0, vocab_size)
+    default_stop_token_ids: tuple[int, ...]  # used when a request gives none (no ignore_eos)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int  # queued, not admitted yet
+    running: int
+    kv_usage: float  # fraction of KV blocks in use
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    alive: bool  # the engine loop runs
+    accepting: bool  # and takes new requests (not stopping)
+
+
+class EngineClient(abc.ABC):
+    """Add requests and stream their outputs; abort, stats, health, shutdown."""
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abc.abstractmethod
+    async def add(self, request_id: str, prompt_token_ids: list[int],
+                  params: SamplingParams) -> AsyncIterator[OutputDelta]:  # fmt: skip
+        """Queue a request; returns the stream of its outputs, the last one with a finish
+        reason. Raises before anything is queued: InvalidRequest (with the reason),
+        EngineFull, EngineError. Stop token ids default to `info.default_stop_token_ids`
+        unless `params` gives some or ignores EOS. Leaving the stream early aborts the
+        request. The stream raises EngineError if the engine fails meanwhile."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free what it holds; its stream ends with reason ABORT. A no-op
+        for unknown or finished requests."""
+
+    @abc.abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abc.abstractmethod
+    def health(self) -> EngineHealth: ...
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop taking requests; those in flight run to their end."""

@@ -1,0 +1,70 @@
+"""EngineConfig's "auto" and None settings turned into values for one model on one device.
+
+The device and dtype ("auto": CUDA in bfloat16 if present, else the CPU in float32), the
+context limit (the model's own unless set lower), the per-request slots (one per sequence the
+scheduler may run) and the number of KV blocks: what fits in `gpu_memory_utilization` of the
+GPU's memory after the weights and the per-slot states (on a CPU: 8K tokens' worth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+
+from sparrow.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, SchedulerConfig
+from sparrow.core.cache_spec import paged_bytes_per_block, slot_bytes
+
+CPU_CACHE_TOKENS = 8192
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(device: DeviceConfig) -> tuple[str, torch.dtype]:
+    """(device name, activation dtype) for the device settings."""
+    name = device.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but no CUDA device is available")
+    if device.dtype == "auto":
+        return name, torch.bfloat16 if name.startswith("cuda") else torch.float32
+    return name, _DTYPES[device.dtype]
+
+
+def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConfig, CacheConfig]:
+    """The scheduler and cache settings with every None filled in for `model` (loaded: its
+    weights already take their memory). Prints the KV cache budget."""
+    args, sched, cache = model.config, config.scheduler, config.cache
+    limit = args.max_position_embeddings
+    if sched.max_model_len is not None and sched.max_model_len > limit:
+        raise ConfigError(f"max_model_len {sched.max_model_len} exceeds the model's context "
+                          f"of {limit} tokens (max_position_embeddings)")  # fmt: skip
+    sched = dataclasses.replace(sched, max_model_len=sched.max_model_len or limit)
+    slots = cache.num_state_slots or sched.max_num_seqs
+    cache = dataclasses.replace(cache, num_state_slots=slots)
+    if cache.num_blocks is None:
+        blocks = _blocks_for_memory(cache, model, sched.max_model_len * slots)
+        cache = dataclasses.replace(cache, num_blocks=blocks)
+    return sched, cache
+
+
+def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module, most_tokens: int) -> int:
+    specs, itemsize = model.cache_specs(), model.dtype.itemsize
+    per_block = paged_bytes_per_block(specs, cache.block_size, itemsize)
+    if per_block == 0:  # no paged layer: blocks hold nothing, they only count tokens
+        return -(-most_tokens // cache.block_size)
+    if model.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(model.device)
+        states = slot_bytes(specs, itemsize) * (cache.num_state_slots + 1)
+        usable = int(total * cache.gpu_memory_utilization) - (total - free) - states
+        blocks = max(0, usable // per_block)
+    else:
+        blocks = -(-CPU_CACHE_TOKENS // cache.block_size)
+    if blocks < 1:
+        raise ConfigError("no memory left for the KV cache after loading the weights; raise "
+                          "gpu_memory_utilization or lower max_num_seqs")  # fmt: skip
+    print(f"[sparrow] KV cache: {blocks} blocks of {cache.block_size} tokens "
+          f"({blocks * per_block / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
+    return blocks

@@ -1,0 +1,211 @@
+"""Quantised versions of the model's weight-holding modules, and the policy for which
+modules are quantised.
+
+What is quantised (the MLX policy, so checkpoints are interchangeable): every linear layer,
+the routed experts and the token embedding, when their input dim is a multiple of the group
+size. The MoE router (`mlp.gate`) and the shared-expert gate (`mlp.shared_expert_gate`) use
+8 bits; everything else 4. What stays in floating point: all norms, the GDN depthwise conv,
+`A_log` and `dt_bias`.
+
+Quantised parameters sit beside each other: `<module>.weight` (packed int32 words),
+`<module>.scales`, `<module>.biases`; for the fused experts `gate_up_proj` with
+`gate_up_proj_scales` / `gate_up_proj_biases` (and the same for `down_proj`).
+
+Forward passes: the reference path dequantises, then runs a float matmul; with the Triton
+backend, linear layers on up to 16 rows (decode) run the fused-dequant GEMV instead (one row:
+the row GEMV; 2-16: tensor cores), on more rows a one-pass dequantisation kernel then the
+matmul, and the routed experts run GPU routing + grouped fused-dequant GEMMs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparrow.config import QuantConfig
+from sparrow.kernels import use_triton
+from sparrow.kernels.dequant.dequant import dequantize as dequantize_kernel
+from sparrow.kernels.moe.experts import moe_experts
+from sparrow.kernels.moe.shared import Shared
+from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
+from sparrow.layers.linear import fuse_all
+from sparrow.layers.moe import Experts
+from sparrow.quant.affine import QuantSpec, dequantize, quantize
+
+
+def companion(param: str, kind: str) -> str:
+    """Name of the scales/biases parameter that goes with a packed weight parameter."""
+    if param == "weight" or param.endswith(".weight"):
+        return param[: -len("weight")] + kind
+    return f"{param}_{kind}"
+
+
+def _packed_params(module: nn.Module, name: str, shape: tuple[int, ...], spec: QuantSpec,
+                   dtype: torch.dtype) -> None:  # fmt: skip
+    """Register `name` (packed words) and its scales/biases for a float weight of `shape`."""
+    module.register_parameter(
+        name, nn.Parameter(torch.empty(spec.packed_shape(shape), dtype=torch.int32), False)
+    )
+    for kind in ("scales", "biases"):
+        value = torch.empty(spec.group_shape(shape), dtype=dtype)
+        module.register_parameter(companion(name, kind), nn.Parameter(value, False))
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, spec: QuantSpec, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.logical_shapes = {"weight": (out_features, in_features)}
+        _packed_params(self, "weight", (out_features, in_features), spec, dtype)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight, self.scales, self.biases, self.spec, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if use_triton(x) and rows.shape[0] <= MAX_ROWS:
+            y = quant_gemv(rows, self.weight, self.scales, self.biases, self.spec)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if use_triton(x):  # more rows: one-pass dequantisation, then one GEMM
+            w = dequantize_kernel(self.weight, self.scales, self.biases, self.spec, x.dtype)
+            return F.linear(x, w)
+        return F.linear(x, self.dequantized_weight(x.dtype))
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(first half of the outputs) * second half: this layer as a fused gate_up
+        [2I, K]. With the Triton backend the GEMV computes it in its epilogue (one kernel
+        instead of three at decode)."""
+        rows = x.reshape(-1, self.in_features)
+        if use_triton(x) and rows.shape[0] <= MAX_ROWS:
+            h = quant_gemv(rows, self.weight, self.scales, self.biases, self.spec, gated=True)
+            return h.reshape(*x.shape[:-1], self.out_features // 2)
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class QuantizedEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, spec: QuantSpec, dtype: torch.dtype):
+        super().__init__()
+        self.spec, self.dtype = spec, dtype
+        self.logical_shapes = {"weight": (num_embeddings, dim)}
+        _packed_params(self, "weight", (num_embeddings, dim), spec, dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(
+            self.weight[ids], self.scales[ids], self.biases[ids], self.spec, self.scales.dtype
+        )
+
+
+class QuantizedExperts(Experts):
+    """Experts with 4-bit gate_up [E, 2I, hidden] and down [E, hidden, I] weights."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, spec: QuantSpec,
+                 dtype: torch.dtype):  # fmt: skip
+        nn.Module.__init__(self)
+        self.spec = spec
+        self.logical_shapes = {
+            "gate_up_proj": (num_experts, 2 * intermediate, hidden),
+            "down_proj": (num_experts, hidden, intermediate),
+        }
+        for name, shape in self.logical_shapes.items():
+            _packed_params(self, name, shape, spec, dtype)
+
+    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                      shared: nn.Module | None = None,
+                      shared_gate: torch.Tensor | None = None):  # fmt: skip
+        """With the Triton backend: GPU routing + fused-dequant expert GEMVs or grouped GEMMs,
+        no host sync. A shared expert quantised like one routed expert runs inside the
+        experts' kernels (one more assignment per token); otherwise as its own layers, its
+        output added in the combine kernel. Inside is faster eagerly at every size on the
+        H200 (`bench.moe`, 64 / 512 / 2,048 / 8,192 tokens: 809 / 755 / 1,012 / 2,163 us
+        against 965 / 1,004 / 1,172 / 2,354 as its own layers: dequantise + cuBLAS per
+        projection, 6 launches more), in a CUDA graph 20-40 us slower from 2K tokens (cuBLAS
+        beats our GEMM on its shapes)."""
+        if not use_triton(x):
+            return super().route_and_run(x, router_logits, top_k, shared, shared_gate)
+        rows = x.reshape(-1, x.shape[-1])
+        side = None
+        if shared is not None:
+            weights = self._like_an_expert(shared)
+            side = Shared(shared_gate, output=None if weights else shared(x), weights=weights)
+        return moe_experts(
+            rows, router_logits, top_k,
+            (self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
+            (self.down_proj, self.down_proj_scales, self.down_proj_biases), self.spec,
+            shared=side,
+        )  # fmt: skip
+
+    def _like_an_expert(self, shared: nn.Module) -> tuple[tuple, tuple] | None:
+        """The shared expert's packed (gate_up, down) if they match one routed expert's
+        format and shapes, else None."""
+        mods = shared.projections() if hasattr(shared, "projections") else None
+        if mods is None or not all(isinstance(m, QuantizedLinear) for m in mods):
+            return None
+        packed = tuple((m.weight, m.scales, m.biases) for m in mods)
+        mine = ((self.gate_up_proj, self.gate_up_proj_scales),
+                (self.down_proj, self.down_proj_scales))  # fmt: skip
+        for m, (w, s, _), (ew, es) in zip(mods, packed, mine, strict=True):
+            if m.spec != self.spec or w.shape != ew.shape[1:] or s.shape != es.shape[1:] \
+                    or s.dtype != es.dtype:  # fmt: skip
+                return None
+        return packed
+
+    def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = self.gate_up_proj_scales.dtype
+        return tuple(
+            dequantize(getattr(self, n)[e], getattr(self, f"{n}_scales")[e],
+                       getattr(self, f"{n}_biases")[e], self.spec, dtype)
+            for n in ("gate_up_proj", "down_proj")
+        )  # fmt: skip
+
+
+def quantize_modules(
+    model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, prefix: str = ""
+) -> nn.Module:
+    """Swap the model's weight-holding modules for quantised ones following `qcfg` (call it
+    under `torch.device("meta")`: the loader fills the new parameters). `prefix` is the
+    model's own path in the full model, for the per-module overrides. Returns the model."""
+    for path, module in list(model.named_modules()):
+        spec = qcfg.spec_for(prefix + path)
+        if spec is None:
+            continue
+        if isinstance(module, nn.Linear) and module.in_features % spec.group_size == 0:
+            new = QuantizedLinear(module.in_features, module.out_features, spec, dtype)
+        elif isinstance(module, nn.Embedding) and module.embedding_dim % spec.group_size == 0:
+            new = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, spec, dtype)
+        elif type(module) is Experts and all(
+            w.shape[-1] % spec.group_size == 0 for w in (module.gate_up_proj, module.down_proj)
+        ):
+            e, two_i, hidden = module.gate_up_proj.shape
+            new = QuantizedExperts(e, hidden, two_i // 2, spec, dtype)
+        else:
+            continue
+        parent, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
+
+
+def quantized_copy(
+    module: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, prefix: str = ""
+) -> nn.Module:
+    """A quantised twin of a float module: weights quantised from it, float parameters (norms,
+    conv) shared. For benchmarking one layer without building a whole model."""
+    float_params = dict(module.named_parameters())
+    with torch.device("meta"):
+        twin = copy.deepcopy(module).to("meta")
+        quantize_modules(twin, qcfg, dtype, prefix)
+    state = {}
+    for path, m in twin.named_modules():
+        for name in getattr(m, "logical_shapes", {}):
+            full = f"{path}.{name}" if path else name
+            packed, scales, biases = quantize(float_params[full], m.spec, dtype)
+            state[full] = packed
+            state[companion(full, "scales")], state[companion(full, "biases")] = scales, biases
+    for name, _ in twin.named_parameters():
+        state.setdefault(name, float_params.get(name))
+    twin.load_state_dict(state, strict=True, assign=True)
+    fuse_all(twin)  # as the loader leaves a model: projections of one input fused
+    return twin

@@ -1,0 +1,193 @@
+"""From a validated body to engine requests and back: tokenise (chat template for chat),
+add the n choices to the engine, then collect their outputs into one response or stream
+them as server-sent events. Talks to the engine through `EngineClient` alone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi.responses import StreamingResponse
+
+from sparrow.core.request import FinishReason
+from sparrow.core.sampling_params import SamplingParams
+from sparrow.engine.client import EngineClient, EngineError, EngineFull, InvalidRequest
+from sparrow.engine.output_processor import LogprobEntry, OutputDelta
+from sparrow.server import protocol
+from sparrow.server.metrics import Metrics
+from sparrow.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from sparrow.server.sse import sse_events
+from sparrow.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass
+class Choice:
+    """One of the n completions of a request, as its deltas arrive."""
+
+    index: int
+    request_id: str
+    stream: AsyncIterator[OutputDelta]
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    logprobs: list[LogprobEntry] | None = None  # None: not asked for
+
+    def take(self, delta: OutputDelta) -> None:
+        self.text += delta.text
+        self.num_tokens += len(delta.token_ids)
+        self.finish_reason = delta.finish_reason
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+
+
+@dataclass
+class Job:
+    """A request the engine runs as `choices`: what the response needs to be written."""
+
+    body: SamplingFields
+    chat: bool
+    prompt_ids: list[int]
+    response_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[Choice] = field(default_factory=list)
+
+    def usage(self) -> dict[str, int]:
+        return protocol.usage(len(self.prompt_ids), sum(c.num_tokens for c in self.choices))
+
+
+class Handlers:
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
+                 metrics: Metrics):  # fmt: skip
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.metrics = metrics
+
+    async def chat(self, body: ChatCompletionRequest):
+        self._check_model(body)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_request_error") from e
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        job = await self._start(body, self.tokenizer.encode(prompt), max_tokens, chat=True)
+        return await self._respond(job)
+
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body)
+        prompt = body.prompt
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        job = await self._start(body, ids, body.max_tokens, chat=False)
+        return await self._respond(job)
+
+    def _check_model(self, body: SamplingFields) -> None:
+        if body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "not_found_error")  # fmt: skip
+
+    def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None):
+        room = self.engine.info.max_model_len - prompt_len
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens or max(1, min(DEFAULT_MAX_TOKENS, room)),
+                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                seed=body.seed, stop=body.stop_strings(), logprobs=body.logprobs_count(),
+                ignore_eos=body.ignore_eos,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ApiError(400, str(e), "invalid_request_error") from e
+
+    async def _start(self, body: SamplingFields, ids: list[int], max_tokens: int | None,
+                     chat: bool) -> Job:  # fmt: skip
+        """Add the n choices (seeds seed, seed + 1, ... so they differ reproducibly); on any
+        refusal the ones added are aborted and the error becomes the response."""
+        params = self._params(body, len(ids), max_tokens)
+        job = Job(body, chat, ids, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+        try:
+            for i in range(body.n):
+                rid = f"{job.response_id}-{i}"
+                seed = None if body.seed is None else body.seed + i
+                stream = await self.engine.add(rid, ids, dataclasses.replace(params, seed=seed))
+                job.choices.append(Choice(i, rid, stream))
+        except (InvalidRequest, EngineFull, EngineError) as e:
+            for c in job.choices:
+                self.engine.abort(c.request_id)
+            raise _refusal(e) from e
+        self.metrics.prompt_tokens.inc(len(ids) * body.n)
+        self.metrics.requests.labels("chat" if chat else "completions", "200").inc()
+        return job
+
+    async def _respond(self, job: Job):
+        if job.body.stream:
+            return StreamingResponse(sse_events(job, self.events(job), self.model_name),
+                                     media_type="text/event-stream")  # fmt: skip
+        try:
+            async with contextlib.aclosing(self.events(job)) as events:
+                async for _ in events:
+                    pass
+        except EngineError as e:
+            raise ApiError(500, str(e), "server_error") from e
+        chat = job.chat
+        choices = [protocol.choice_body(c.index, c.text, protocol.finish_reason(c.finish_reason),
+                                        protocol.logprobs_body(c.logprobs, chat), chat)
+                   for c in job.choices]  # fmt: skip
+        return protocol.response_body(job.response_id, job.created, self.model_name, choices,
+                                      chat, usage=job.usage())  # fmt: skip
+
+    async def events(self, job: Job) -> AsyncIterator[tuple[Choice, OutputDelta]]:
+        """(choice, delta) as outputs arrive, all choices interleaved; aborts every
+        unfinished choice if the consumer stops early (client gone). Raises EngineError."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for delta in choice.stream:
+                    await merged.put((choice, delta))
+            except EngineError as e:
+                await merged.put((choice, e))
+
+        tasks = [asyncio.create_task(pump(c)) for c in job.choices]
+        start = last = time.perf_counter()
+        open_choices = len(job.choices)
+        try:
+            while open_choices:
+                choice, delta = await merged.get()
+                if isinstance(delta, EngineError):
+                    raise delta
+                if delta.token_ids:
+                    now = time.perf_counter()
+                    first = choice.num_tokens == 0
+                    (self.metrics.ttft if first else self.metrics.itl).observe(
+                        now - (start if first else last))  # fmt: skip
+                    last = now
+                    self.metrics.generation_tokens.inc(len(delta.token_ids))
+                choice.take(delta)
+                if choice.finish_reason is not None:
+                    open_choices -= 1
+                yield choice, delta
+        finally:
+            for task in tasks:
+                task.cancel()
+            for c in job.choices:
+                if c.finish_reason is None:
+                    self.metrics.aborted.inc()
+                    self.engine.abort(c.request_id)
+
+
+def _refusal(e: Exception) -> ApiError:
+    if isinstance(e, InvalidRequest):
+        return ApiError(400, str(e), "invalid_request_error")
+    if isinstance(e, EngineFull):
+        return ApiError(503, str(e), "server_overloaded", {"Retry-After": "1"})
+    return ApiError(503, str(e), "server_error")

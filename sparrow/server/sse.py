@@ -1,0 +1,53 @@
+"""A job's outputs as server-sent events, OpenAI's streaming format: one `data: {chunk}`
+event per delta (chat starts each choice with the assistant role), a usage chunk when
+`stream_options.include_usage` asks for it, then `data: [DONE]`. An engine failure mid-stream
+is sent as an error event, which ends the stream."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from sparrow.engine.client import EngineError
+from sparrow.engine.output_processor import OutputDelta
+from sparrow.server import protocol
+
+if TYPE_CHECKING:
+    from sparrow.server.handlers import Choice, Job
+
+
+def event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def sse_events(job: Job, events: AsyncIterator[tuple[Choice, OutputDelta]],
+                     model: str) -> AsyncIterator[str]:  # fmt: skip
+    """The events of `job` from its (choice, delta) stream; closing this closes `events`
+    (which aborts unfinished choices)."""
+
+    def chunk(choices: list[dict], **extra: Any) -> str:
+        return event(protocol.response_body(job.response_id, job.created, model, choices,
+                                            job.chat, chunk=True, **extra))  # fmt: skip
+
+    if job.chat:
+        for c in job.choices:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                          "finish_reason": None}])  # fmt: skip
+    async with contextlib.aclosing(events):
+        try:
+            async for c, delta in events:
+                reason = protocol.finish_reason(delta.finish_reason)
+                if not delta.text and reason is None and not delta.logprobs:
+                    continue
+                logprobs = protocol.logprobs_body(delta.logprobs, job.chat)
+                yield chunk([protocol.choice_body(c.index, delta.text, reason, logprobs,
+                                                  job.chat, delta=True)])  # fmt: skip
+        except EngineError as e:
+            yield event(protocol.error_body(str(e), "server_error", 500))
+            return
+    options = job.body.stream_options
+    if options and options.include_usage:
+        yield chunk([], usage=job.usage())
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,184 @@
+"""The HTTP app over a scripted EngineClient (no model, in process): it plays a fixed token
+stream through the real output processor, as the gateway's gRPC client will, so the app is
+seen to need nothing but the interface."""
+
+import asyncio
+import json
+
+import pytest
+
+from sparrow.core.request import FinishReason, RequestOutput
+from sparrow.core.sampling_params import SamplingParams, TokenLogprob
+from sparrow.engine.client import (
+    EngineClient,
+    EngineError,
+    EngineFull,
+    EngineHealth,
+    EngineInfo,
+    EngineStats,
+    InvalidRequest,
+)
+from sparrow.engine.output_processor import OutputProcessor
+
+pytest.importorskip("httpx")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from sparrow.server.app import build_app  # noqa: E402
+
+PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!"}
+MODEL = "scripted"
+
+
+class CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 50 for c in text]
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
+
+
+class ScriptedEngine(EngineClient):
+    def __init__(self):
+        self.processor = OutputProcessor(lambda ids: "".join(PIECES[i] for i in ids),
+                                         on_stop=self.abort)  # fmt: skip
+        self.added: list[tuple[str, list[int], SamplingParams]] = []
+        self.aborted: list[str] = []
+        self.refusal: Exception | None = None
+        self.fail_after: int | None = None  # tokens, then EngineError
+        self.alive = True
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(max_model_len=64, vocab_size=50, default_stop_token_ids=())
+
+    async def add(self, request_id, prompt_token_ids, params):
+        if self.refusal is not None:
+            raise self.refusal
+        self.added.append((request_id, prompt_token_ids, params))
+        self.processor.add(request_id, params)
+        return self._stream(request_id, params)
+
+    async def _stream(self, request_id, params):
+        n = min(params.max_tokens, len(PIECES))
+        for i, token in enumerate(list(PIECES)[:n]):
+            await asyncio.sleep(0)
+            if self.fail_after == i:
+                raise EngineError("the engine stopped: device lost")
+            lp = [TokenLogprob(token, -0.5, ((token, -0.5), (5, -2.0)))]
+            out = RequestOutput(request_id, [token], FinishReason.LENGTH if i == n - 1 else None,
+                                lp)  # fmt: skip
+            for delta in self.processor.process([out]):
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.processor.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(waiting=0, running=len(self.processor), kv_usage=0.25)
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(alive=self.alive, accepting=self.alive)
+
+    async def shutdown(self) -> None:
+        self.alive = False
+
+
+@pytest.fixture
+def engine():
+    return ScriptedEngine()
+
+
+@pytest.fixture
+def client(engine):
+    return TestClient(build_app(engine, CharTokenizer(), MODEL))
+
+
+def chat(client, **body):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]} | body
+    return client.post("/v1/chat/completions", json=body)
+
+
+def events(response) -> list:
+    lines = [ln.removeprefix("data: ") for ln in response.text.split("\n\n") if ln]
+    return [ln if ln == "[DONE]" else json.loads(ln) for ln in lines]
+
+
+def test_chat_whole_response_and_usage(client, engine):
+    out = chat(client, max_tokens=5).json()
+    assert out["object"] == "chat.completion" and out["model"] == MODEL
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hello world!"}
+    assert out["choices"][0]["finish_reason"] == "length" and out["choices"][0]["logprobs"] is None
+    prompt = len(CharTokenizer().encode("<user>hi"))
+    assert out["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5,
+                            "total_tokens": prompt + 5}  # fmt: skip
+    assert engine.added[0][1] == CharTokenizer().encode("<user>hi")
+
+
+def test_stop_string_is_applied_behind_the_interface(client, engine):
+    out = chat(client, max_tokens=5, stop=["o w"]).json()["choices"][0]
+    assert out["message"]["content"] == "Hell" and out["finish_reason"] == "stop"
+    assert engine.aborted == [engine.added[0][0]]  # the processor told the engine to stop it
+
+
+def test_stream_chunks_n_and_usage(client, engine):
+    r = chat(client, max_tokens=4, n=2, seed=7, stream=True,
+             stream_options={"include_usage": True})  # fmt: skip
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = events(r)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["usage"]["completion_tokens"] == 8
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant",
+                                                               "content": ""}] * 2  # fmt: skip
+    for index in (0, 1):
+        parts = [c["choices"][0] for c in chunks[2:-2] if c["choices"][0]["index"] == index]
+        assert "".join(p["delta"]["content"] for p in parts) == "Hello world"
+        assert parts[-1]["finish_reason"] == "length"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    assert [p.seed for _, _, p in engine.added] == [7, 8]
+
+
+def test_completions_logprobs(client):
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 1}
+    out = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert out["text"] == "Hello wor"
+    assert out["logprobs"]["tokens"] == ["Hel", "lo", " wor"]
+    assert out["logprobs"]["text_offset"] == [0, 3, 5]
+    assert out["logprobs"]["top_logprobs"][0] == {"Hel": -0.5, "!": -2.0}
+    lp = chat(client, max_tokens=2, logprobs=True, top_logprobs=2).json()["choices"][0]
+    first = lp["logprobs"]["content"][0]
+    assert first["token"] == "Hel" and first["bytes"] == list(b"Hel")
+    assert [t["logprob"] for t in first["top_logprobs"]] == [-0.5, -2.0]
+
+
+@pytest.mark.parametrize("refusal, status, kind", [
+    (InvalidRequest("prompt + max_tokens exceeds the context limit of 64"), 400,
+     "invalid_request_error"),
+    (EngineFull("8 requests are already waiting"), 503, "server_overloaded"),
+    (EngineError("the engine stopped"), 503, "server_error"),
+])  # fmt: skip
+def test_refusals_become_error_bodies(client, engine, refusal, status, kind):
+    engine.refusal = refusal
+    r = chat(client)
+    assert r.status_code == status and r.json()["error"]["type"] == kind
+    assert r.json()["error"]["message"] == str(refusal)
+    assert (r.headers.get("retry-after") == "1") == isinstance(refusal, EngineFull)
+
+
+def test_engine_failure_mid_request(client, engine):
+    engine.fail_after = 2
+    r = chat(client, max_tokens=5)
+    assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+    chunks = events(chat(client, max_tokens=5, stream=True))
+    assert "device lost" in chunks[-1]["error"]["message"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "Hello"
+
+
+def test_unknown_model_health_and_metrics(client, engine):
+    r = chat(client, model="gpt-9")
+    assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
+    assert client.get("/health").json() == {"status": "ok"}
+    assert "sparrow_kv_cache_usage 0.25" in client.get("/metrics").text
+    engine.alive = False
+    assert client.get("/health").status_code == 503

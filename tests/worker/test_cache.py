@@ -1,0 +1,100 @@
+"""Per-step metadata from hand-made plans (positions, slot mapping, cu_seqlens, padded block
+tables) and the cache tensors: scratch block and slot, slot resets."""
+
+import random
+
+import pytest
+import torch
+
+from sparrow.loader.weights import load_checkpoint
+from sparrow.worker.cache import ModelCache, build_metadata
+
+
+def test_metadata_of_a_prompt_and_a_decode():
+    meta = build_metadata(tokens=[[11, 12, 13], [14]], computed=[0, 20],
+                          block_tables=[[4, 2], [7, 1, 3]], state_slots=[1, 0], block_size=16,
+                          device="cpu")  # fmt: skip
+    assert meta.input_ids.tolist() == [11, 12, 13, 14]
+    assert meta.positions.tolist() == [0, 1, 2, 20]
+    # token 20 of sequence 1 sits in its table's block 1 (block id 1), offset 4
+    assert meta.slot_mapping.tolist() == [4 * 16, 4 * 16 + 1, 4 * 16 + 2, 1 * 16 + 4]
+    assert meta.seq_lens == [3, 1]
+    assert meta.cu_seqlens.tolist() == [0, 3, 4]
+    assert meta.context_lens.tolist() == [3, 21]
+    assert meta.block_tables.tolist() == [[4, 2, 0], [7, 1, 3]]  # padded to the widest
+    assert meta.state_slots.tolist() == [1, 0]
+    assert meta.max_q_len == 3
+    assert not meta.prefix_free
+    dtypes = {"input_ids": torch.long, "positions": torch.long, "slot_mapping": torch.long,
+              "cu_seqlens": torch.int32, "context_lens": torch.int32,
+              "block_tables": torch.int32, "state_slots": torch.int32}  # fmt: skip
+    assert {k: getattr(meta, k).dtype for k in dtypes} == dtypes
+
+
+def test_metadata_of_a_chunk_across_a_block_boundary():
+    meta = build_metadata([[5, 6, 7, 8, 9]], [14], [[9, 5]], [3], 16, "cpu")
+    assert meta.positions.tolist() == [14, 15, 16, 17, 18]
+    assert meta.slot_mapping.tolist() == [9 * 16 + 14, 9 * 16 + 15, 80, 81, 82]
+    assert meta.context_lens.tolist() == [19]
+    assert meta.cu_seqlens.tolist() == [0, 5]
+
+
+def test_prefix_free_only_when_no_sequence_has_cached_tokens():
+    assert build_metadata([[1, 2], [3]], [0, 0], [[0], [1]], [0, 1], 16, "cpu").prefix_free
+    assert not build_metadata([[1, 2], [3]], [0, 1], [[0], [1]], [0, 1], 16, "cpu").prefix_free
+
+
+def test_slot_mapping_follows_the_block_tables():
+    """Random plans: every token's cache row is in the block its table names for its
+    position, at the position's offset; cu_seqlens are the running sums."""
+    rng = random.Random(0)
+    for block_size in (1, 4, 16):
+        n = rng.randint(1, 6)
+        computed = [rng.randint(0, 40) for _ in range(n)]
+        lens = [rng.randint(1, 20) for _ in range(n)]
+        tables = [rng.sample(range(100), -(-(c + q) // block_size))
+                  for c, q in zip(computed, lens, strict=True)]  # fmt: skip
+        tokens = [[rng.randint(0, 299) for _ in range(q)] for q in lens]
+        meta = build_metadata(tokens, computed, tables, list(range(n)), block_size, "cpu")
+        rows, positions = meta.slot_mapping.tolist(), meta.positions.tolist()
+        seq = [b for b, q in enumerate(lens) for _ in range(q)]
+        for row, pos, b in zip(rows, positions, seq, strict=True):
+            assert row // block_size == tables[b][pos // block_size]
+            assert row % block_size == pos % block_size
+        assert meta.cu_seqlens.tolist() == [sum(lens[:i]) for i in range(n + 1)]
+        assert meta.max_q_len == max(lens)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint, "cpu", torch.float32, progress=False)
+
+
+def _pools(cache: ModelCache):
+    """(paged K/V pools, slot pools) of every layer."""
+    paged, slots = [], []
+    for spec, tensors in zip(cache.specs, cache.layers, strict=True):
+        if spec is not None:
+            (paged if spec.paged else slots).extend(tensors)
+    return paged, slots
+
+
+def test_cache_has_one_scratch_block_and_slot(model):
+    cache = ModelCache(model.cache_specs(), 13, 16, 5, "cpu", torch.float32)
+    assert (cache.pad_block, cache.pad_slot, cache.block_size) == (13, 5, 16)
+    paged, slots = _pools(cache)
+    assert paged and slots
+    assert all(t.shape[:2] == (14, 16) for t in paged)
+    assert all(t.shape[0] == 6 for t in slots)
+
+
+def test_reset_slots_zeroes_only_those_slots(model):
+    cache = ModelCache(model.cache_specs(), 13, 16, 5, "cpu", torch.float32)
+    paged, slots = _pools(cache)
+    for t in paged + slots:
+        t.fill_(1.5)
+    cache.reset_slots(torch.tensor([4, 1]))
+    for t in slots:
+        assert t[[1, 4]].abs().sum() == 0
+        assert (t[[0, 2, 3, 5]] == 1.5).all()
+    assert all((t == 1.5).all() for t in paged)

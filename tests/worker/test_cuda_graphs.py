@@ -1,0 +1,178 @@
+"""Decode steps from CUDA graphs: which batch sizes are captured, how a batch pads to one,
+and that a padded step gives the eager step's logits while its padding rows write only the
+cache's scratch block and slot.
+
+On the CPU nothing is captured: each "graph" replays the model eagerly on the static input
+buffers (what the captured kernels read), so the host side of `DecodeGraphs.run` (filling
+and padding the buffers, pending tokens) is tested there too; on a GPU the graphs are real.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from sparrow.loader.weights import load_checkpoint
+from sparrow.worker.cache import ModelCache, build_metadata
+from sparrow.worker.cuda_graphs import BATCH_SIZES, DecodeGraphs
+from tests.conftest import rel_err
+
+BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS = 16, 40, 6  # scratch: block 40, slot 6
+# Three decoding sequences (blocks out of order, slots not 0) and a bystander holding
+# block 0, block 1 and slot 0, which padding rows must leave alone.
+PROMPT_LENS = [20, 5, 33]
+TABLES = [[7, 3], [12], [20, 9, 30]]
+SLOTS = [4, 2, 5]
+BYSTANDER = (9, [0, 1], 0)  # prompt length, table, slot
+
+
+class EagerReplay:
+    """A captured graph's stand-in on the CPU: `replay` runs the model on the static buffers
+    of batch size `size` into a fixed output tensor, as a replayed graph does."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int):
+        self.graphs, self.size = graphs, size
+        self.out = torch.empty(size, graphs.model.config.vocab_size)
+
+    def replay(self) -> None:
+        g = self.graphs
+        self.out.copy_(g.model.logits(g.model(g._meta(self.size), g.cache)))
+
+
+def decode_graphs(model, cache, max_batch: int, max_blocks: int) -> DecodeGraphs:
+    graphs = DecodeGraphs(model, cache, max_batch, max_blocks)
+    if model.device.type == "cuda":
+        graphs.capture()
+    else:
+        for size in graphs.sizes:
+            replay = EagerReplay(graphs, size)
+            graphs.graphs[size] = (replay, replay.out)
+    return graphs
+
+
+@pytest.fixture(scope="module")
+def cpu_model(tiny_checkpoint):
+    return load_checkpoint(tiny_checkpoint, "cpu", torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("max_batch, sizes", [
+    (1, [1]), (3, [1, 2, 3]), (4, [1, 2, 4]), (5, [1, 2, 4, 5]), (64, list(BATCH_SIZES[:9])),
+    (200, [*BATCH_SIZES, 200]),
+])  # fmt: skip
+def test_captured_sizes_end_at_the_max_batch(cpu_model, max_batch, sizes):
+    cache = ModelCache(cpu_model.cache_specs(), 4, BLOCK_SIZE, 2, "cpu", torch.float32)
+    graphs = DecodeGraphs(cpu_model, cache, max_batch, 3)
+    assert graphs.sizes == sizes
+    assert not graphs.graphs  # nothing captured before capture()
+
+
+def test_batch_sizes_are_increasing_from_one():
+    assert BATCH_SIZES[0] == 1
+    assert list(BATCH_SIZES) == sorted(set(BATCH_SIZES))
+
+
+def test_padded_size_is_the_smallest_captured_size_that_fits(cpu_model):
+    cache = ModelCache(cpu_model.cache_specs(), 4, BLOCK_SIZE, 2, "cpu", torch.float32)
+    graphs = DecodeGraphs(cpu_model, cache, 20, 3)
+    assert [graphs.padded_size(b) for b in range(1, 22)] == (
+        [1, 2, 4, 4] + [8] * 4 + [16] * 8 + [20] * 4 + [None])  # fmt: skip
+
+
+def test_static_buffers_start_on_the_scratch_block_and_slot(cpu_model):
+    cache = ModelCache(cpu_model.cache_specs(), 4, BLOCK_SIZE, 2, "cpu", torch.float32)
+    graphs = DecodeGraphs(cpu_model, cache, 5, 3)
+    assert (graphs.block_tables == cache.pad_block).all()
+    assert (graphs.slot_mapping == cache.pad_block * BLOCK_SIZE).all()
+    assert (graphs.state_slots == cache.pad_slot).all()
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor a cache holds, in a fixed order, whatever its layout of attributes."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, list | tuple):
+        return [t for x in obj for t in _tensors(x)]
+    if hasattr(obj, "__dict__"):
+        return [t for _, v in sorted(vars(obj).items()) for t in _tensors(v)]
+    return []
+
+
+def _changed(before: torch.Tensor, after: torch.Tensor) -> set[int]:
+    """Indices along dim 0 (block or slot) where the tensor changed."""
+    diff = (before != after).reshape(before.shape[0], -1).any(-1)
+    return set(diff.nonzero()[:, 0].tolist())
+
+
+def _prefill(model, cache, gen: torch.Generator) -> list[int]:
+    """Prompts of the three sequences and the bystander into `cache`; returns the first
+    token each decoding sequence feeds next."""
+    vocab = model.config.vocab_size
+    lens, tables, slots = [*PROMPT_LENS, BYSTANDER[0]], [*TABLES, BYSTANDER[1]], [*SLOTS, 0]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+    meta = build_metadata(prompts, [0] * 4, tables, slots, BLOCK_SIZE, model.device)
+    cache.reset_slots(torch.tensor(slots, device=model.device))
+    with torch.inference_mode():
+        model(meta, cache)
+    return torch.randint(0, vocab, (3,), generator=gen).tolist()
+
+
+def _eager_decode(model, cache, tokens: list[int], positions: list[int]) -> torch.Tensor:
+    meta = build_metadata([[t] for t in tokens], positions, TABLES, SLOTS, BLOCK_SIZE,
+                          model.device)  # fmt: skip
+    with torch.inference_mode():
+        return model.logits(model(meta, cache))
+
+
+def check_padded_decode(model, tol: float) -> None:
+    """Three sequences decode two steps through graphs of size 4 (one padding row), the second
+    with two tokens still on the device; an identical cache decodes eagerly. Same logits;
+    the graphs' cache differs from the eager one only in the scratch block and slot."""
+    device = model.device
+    graph_cache = ModelCache(model.cache_specs(), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, device,
+                             model.dtype)  # fmt: skip
+    tokens = _prefill(model, graph_cache, torch.Generator().manual_seed(0))
+    eager_cache = copy.deepcopy(graph_cache)
+    before = [t.clone() for t in _tensors(graph_cache)]
+    graphs = decode_graphs(model, graph_cache, max_batch=4, max_blocks=3)
+    assert graphs.padded_size(3) == 4
+
+    positions = list(PROMPT_LENS)
+    device_tokens = torch.zeros(NUM_SLOTS + 1, dtype=torch.long, device=device)
+    for step in range(2):
+        fed = tokens if step == 0 else [-1, tokens[1], -1]  # -1: read device_tokens[slot]
+        got = graphs.run(fed, positions, TABLES, SLOTS, device_tokens).clone()
+        expected = _eager_decode(model, eager_cache, tokens, positions)
+        assert got.shape == expected.shape == (3, model.config.vocab_size)
+        err = rel_err(got, expected)
+        assert err < tol, f"step {step}: rel err {err:.2e}"
+        tokens = expected.argmax(-1).tolist()
+        device_tokens[torch.tensor(SLOTS, device=device)] = expected.argmax(-1)
+        positions = [p + 1 for p in positions]
+
+    pad_block, pad_slot = graph_cache.pad_block, graph_cache.pad_slot
+    written_blocks = {table[p // BLOCK_SIZE] for table, p0 in zip(TABLES, PROMPT_LENS,
+                      strict=True) for p in (p0, p0 + 1)}  # fmt: skip
+    allowed = written_blocks | set(SLOTS) | {pad_block, pad_slot}
+    scratch_written = False
+    for old, new, eager in zip(before, _tensors(graph_cache), _tensors(eager_cache),
+                               strict=True):  # fmt: skip
+        changed = _changed(old, new)
+        assert changed <= allowed, f"rows {sorted(changed - allowed)} of a {list(old.shape)} pool"
+        assert 0 not in changed and 1 not in changed  # the bystander's block 0/1 and slot 0
+        scratch_written |= bool(changed & {pad_block, pad_slot})
+        rows = [i for i in range(old.shape[0]) if i not in (pad_block, pad_slot)]
+        scale = max(eager[rows].abs().max().item(), 1e-30)
+        assert (new[rows] - eager[rows]).abs().max().item() <= tol * scale
+    assert scratch_written  # the padding row did run, in the scratch block and slot
+
+
+def test_padded_decode_matches_eager_on_cpu(cpu_model):
+    check_padded_decode(cpu_model, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)],
+                         ids=["fp32", "bf16"])  # fmt: skip
+def test_padded_decode_matches_eager_gpu(tiny_checkpoint, dtype, tol):
+    model = load_checkpoint(tiny_checkpoint, "cuda", dtype, progress=False)
+    check_padded_decode(model, tol)

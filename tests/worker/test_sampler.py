@@ -1,0 +1,119 @@
+"""Sampling: greedy is argmax; temperature / top-k / top-p draw from the distribution they
+define; seeded generators reproduce; `sample_rows` mixes greedy and sampled rows."""
+
+import pytest
+import torch
+
+from sparrow.core.sampling_params import SamplingParams
+from sparrow.worker.sampler import sample, sample_rows, token_logprob
+
+V = 1001  # not a power of two
+
+
+def _logits(rows: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    """Empirical distribution of `draws` samples from the one row `logits` [V]."""
+    picked = sample(logits.expand(draws, -1), params, _gen(0))
+    return torch.bincount(picked, minlength=logits.shape[-1]).double() / draws
+
+
+def test_greedy_is_argmax():
+    logits = _logits(5)
+    picked = sample(logits, SamplingParams(), None)
+    assert picked.dtype == torch.long
+    assert torch.equal(picked, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_k=1),
+    SamplingParams(temperature=1.3, top_p=1e-6),
+    SamplingParams(temperature=2.0, top_k=1, top_p=0.5),
+    SamplingParams(temperature=1e-4),  # all the mass on the argmax
+], ids=["top_k=1", "top_p tiny", "top_k=1 + top_p", "temperature tiny"])  # fmt: skip
+def test_filters_that_keep_one_token_are_greedy(params):
+    logits = _logits(7, seed=1)
+    for seed in range(3):
+        assert torch.equal(sample(logits, params, _gen(seed)), logits.argmax(-1))
+
+
+def test_seeded_generators_reproduce():
+    logits = _logits(6, seed=2)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+    a = [sample(logits, params, g) for g in [_gen(3)] * 4]  # one generator, four draws
+    b = [sample(logits, params, g) for g in [_gen(3)] * 4]
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    other = [sample(logits, params, g) for g in [_gen(4)] * 4]
+    assert not all(torch.equal(x, y) for x, y in zip(a, other, strict=True))
+
+
+def test_temperature_samples_softmax_of_scaled_logits():
+    logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, -2.0, 0.9])
+    for t in (0.5, 1.0, 2.0):
+        freq = _frequencies(logits, SamplingParams(temperature=t), 40_000)
+        expected = torch.softmax(logits.double() / t, -1)
+        assert (freq - expected).abs().max() < 0.012, t  # ~5 standard deviations
+
+
+def test_top_k_samples_the_k_best_renormalised():
+    logits = torch.tensor([1.0, 0.0, -0.5, 2.0, 0.3, -2.0, 0.9])
+    freq = _frequencies(logits, SamplingParams(temperature=1.0, top_k=3), 40_000)
+    best = logits.topk(3).indices
+    expected = torch.zeros(7, dtype=torch.float64)
+    expected[best] = torch.softmax(logits[best].double(), -1)
+    assert (freq - expected).abs().max() < 0.012
+    assert freq[expected == 0].sum() == 0
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.7, [0, 1]), (0.85, [0, 1, 2]), (1.0, [0, 1, 2, 3])])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, kept):
+    """probs 0.5, 0.3, 0.15, 0.05 (shuffled order in the vocabulary)."""
+    order = torch.tensor([2, 0, 3, 1])  # vocabulary id of the i-th most likely token
+    probs = torch.zeros(4, dtype=torch.float64)
+    probs[order] = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    freq = _frequencies(probs.log().float(), SamplingParams(temperature=1.0, top_p=top_p),
+                        40_000)  # fmt: skip
+    expected = torch.zeros(4, dtype=torch.float64)
+    expected[order[kept]] = probs[order[kept]] / probs[order[kept]].sum()
+    assert (freq - expected).abs().max() < 0.012
+    assert freq[expected == 0].sum() == 0
+
+
+def test_sample_rows_mixes_greedy_and_sampled_rows():
+    logits = _logits(5, seed=5)
+    sampled = SamplingParams(temperature=1.5, top_p=0.95, seed=9)
+    params = [SamplingParams(), sampled, SamplingParams(),
+              SamplingParams(temperature=0.8, top_k=1), sampled]  # fmt: skip
+    gens = [None, _gen(9), None, None, _gen(10)]
+    picked = sample_rows(logits, params, gens)
+    assert picked.dtype == torch.long and picked.shape == (5,)
+    greedy = logits.argmax(-1)
+    assert picked[[0, 2, 3]].tolist() == greedy[[0, 2, 3]].tolist()
+    assert picked[1] == sample(logits[1:2], sampled, _gen(9))[0]
+    assert picked[4] == sample(logits[4:5], sampled, _gen(10))[0]
+
+
+def test_sample_rows_all_greedy_is_argmax():
+    logits = _logits(4, seed=6)
+    picked = sample_rows(logits, [SamplingParams()] * 4, [None] * 4)
+    assert torch.equal(picked, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprob_is_log_softmax(dtype):
+    logits = _logits(1, seed=7)[0].to(dtype)
+    logp = torch.log_softmax(logits.float(), -1)
+    token = int(logits.float().argsort()[V // 2])  # a mid-ranked token, not the top one
+    out = token_logprob(logits, token, 5)
+    assert out.token_id == token
+    assert out.logprob == pytest.approx(float(logp[token]), abs=1e-5)
+    best = logp.topk(5)
+    assert [t for t, _ in out.top] == best.indices.tolist()
+    assert [lp for _, lp in out.top] == pytest.approx(best.values.tolist(), abs=1e-5)
+    assert token_logprob(logits, token, 0).top == ()
