@@ -98,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = GenerationStats(prompt_tokens=len(request.prompt_token_ids))
     start = time.perf_counter()
     first = None
-    while llm.scheduler.has_unfinished():
+    while llm.has_unfinished():
         for delta in processor.process(llm.step()):
             if first is None and delta.token_ids:
                 first = time.perf_counter()
@@ -113,7 +113,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """The OpenAI-compatible server over the engine (single process)."""
+    """The OpenAI-compatible server over the engine (single process). Exits 1 if the engine
+    fails beyond repair, so that a supervisor restarts it; 0 on a normal shutdown."""
     import uvicorn
 
     from sparrow.engine.async_engine import AsyncEngine
@@ -124,11 +125,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if llm.model.device.type == "cuda":
         llm.warmup()  # first requests do not wait for kernels to compile
     name = args.served_model_name or (Path(args.model).name if args.model else "default")
-    app = build_app(AsyncEngine(llm, max_waiting=args.max_waiting), llm.tokenizer, name,
-                    args.api_key, args.max_body_bytes)  # fmt: skip
+    engine = AsyncEngine(llm, max_waiting=args.max_waiting)
+    app = build_app(engine, llm.tokenizer, name, args.api_key, args.max_body_bytes,
+                    max_waiting=args.max_waiting)  # fmt: skip
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=30)  # fmt: skip
+    server = uvicorn.Server(config)
+
+    def stop(error: BaseException) -> None:  # on the engine thread; uvicorn polls the flag
+        server.should_exit = True
+
+    engine.on_fatal = stop
+    if engine.dead.is_set():
+        server.should_exit = True
     print(f"[sparrow] serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=30)  # fmt: skip
+    server.run()
+    if engine.dead.is_set():
+        print("[sparrow] the engine failed: exiting with status 1", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -164,16 +178,20 @@ def cmd_checkpoint_random(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sparrow.loader.random_checkpoint import PRESETS
-
     parser = argparse.ArgumentParser(
         prog="sparrow", description="Sparrow: an inference engine for sparse MoE LLMs."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    _add_generate(sub)
+    _add_serve(sub)
+    ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
+    _add_checkpoint(ckpt.add_subparsers(dest="checkpoint_command", required=True))
+    return parser
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout",
-                         formatter_class=defaults)  # fmt: skip
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -184,25 +202,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
-                         formatter_class=defaults)  # fmt: skip
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     srv.add_argument("--served-model-name", help="the model id clients use (default: dir name)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    srv.add_argument(
-        "--max-waiting",
-        type=int,
-        default=256,
-        help="queued requests before new ones get 503 + Retry-After",
-    )
+    srv.add_argument("--max-waiting", type=int, default=256,
+                     help="queued requests before new ones get 503 + Retry-After")  # fmt: skip
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
-    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
-    rnd = ckpt_sub.add_parser(
+
+def _add_checkpoint(sub) -> None:
+    from sparrow.loader.random_checkpoint import PRESETS
+
+    rnd = sub.add_parser(
         "random", help="write a random-weight checkpoint in exact HF layout (with tokenizer)"
     )
     rnd.add_argument("out", help="output directory")
@@ -216,14 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--seed", type=int, default=0)
     rnd.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     rnd.add_argument("--shard-gb", type=float, default=4.0, help="maximum shard size in GiB")
-    rnd.add_argument(
-        "--per-expert",
-        action="store_true",
-        help="write experts.E.{gate,up,down}_proj instead of fused tensors",
-    )
+    rnd.add_argument("--per-expert", action="store_true",
+                     help="write experts.E.{gate,up,down}_proj instead of fused tensors")
     rnd.set_defaults(func=cmd_checkpoint_random)
 
-    qnt = ckpt_sub.add_parser(
+    qnt = sub.add_parser(
         "quantize", help="quantise a float checkpoint and save it in MLX layout (4-bit default)"
     )
     qnt.add_argument("src", help="float checkpoint directory")
@@ -231,7 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.add_argument("--quantize", choices=_QUANT, default="4bit")
     _add_device_args(qnt)
     qnt.set_defaults(func=cmd_checkpoint_quantize)
-    return parser
 
 
 def _add_device_args(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,10 @@ has one, else the built-in ChatML template below, rendered with jinja2.
 from __future__ import annotations
 
 import base64
+import functools
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,10 @@ CHATML_TEMPLATE = """\
 """
 
 EOS_TOKEN = "<|im_end|>"
+# The reasoning markers in an assistant turn are the model's own output, which the template
+# parses (it drops earlier reasoning); they stay tokens there. Everywhere else in message
+# content a special token's text is plain text.
+ASSISTANT_MARKERS = frozenset({"<think>", "</think>"})
 
 
 class Tokenizer:
@@ -68,6 +75,64 @@ class Tokenizer:
         if self.kind == "tokenizers":
             return self._backend.encode(text, add_special_tokens=False).ids
         return self._backend.encode(text)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Special tokens written in the text stay text: no id of a special token results."""
+        if self.kind == "tiktoken":
+            return self._backend.encode(text, allowed_special=set(), disallowed_special=())
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(text) <= 1 or not self._special_ids.intersection(ids):
+            return ids
+        # HF `tokenizers` always matches added tokens: encode halves until none matches.
+        half = len(text) // 2
+        return self.encode_plain(text[:half]) + self.encode_plain(text[half:])
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """The chat template's prompt as ids. The template's own markers become special
+        tokens; message content is plain text, so a `<|im_end|><|im_start|>system` typed in
+        it is no role change. Each special token's text in content is swapped for a
+        placeholder (with a per-call nonce) before rendering and encoded plain after."""
+        nonce, hidden = secrets.token_hex(8), []
+
+        def hide(text: str, keep: frozenset[str]) -> str:
+            def mark(m: re.Match) -> str:
+                if m.group() in keep:
+                    return m.group()
+                hidden.append(m.group())
+                return f"\ue000{nonce}{len(hidden) - 1}\ue001"
+
+            return self._special_re.sub(mark, text)
+
+        safe = []
+        for message in messages:
+            keep = ASSISTANT_MARKERS if message.get("role") == "assistant" else frozenset()
+            content = message.get("content")
+            if isinstance(content, str):
+                content = hide(content, keep)
+            elif isinstance(content, list):
+                content = [p | {"text": hide(p["text"], keep)} if isinstance(p.get("text"), str)
+                           else p for p in content]  # fmt: skip
+            safe.append(message | {"content": content} if "content" in message else message)
+        prompt = self.apply_chat_template(safe, **kwargs)
+        pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", prompt)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            ids += self.encode_plain(hidden[int(piece)]) if i % 2 else self.encode(piece)
+        return ids
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        if self.kind == "tokenizers":
+            return frozenset(self._backend.get_added_tokens_decoder())
+        return frozenset(self._backend._special_tokens.values())
+
+    @functools.cached_property
+    def _special_re(self) -> re.Pattern:
+        if self.kind == "tokenizers":
+            texts = [t.content for t in self._backend.get_added_tokens_decoder().values()]
+        else:
+            texts = list(self._backend._special_tokens)
+        return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))) or "(?!)")
 
     def decode(self, ids: list[int]) -> str:
         """Ids with no token (the model's vocabulary is padded past the tokenizer's) decode

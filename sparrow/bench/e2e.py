@@ -54,7 +54,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], decode: int) -> tuple[float, 
     # the next step already (it counts as decode time)
     t1 = time.perf_counter()
     generated = 0
-    while llm.scheduler.has_unfinished():
+    while llm.has_unfinished():
         generated += sum(len(o.new_token_ids) for o in llm.step())
     return t1 - t0, _sync_time() - t1, generated
 
@@ -100,7 +100,7 @@ def profile_step(llm: LLM, context: int, new_tokens: int) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--decode", type=int, default=32, help="decode tokens per round")
@@ -111,60 +111,71 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the full 40")
     p.add_argument("--out", default="bench-out/e2e.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def build_engines(cfg: ModelArgs, args: argparse.Namespace, max_len: int, most: int) -> dict:
+    """{"hf": HF model (when the baseline runs), "sparrow-<variant>": LLM} on the GPU."""
+    engines: dict[str, object] = {}
+    hf = None
+    if args.hf_max_len:
+        from sparrow.eval.hf_compare import build_hf
+
+        hf = build_hf(cfg, torch.bfloat16)
+        engines["hf"] = hf
+    settings = {"max_num_seqs": most, "max_model_len": max_len,
+                "num_blocks": -(-max_len // 128) + 8 * most}  # fmt: skip
+    for variant in args.variants.split(","):
+        if variant == "bf16":
+            from sparrow.eval.hf_compare import ours_from_hf
+
+            model = ours_from_hf(cfg, hf) if hf is not None else random_model(cfg, 0, "cuda")
+        else:
+            model = random_model(cfg, 0, "cuda", quantize=QuantConfig.from_name(variant))
+        engines[f"sparrow-{variant}"] = LLM(model, **settings)
+    return engines
+
+
+def batch1(engines: dict, prompt: list[int], args: argparse.Namespace) -> dict[str, dict]:
+    """Median prefill and decode tok/s of each engine on one prompt, engines alternating."""
+    length = len(prompt)
+    runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    warm = 1 if length <= 16384 else 0  # longer prompts reuse the compiled kernels
+    for _ in range(args.rounds + warm):
+        for name, engine in engines.items():
+            if name != "hf":
+                t_pre, t_dec, n = run_engine(engine, [prompt], args.decode + 1)
+                runs[name].append((length / t_pre, n / t_dec))
+            elif length <= args.hf_max_len:
+                from sparrow.eval.hf_compare import run_hf
+
+                t_pre, t_dec = run_hf(engine, torch.tensor(prompt, device="cuda"),
+                                      args.hf_decode)[:2]  # fmt: skip
+                runs[name].append((length / t_pre, args.hf_decode / t_dec))
+    return {name: {"prefill_tok_s": statistics.median(r[0] for r in rows[warm:]),
+                   "decode_tok_s": statistics.median(r[1] for r in rows[warm:])}
+            for name, rows in runs.items()}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     concurrency = [int(x) for x in args.concurrency.split(",") if x]
     cfg = ModelArgs() if args.layers is None else ModelArgs().replace(num_layers=args.layers)
     torch.manual_seed(0)
-
-    engines: dict[str, object] = {}
-    hf = None
-    if args.hf_max_len:
-        from sparrow.eval.hf_compare import build_hf, ours_from_hf, run_hf
-
-        hf = build_hf(cfg, torch.bfloat16)
-        engines["hf"] = hf
-    max_len = max(lengths) + args.decode + 1
-    most = max(concurrency + [1])
-    sched = {"max_num_seqs": most, "max_model_len": max_len,
-             "num_blocks": -(-max_len // 128) + 8 * most}  # fmt: skip
-    for variant in args.variants.split(","):
-        if variant == "bf16":
-            model = ours_from_hf(cfg, hf) if hf is not None else random_model(cfg, 0, "cuda")
-        else:
-            model = random_model(cfg, 0, "cuda", quantize=QuantConfig.from_name(variant))
-        engines[f"sparrow-{variant}"] = LLM(model, **sched)
+    engines = build_engines(cfg, args, max(lengths) + args.decode + 1, max(concurrency + [1]))
     print(f"[e2e] engines ready; GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
-
     gen = torch.Generator().manual_seed(0)
     results: dict[str, dict[int, dict]] = {name: {} for name in engines}
     for length in lengths:
         prompt = torch.randint(0, VOCAB, (length,), generator=gen).tolist()
-        runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        warm = 1 if length <= 16384 else 0  # longer prompts reuse the compiled kernels
-        for _ in range(args.rounds + warm):
-            for name, engine in engines.items():
-                if name == "hf":
-                    if length > args.hf_max_len:
-                        continue
-                    ids = torch.tensor(prompt, device="cuda")
-                    t_pre, t_dec = run_hf(engine, ids, args.hf_decode)[:2]
-                    runs[name].append((length / t_pre, args.hf_decode / t_dec))
-                else:
-                    t_pre, t_dec, n = run_engine(engine, [prompt], args.decode + 1)
-                    runs[name].append((length / t_pre, n / t_dec))
-        for name, rows in runs.items():
-            rows = rows[warm:]
-            results[name][length] = {
-                "prefill_tok_s": statistics.median(r[0] for r in rows),
-                "decode_tok_s": statistics.median(r[1] for r in rows),
-            }
+        for name, row in batch1(engines, prompt, args).items():
+            results[name][length] = row
         line = "  ".join(
             f"{n}: {r[length]['prefill_tok_s']:9.0f} / {r[length]['decode_tok_s']:6.1f}"
             for n, r in results.items() if length in r
         )  # fmt: skip
         print(f"[e2e] {length:>7} tokens  prefill / decode tok/s  {line}", flush=True)
-
     conc: dict[str, dict[int, float]] = defaultdict(dict)
     for c in concurrency:
         prompts = [torch.randint(0, VOCAB, (512,), generator=gen).tolist() for _ in range(c)]
@@ -175,22 +186,17 @@ def main(argv: list[str] | None = None) -> dict:
                 conc[name][c] = n / t_dec
     report = {
         "model": f"qwen3_5_moe full width, {cfg.num_layers} layers, random weights",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "decode_tokens": args.decode,
-        "hf_decode_tokens": args.hf_decode,
-        "rounds": args.rounds,
-        "hf_skipped_above": args.hf_max_len or None,
-        "batch1": results,
-        "concurrency_decode_tok_s": conc,
-    }
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "decode_tokens": args.decode, "hf_decode_tokens": args.hf_decode,
+        "rounds": args.rounds, "hf_skipped_above": args.hf_max_len or None,
+        "batch1": results, "concurrency_decode_tok_s": conc,
+    }  # fmt: skip
     for name, engine in engines.items():
-        if name == "hf":
-            continue
-        floor = {n: HBM_BYTES_PER_S / decode_bytes_per_token(engine.model, n) for n in lengths}
-        report.setdefault("decode_roofline_tok_s", {})[name] = floor
-        report.setdefault("decode_profile_4k", {})[name] = profile_step(engine, 4096, 1)
-        report.setdefault("prefill_profile_4k", {})[name] = profile_step(engine, 0, 4096)
+        if name != "hf":
+            floor = {n: HBM_BYTES_PER_S / decode_bytes_per_token(engine.model, n) for n in lengths}
+            report.setdefault("decode_roofline_tok_s", {})[name] = floor
+            report.setdefault("decode_profile_4k", {})[name] = profile_step(engine, 4096, 1)
+            report.setdefault("prefill_profile_4k", {})[name] = profile_step(engine, 0, 4096)
     _print_table(report, lengths)
     write_report(args.out, report)
     return report

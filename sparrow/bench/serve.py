@@ -54,7 +54,7 @@ def offline(args, prompt: list[int]) -> dict:
         llm.add_request(prompt, params)
         t0 = time.perf_counter()
         first = None
-        while llm.scheduler.has_unfinished():
+        while llm.has_unfinished():
             if any(o.new_token_ids for o in llm.step()) and first is None:
                 first = time.perf_counter()
         end = time.perf_counter()

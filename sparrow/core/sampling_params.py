@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
+
+# Below this temperature sampling is greedy: logits / 1e-45 overflow to inf, the softmax
+# gives NaN and torch.multinomial raises (the limit vLLM uses).
+MIN_TEMPERATURE = 1e-5
+SEED_RANGE = 2**64  # torch.Generator.manual_seed takes [-2**63, 2**64)
+MAX_INT = 2**31 - 1  # bound on max_tokens and top_k
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Validated on construction (and `dataclasses.replace`): ValueError with the field and
+    value for anything the engine cannot run. Temperatures below `MIN_TEMPERATURE` become
+    0 (greedy); seeds are taken modulo 2**64, so seed + i for the n choices stays valid."""
+
     max_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -18,16 +31,50 @@ class SamplingParams:
     ignore_eos: bool = False  # do not stop at the model's end tokens (benchmarks)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        put = object.__setattr__  # frozen: normalised values are set once, here
+        put(self, "max_tokens", _int("max_tokens", self.max_tokens, 1, MAX_INT))
+        temperature = _float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        put(self, "temperature", 0.0 if temperature < MIN_TEMPERATURE else temperature)
+        top_p = _float("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        put(self, "top_p", top_p)
+        put(self, "top_k", _int("top_k", self.top_k, 0, MAX_INT))
+        if self.seed is not None:
+            put(self, "seed", _int("seed", self.seed, None, None) % SEED_RANGE)
+        if self.logprobs is not None:
+            put(self, "logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        put(self, "stop_token_ids", tuple(_int("stop_token_ids", t, 0, None)
+                                          for t in self.stop_token_ids))  # fmt: skip
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a sequence of strings, got {self.stop!r}")
+        put(self, "stop", tuple(self.stop))
+
+
+def _int(name: str, value: object, lo: int | None, hi: int | None) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    return value
+
+
+def _float(name: str, value: object) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,22 @@ class Scheduler:
             outputs.append(RequestOutput(rid, new, reason))
         return outputs
 
+    def drop_pending(self, sampling: list[str]) -> None:
+        """Forget the pending tokens of a launched step that will never be read (it failed):
+        the undo of `commit` for `sampling`. The requests are to be aborted next; finished
+        ones stop waiting for these tokens."""
+        for rid in sampling:
+            request = self.requests.get(rid)
+            if request is None:
+                self._drained(rid)
+            elif request.num_pending:
+                request.num_pending -= 1
+
+    @property
+    def num_draining(self) -> int:
+        """Finished requests whose tokens are still in flight."""
+        return len(self._draining)
+
     # -- internals -----------------------------------------------------------------------
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:

@@ -5,8 +5,14 @@ into the inbox and returns a stream reading the request's own queue. The engine 
 takes adds and aborts from the inbox in order between steps, runs `LLM.step()` while there
 is work, turns each step's token outputs into text deltas with the output processor (which
 ends a request at a stop string and aborts it in the scheduler at once) and posts them to
-the event loop. If the loop fails, every open stream raises `EngineError` and health says
-so.
+the event loop.
+
+Failures: a step that raises fails the requests it ran (`StepFailed`: their streams raise
+`EngineError`, the scheduler and runner have freed them) and the others go on. A failure
+pinned on no request, one that breaks the device (a CUDA error is sticky) or
+`MAX_FAILED_STEPS` failed steps in a row stop the loop: every open stream raises
+`EngineError`, health turns dead, `dead` is set and `on_fatal(error)` is called, so a
+server can exit for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import queue
 import sys
 import threading
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
@@ -29,17 +35,20 @@ from sparrow.engine.client import (
     EngineStats,
     InvalidRequest,
 )
-from sparrow.engine.llm import LLM
+from sparrow.engine.llm import LLM, StepFailed
 from sparrow.engine.output_processor import OutputDelta
 
 _Message = tuple[str, Request | str]  # ("add", request) or ("abort", request_id)
+MAX_FAILED_STEPS = 3  # in a row: the engine is broken, not a request
 
 
 class AsyncEngine(EngineClient):
-    """The in-process EngineClient over an `LLM`. At most `max_waiting` requests queue."""
+    """The in-process EngineClient over an `LLM`. At most `max_waiting` requests queue.
+    `on_fatal(error)` is called on the engine thread if the loop stops on an error."""
 
-    def __init__(self, llm: LLM, max_waiting: int = 256):
-        self._llm, self.max_waiting = llm, max_waiting
+    def __init__(self, llm: LLM, max_waiting: int = 256,
+                 on_fatal: Callable[[BaseException], None] | None = None):  # fmt: skip
+        self._llm, self.max_waiting, self.on_fatal = llm, max_waiting, on_fatal
         self._info = llm.info()
         self._processor = llm.output_processor()  # the engine thread's alone
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
@@ -48,6 +57,8 @@ class AsyncEngine(EngineClient):
         self._work = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
+        self.dead = threading.Event()  # set once the loop stopped on an error
+        self._failed_steps = 0  # in a row
         self._thread = threading.Thread(target=self._run, name="sparrow-engine", daemon=True)
         self._thread.start()
 
@@ -152,19 +163,63 @@ class AsyncEngine(EngineClient):
             self._work.wait()
             self._work.clear()  # before draining: anything added later sets it again
             self._drain()
-            if self._llm.scheduler.has_unfinished():
-                for delta in self._processor.process(self._llm.step()):
-                    self._post(delta.request_id, delta)
+            if self._llm.has_unfinished():
+                self._step()
                 self._work.set()
             elif self._stopping and self._inbox.empty():
                 return
+
+    def _step(self) -> None:
+        """One step; its deltas posted. A failed step fails its requests (re-raised when the
+        engine cannot go on); a request whose output cannot be processed fails alone."""
+        try:
+            outputs = self._llm.step()
+        except StepFailed as e:
+            self._failed_steps += 1
+            if (not e.request_ids or self._failed_steps >= MAX_FAILED_STEPS
+                    or "CUDA error" in str(e.cause)):  # fmt: skip
+                raise
+            print(f"[sparrow] a step failed; its {len(e.request_ids)} requests end with an "
+                  "error:", file=sys.stderr)  # fmt: skip
+            traceback.print_exception(e.cause)
+            for request_id in e.request_ids:
+                self._fail(request_id, f"the request failed in the engine: {e.cause!r}")
+            return
+        self._failed_steps = 0
+        for out in outputs:
+            try:
+                deltas = self._processor.process([out])
+            except Exception as e:  # noqa: BLE001 (decoding this request's tokens failed)
+                traceback.print_exc()
+                self._llm.abort(out.request_id)
+                self._fail(out.request_id, f"the request's output failed: {e!r}")
+                continue
+            for delta in deltas:
+                self._post(delta.request_id, delta)
+
+    def _fail(self, request_id: str, message: str) -> None:
+        self._processor.abort(request_id)
+        self._post(request_id, EngineError(message))
 
     def _run(self) -> None:
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 (reported, then every stream ends with it)
-            self._error = e
+            self._error = e.cause if isinstance(e, StepFailed) else e
             print("[sparrow] the engine loop failed:", file=sys.stderr)
             traceback.print_exc()
             for request_id in list(self._outputs):
-                self._post(request_id, EngineError(f"the engine stopped: {e!r}"))
+                self._post(request_id, EngineError(f"the engine stopped: {self._error!r}"))
+            self._release()
+            self.dead.set()
+            if self.on_fatal is not None:
+                self.on_fatal(self._error)
+
+    def _release(self) -> None:
+        """Best effort after a fatal error: nothing stays held (the state may be broken)."""
+        try:
+            self._llm.abort_all()
+            for request_id in list(self._processor.request_ids()):
+                self._processor.abort(request_id)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()

@@ -27,7 +27,8 @@ class EngineFull(RuntimeError):
 
 
 class EngineError(RuntimeError):
-    """The engine loop stopped on an error: requests in flight end with this."""
+    """A step the request was in failed (the engine goes on without it), or the engine loop
+    stopped on an error (every open stream ends with this; health is no longer alive)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class EngineInfo:
     max_model_len: int  # prompt + output tokens per request
     vocab_size: int  # prompt token ids are in [0, vocab_size)
     default_stop_token_ids: tuple[int, ...]  # used when a request gives none (no ignore_eos)
+    kv_cache_tokens: int | None = None  # tokens the whole KV cache holds (None: no bound)
+
+    @property
+    def request_limit(self) -> int:
+        """Prompt + output tokens one request can have: the context limit, or the whole KV
+        cache where that is smaller (a CPU-sized cache)."""
+        return min(self.max_model_len, self.kv_cache_tokens or self.max_model_len)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ class EngineClient(abc.ABC):
         reason. Raises before anything is queued: InvalidRequest (with the reason),
         EngineFull, EngineError. Stop token ids default to `info.default_stop_token_ids`
         unless `params` gives some or ignores EOS. Leaving the stream early aborts the
-        request. The stream raises EngineError if the engine fails meanwhile."""
+        request. The stream raises EngineError if the request fails in the engine."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:

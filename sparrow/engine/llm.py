@@ -28,6 +28,17 @@ from sparrow.models import load_model_args
 from sparrow.tokenizer import load_tokenizer
 from sparrow.worker.model_runner import LaunchedStep, ModelRunner
 
+_InFlight = tuple[list[str], LaunchedStep]  # the requests sampling in a step, its tokens
+
+
+class StepFailed(RuntimeError):
+    """A step raised; `request_ids` are the requests it ran (its plan and the step in
+    flight), already finished and freed; `cause` is what was raised."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"a step of {len(request_ids)} requests failed: {cause!r}")
+        self.request_ids, self.cause = request_ids, cause
+
 
 @dataclass
 class Completion:
@@ -64,7 +75,7 @@ class LLM:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.runner = ModelRunner(self.model, self.scheduler_config, self.cache_config,
                                   cuda_graphs=not config.device.enforce_eager)  # fmt: skip
-        self._in_flight: tuple[list[str], LaunchedStep] | None = None  # launched, not read
+        self._in_flight: _InFlight | None = None  # launched, not read
         self._ids = itertools.count()
         special = {self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")
                    } if self.tokenizer else set()  # fmt: skip
@@ -98,6 +109,8 @@ class LLM:
         """A validated request (not queued yet): ValueError if it can never run. Stop token
         ids default to the model's end tokens unless `params` gives some or ignores EOS.
         Reads only settings: safe to call from another thread than the one stepping."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
             raise ValueError("this engine has no tokenizer: give prompts as token ids and "
                              "no stop strings")  # fmt: skip
@@ -120,16 +133,33 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Plan and launch a step, then take the tokens of the step before it (one step in
         flight: the host plans the next step while the device runs this one). Returns what
-        requests gained from that earlier step."""
+        requests gained from that earlier step. Raises `StepFailed` if launching this step
+        or reading the earlier one's tokens raises: the requests of both are finished
+        (ABORT) and freed by then, and the engine can go on with the others."""
         plan = self.scheduler.schedule()
-        launched = self.runner.execute(plan, self.scheduler.requests)
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            launched = self.runner.execute(plan, self.scheduler.requests)
+        except Exception as e:
+            raise self._fail(list(plan.num_scheduled_tokens), [], in_flight, e) from e
         sampling = self.scheduler.commit(plan)
-        outputs = self._resolve(*self._in_flight) if self._in_flight else []
+        outputs = []
+        if in_flight is not None:
+            try:
+                tokens = in_flight[1].tokens()
+            except Exception as e:
+                raise self._fail(list(plan.num_scheduled_tokens), sampling, in_flight, e) from e
+            outputs = self._resolve(in_flight[0], in_flight[1], tokens)
         self._in_flight = (sampling, launched) if sampling else None
         return outputs
 
-    def _resolve(self, sampling: list[str], launched: LaunchedStep) -> list[RequestOutput]:
-        outputs = self.scheduler.resolve(sampling, launched.tokens())
+    def has_unfinished(self) -> bool:
+        """Requests to run, or a step in flight still to read (finished requests' tokens)."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def _resolve(self, sampling: list[str], launched: LaunchedStep,
+                 tokens: dict[str, list[int]]) -> list[RequestOutput]:  # fmt: skip
+        outputs = self.scheduler.resolve(sampling, tokens)
         for out in outputs:
             if out.request_id in launched.logprobs and out.new_token_ids:
                 out.logprobs = [launched.logprobs[out.request_id]]
@@ -137,10 +167,31 @@ class LLM:
                 self.runner.free(out.request_id)
         return outputs
 
+    def _fail(self, planned: list[str], sampling: list[str], in_flight: _InFlight | None,
+              cause: Exception) -> StepFailed:  # fmt: skip
+        """Drop the tokens of the failed step (`planned`, of which `sampling` committed) and
+        of the one in flight, and abort every request they hold."""
+        earlier = in_flight[0] if in_flight is not None else []
+        self.scheduler.drop_pending(sampling)
+        self.scheduler.drop_pending(earlier)
+        failed = list(dict.fromkeys(planned + earlier))
+        for rid in failed:
+            self.abort(rid)
+        return StepFailed(failed, cause)
+
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """Finish a request now (STOP: a stop string ended it) and free what it holds."""
         if self.scheduler.abort(request_id, reason):
             self.runner.free(request_id)
+
+    def abort_all(self) -> None:
+        """Finish every request (ABORT) and drop the step in flight unread: after a failure
+        nothing stays held."""
+        if self._in_flight is not None:
+            self.scheduler.drop_pending(self._in_flight[0])
+            self._in_flight = None
+        for rid in list(self.scheduler.requests):
+            self.abort(rid)
 
     def output_processor(self) -> OutputProcessor:
         """An output processor that decodes with this engine's tokenizer (no text without
@@ -149,8 +200,9 @@ class LLM:
         return OutputProcessor(decode, on_stop=lambda rid: self.abort(rid, FinishReason.STOP))
 
     def info(self) -> EngineInfo:
+        cache = self.cache_config
         return EngineInfo(self.scheduler.config.max_model_len, self.model.config.vocab_size,
-                          self.default_stop_ids)  # fmt: skip
+                          self.default_stop_ids, cache.num_blocks * cache.block_size)  # fmt: skip
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
@@ -171,12 +223,17 @@ class LLM:
         for r in requests:
             processor.add(r.request_id, r.params)
             done[r.request_id] = Completion(r.request_id, r.prompt_token_ids, [], "", None)
-        while self.scheduler.has_unfinished():
-            for delta in processor.process(self.step()):
-                completion = done[delta.request_id]
-                completion.token_ids += delta.token_ids
-                completion.text += delta.text
-                completion.finish_reason = delta.finish_reason
+        try:
+            while self.has_unfinished():
+                for delta in processor.process(self.step()):
+                    completion = done[delta.request_id]
+                    completion.token_ids += delta.token_ids
+                    completion.text += delta.text
+                    completion.finish_reason = delta.finish_reason
+        except BaseException:
+            for rid in done:  # the engine stays usable for the next call
+                self.abort(rid)
+            raise
         return list(done.values())
 
 

@@ -201,6 +201,10 @@ class OutputProcessor:
             return None
         return OutputDelta(request_id, [], "", FinishReason.ABORT)
 
+    def request_ids(self) -> list[str]:
+        """The requests it follows (not finished yet)."""
+        return list(self._requests)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 

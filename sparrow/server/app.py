@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app over an `EngineClient`: chat and text completions (streamed
-as SSE or whole), models, health, Prometheus metrics. Middleware checks the API key and the
-body size; every error is answered with OpenAI's error body."""
+as SSE or whole), models, health, Prometheus metrics. Pure-ASGI middleware checks the API key,
+holds the body to its limit and counts every response; every error, 404 and 405 included,
+is answered with OpenAI's error body."""
 
 from __future__ import annotations
 
@@ -10,62 +11,76 @@ import sys
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparrow.engine.client import EngineClient
+from sparrow.server.drain import Drain
 from sparrow.server.handlers import Handlers
 from sparrow.server.metrics import Metrics
+from sparrow.server.middleware import ApiKey, BodyLimit, CountResponses
 from sparrow.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
 from sparrow.tokenizer import Tokenizer
 
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               429: "rate_limit_error", 503: "server_overloaded"}  # fmt: skip
+
 
 def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-              api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:  # fmt: skip
+              api_key: str | None = None, max_body_bytes: int = 1 << 20,
+              max_waiting: int | None = None, drain_s: float = 10.0) -> FastAPI:  # fmt: skip
     """The app serving `model_name` from `engine`; `tokenizer` encodes prompts and applies
-    the chat template. `api_key`: required as a bearer token on /v1/ routes. Shutting the
-    app down shuts the engine down (after in-flight requests ended)."""
+    the chat template. `api_key`: required as a bearer token on /v1/ routes. `max_waiting`:
+    the engine's queue limit (a request of more choices can never be admitted). On SIGTERM /
+    SIGINT requests in flight get `drain_s` seconds, then end with an error; shutting the
+    app down then shuts the engine down."""
+    drain = Drain(drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        drain.hook_signals()
         yield
+        drain.stop()
         await engine.shutdown()  # uvicorn stopped taking requests and drained in-flight ones
         print("[sparrow] server stopped", file=sys.stderr, flush=True)
 
-    app = FastAPI(title="sparrow", lifespan=lifespan)
+    app = FastAPI(title="sparrow", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+    app.state.drain = drain
     metrics = Metrics(engine)
-    _add_guard(app, api_key, max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKey, api_key=api_key)
+    app.add_middleware(CountResponses, metrics=metrics)  # outermost: sees every answer
     _add_error_handlers(app)
-    _add_routes(app, engine, Handlers(engine, tokenizer, model_name, metrics), metrics,
-                model_name)  # fmt: skip
+    handlers = Handlers(engine, tokenizer, model_name, metrics, drain, max_waiting)
+    _add_routes(app, engine, handlers, metrics, model_name)
     return app
 
 
-def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, status), status_code=status, headers=headers)
-
-
-def _add_guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "missing or wrong API key", "authentication_error")
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return _error(413, f"request body over {max_body_bytes} bytes",
-                          "invalid_request_error")  # fmt: skip
-        return await call_next(request)
+def _error(status: int, message: str, kind: str, headers: dict | None = None,
+           param: str | None = None) -> JSONResponse:  # fmt: skip
+    return JSONResponse(error_body(message, kind, status, param), status_code=status,
+                        headers=headers)  # fmt: skip
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(_, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: {e['msg']}"
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: "
+                             f"{e['msg'].removeprefix('Value error, ')}"
                              for e in exc.errors()[:5])  # fmt: skip
         return _error(400, problems or "malformed request", "invalid_request_error")
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_, exc: StarletteHTTPException):
+        kind = ERROR_TYPES.get(exc.status_code,
+                               "server_error" if exc.status_code >= 500
+                               else "invalid_request_error")  # fmt: skip
+        return _error(exc.status_code, str(exc.detail), kind, exc.headers)
+
     @app.exception_handler(ApiError)
     async def on_api_error(_, exc: ApiError):
-        return _error(exc.status, exc.message, exc.kind, exc.headers)
+        return _error(exc.status, exc.message, exc.kind, exc.headers, exc.param)
 
     @app.exception_handler(Exception)
     async def on_bug(_, exc: Exception):
@@ -79,7 +94,7 @@ def _add_routes(app: FastAPI, engine: EngineClient, handlers: Handlers, metrics:
         state = engine.health()
         if not state.alive:
             return _error(503, "the engine loop stopped", "server_error")
-        if not state.accepting:
+        if not state.accepting or handlers.drain.draining:
             return _error(503, "the server is shutting down", "server_overloaded")
         return {"status": "ok"}
 
@@ -93,9 +108,9 @@ def _add_routes(app: FastAPI, engine: EngineClient, handlers: Handlers, metrics:
                                             "created": 0, "owned_by": "sparrow"}]}  # fmt: skip
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await handlers.chat(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await handlers.chat(body, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await handlers.completions(body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await handlers.completions(body, request)

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from sparrow.core.request import FinishReason
@@ -19,6 +20,7 @@ from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.client import EngineClient, EngineError, EngineFull, InvalidRequest
 from sparrow.engine.output_processor import LogprobEntry, OutputDelta
 from sparrow.server import protocol
+from sparrow.server.drain import DRAINED, Drain, ShuttingDown
 from sparrow.server.metrics import Metrics
 from sparrow.server.protocol import (
     ApiError,
@@ -30,6 +32,7 @@ from sparrow.server.sse import sse_events
 from sparrow.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 256
+DISCONNECT_POLL_S = 0.25  # a whole-response request checks its client this often
 
 
 @dataclass
@@ -69,38 +72,57 @@ class Job:
 
 class Handlers:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-                 metrics: Metrics):  # fmt: skip
+                 metrics: Metrics, drain: Drain, max_waiting: int | None = None):  # fmt: skip
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.metrics = metrics
+        self.metrics, self.drain, self.max_waiting = metrics, drain, max_waiting
 
-    async def chat(self, body: ChatCompletionRequest):
-        self._check_model(body)
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check(body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        for m in messages:
+            for part in m.get("content") if isinstance(m.get("content"), list) else ():
+                if part["type"] != "text":
+                    raise ApiError(400, f"content part type {part['type']!r} is not supported: "
+                                        "this model takes text only", "invalid_request_error",
+                                   param="messages")  # fmt: skip
         try:
-            prompt = self.tokenizer.apply_chat_template(messages)
+            ids = self.tokenizer.encode_chat(messages)
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = await self._start(body, self.tokenizer.encode(prompt), max_tokens, chat=True)
-        return await self._respond(job)
+        job = await self._start(body, ids, max_tokens, chat=True)
+        return await self._respond(job, request)
 
-    async def completions(self, body: CompletionRequest):
-        self._check_model(body)
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check(body)
         prompt = body.prompt
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         job = await self._start(body, ids, body.max_tokens, chat=False)
-        return await self._respond(job)
+        return await self._respond(job, request)
 
-    def _check_model(self, body: SamplingFields) -> None:
+    def _check(self, body: SamplingFields) -> None:
+        if self.drain.draining:
+            raise ApiError(503, "the server is shutting down", "server_overloaded")
         if body.model != self.model_name:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "not_found_error")  # fmt: skip
+                                f"{self.model_name!r}", "not_found_error",
+                           param="model")  # fmt: skip
+        if self.max_waiting is not None and body.n > self.max_waiting:
+            raise ApiError(400, f"n = {body.n} exceeds the server's queue limit of "
+                                f"{self.max_waiting} requests", "invalid_request_error",
+                           param="n")  # fmt: skip
 
     def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None):
-        room = self.engine.info.max_model_len - prompt_len
+        limit = self.engine.info.request_limit
+        if prompt_len >= limit:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; the limit of {limit} "
+                                "tokens per request leaves no room to generate",
+                           "invalid_request_error",
+                           param="messages" if isinstance(body, ChatCompletionRequest)
+                           else "prompt")  # fmt: skip
         try:
             return SamplingParams(
-                max_tokens=max_tokens or max(1, min(DEFAULT_MAX_TOKENS, room)),
+                max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, limit - prompt_len),
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 seed=body.seed, stop=body.stop_strings(), logprobs=body.logprobs_count(),
                 ignore_eos=body.ignore_eos,
@@ -125,19 +147,26 @@ class Handlers:
                 self.engine.abort(c.request_id)
             raise _refusal(e) from e
         self.metrics.prompt_tokens.inc(len(ids) * body.n)
-        self.metrics.requests.labels("chat" if chat else "completions", "200").inc()
         return job
 
-    async def _respond(self, job: Job):
+    async def _respond(self, job: Job, request: Request):
         if job.body.stream:
             return StreamingResponse(sse_events(job, self.events(job), self.model_name),
                                      media_type="text/event-stream")  # fmt: skip
+        collect = asyncio.create_task(self._collect(job))
         try:
-            async with contextlib.aclosing(self.events(job)) as events:
-                async for _ in events:
-                    pass
+            while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client disconnected", "invalid_request_error")
+            collect.result()
         except EngineError as e:
             raise ApiError(500, str(e), "server_error") from e
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), "server_overloaded") from e
+        finally:
+            if not collect.done():
+                collect.cancel()  # closes the events: unfinished choices are aborted
+                await asyncio.gather(collect, return_exceptions=True)
         chat = job.chat
         choices = [protocol.choice_body(c.index, c.text, protocol.finish_reason(c.finish_reason),
                                         protocol.logprobs_body(c.logprobs, chat), chat)
@@ -145,9 +174,15 @@ class Handlers:
         return protocol.response_body(job.response_id, job.created, self.model_name, choices,
                                       chat, usage=job.usage())  # fmt: skip
 
+    async def _collect(self, job: Job) -> None:
+        async with contextlib.aclosing(self.events(job)) as events:
+            async for _ in events:
+                pass
+
     async def events(self, job: Job) -> AsyncIterator[tuple[Choice, OutputDelta]]:
         """(choice, delta) as outputs arrive, all choices interleaved; aborts every
-        unfinished choice if the consumer stops early (client gone). Raises EngineError."""
+        unfinished choice if the consumer stops early (client gone). Raises EngineError, and
+        ShuttingDown when the shutdown drain window ends first."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(choice: Choice) -> None:
@@ -160,11 +195,15 @@ class Handlers:
         tasks = [asyncio.create_task(pump(c)) for c in job.choices]
         start = last = time.perf_counter()
         open_choices = len(job.choices)
+        self.drain.open(merged)
         try:
             while open_choices:
                 choice, delta = await merged.get()
                 if isinstance(delta, EngineError):
                     raise delta
+                if delta is DRAINED:
+                    raise ShuttingDown("the server is shutting down; the request did not "
+                                       f"finish within the {self.drain.drain_s:g} s drain")
                 if delta.token_ids:
                     now = time.perf_counter()
                     first = choice.num_tokens == 0
@@ -177,6 +216,7 @@ class Handlers:
                     open_choices -= 1
                 yield choice, delta
         finally:
+            self.drain.close(merged)
             for task in tasks:
                 task.cancel()
             for c in job.choices:

@@ -5,10 +5,41 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sparrow.core.request import FinishReason
 from sparrow.engine.output_processor import LogprobEntry, TokenText
+
+# Fields the server does not implement, each with the value that changes nothing: a request
+# giving another value (null aside) is refused rather than served as if the field were absent.
+UNSUPPORTED = {
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
+    "response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0,
+    "frequency_penalty": 0, "repetition_penalty": 1, "suffix": "", "best_of": 1,
+    "echo": False,
+}  # fmt: skip
+
+
+def _neutral(value: Any, neutral: Any) -> bool:
+    return value is None or (
+        isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+    )
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """True if a string anywhere in `value` is not valid Unicode (a lone UTF-16 surrogate,
+    as the JSON escape "\\ud800" gives)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_lone_surrogate(v) for v in value)
+    return False
 
 
 class ContentPart(BaseModel):
@@ -43,6 +74,17 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # keep generating past end tokens (vLLM's extension; benchmarks)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if _lone_surrogate(data):
+            raise ValueError("the body holds a string with a lone UTF-16 surrogate (not text)")
+        if isinstance(data, dict):
+            for name, neutral in UNSUPPORTED.items():
+                if not _neutral(data.get(name), neutral):
+                    raise ValueError(f"{name} is not supported")
+        return data
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -74,15 +116,20 @@ class CompletionRequest(SamplingFields):
 
 
 class ApiError(Exception):
-    """An error answered with the error body: HTTP status, message, OpenAI error type."""
+    """An error answered with the error body: HTTP status, message, OpenAI error type, and
+    the request field at fault (`param`) when there is one."""
 
-    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None):
+    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None,
+                 param: str | None = None):  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
+        self.param = param
 
 
-def error_body(message: str, kind: str, code: int | str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_body(message: str, kind: str, code: int | str | None = None,
+               param: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:

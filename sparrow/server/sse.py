@@ -1,7 +1,8 @@
 """A job's outputs as server-sent events, OpenAI's streaming format: one `data: {chunk}`
 event per delta (chat starts each choice with the assistant role), a usage chunk when
 `stream_options.include_usage` asks for it, then `data: [DONE]`. An engine failure mid-stream
-is sent as an error event, which ends the stream."""
+is sent as an error event, which ends the stream; so is the end of the shutdown drain window,
+followed by `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from sparrow.engine.client import EngineError
 from sparrow.engine.output_processor import OutputDelta
 from sparrow.server import protocol
+from sparrow.server.drain import ShuttingDown
 
 if TYPE_CHECKING:
     from sparrow.server.handlers import Choice, Job
@@ -46,6 +48,10 @@ async def sse_events(job: Job, events: AsyncIterator[tuple[Choice, OutputDelta]]
                                                   job.chat, delta=True)])  # fmt: skip
         except EngineError as e:
             yield event(protocol.error_body(str(e), "server_error", 500))
+            return
+        except ShuttingDown as e:
+            yield event(protocol.error_body(str(e), "server_overloaded", 503))
+            yield "data: [DONE]\n\n"
             return
     options = job.body.stream_options
     if options and options.include_usage:

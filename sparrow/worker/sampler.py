@@ -21,8 +21,10 @@ def sample(
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        # Keep the smallest prefix whose mass reaches top_p, and always the most likely
+        # token: a top_p below fp32's smallest subnormal (5e-324) compares as 0.
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[..., 0] = False
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     return torch.multinomial(probs, 1, generator=gen)[:, 0]
 

@@ -153,6 +153,26 @@ def test_finished_ids_are_forgotten_once_nothing_is_in_flight():
     assert len(again.output_token_ids) == 2 and scheduler.kv.pool.num_free == 8
 
 
+def test_dropping_a_failed_steps_tokens_leaves_nothing_in_flight():
+    """A step that fails after `commit` never resolves: drop_pending undoes its pending
+    tokens, so aborting its requests holds nothing and the ids can come again."""
+    scheduler = Scheduler(*configs(block_size=16, num_blocks=8))
+    scheduler.add_request(make("a", 4, max_tokens=10))
+    scheduler.add_request(make("b", 4, max_tokens=10))
+    first = scheduler.commit(scheduler.schedule())
+    assert scheduler.abort("b")  # finished with a token in flight: draining
+    assert scheduler.num_draining == 1
+    scheduler.drop_pending(first)
+    assert scheduler.requests["a"].num_pending == 0 and scheduler.num_draining == 0
+    assert scheduler.abort("a") and scheduler.num_draining == 0
+    assert not scheduler.has_unfinished() and scheduler.kv.pool.num_free == 8
+    assert not scheduler.kv.tables and not scheduler.slots.slots
+    scheduler.add_request(make("a", 4, max_tokens=2))
+    scheduler.add_request(make("b", 4, max_tokens=2))
+    run_all(scheduler)
+    assert scheduler.kv.pool.num_free == 8 and not scheduler.requests
+
+
 def test_preemption_when_blocks_run_out_gives_the_same_tokens():
     # 6 blocks of 4 tokens: two requests of 10 + 12 tokens cannot both keep growing.
     config = configs(max_num_batched_tokens=64, block_size=4, num_blocks=6)

@@ -36,6 +36,9 @@ class CharTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str:
         return "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
+
 
 class ScriptedEngine(EngineClient):
     def __init__(self):

@@ -36,7 +36,10 @@ def test_greedy_is_argmax():
     SamplingParams(temperature=1.3, top_p=1e-6),
     SamplingParams(temperature=2.0, top_k=1, top_p=0.5),
     SamplingParams(temperature=1e-4),  # all the mass on the argmax
-], ids=["top_k=1", "top_p tiny", "top_k=1 + top_p", "temperature tiny"])  # fmt: skip
+    SamplingParams(temperature=1.0, top_p=5e-324),  # 0 in fp32
+    SamplingParams(temperature=1.0, top_p=1e-40),  # an fp32 subnormal
+], ids=["top_k=1", "top_p tiny", "top_k=1 + top_p", "temperature tiny", "top_p 5e-324",
+        "top_p subnormal"])  # fmt: skip
 def test_filters_that_keep_one_token_are_greedy(params):
     logits = _logits(7, seed=1)
     for seed in range(3):
