@@ -7,8 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from sparrow.config import (
     DTYPES,
     LOAD_FORMATS,
@@ -19,8 +17,8 @@ from sparrow.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from sparrow.engine.resolve import TORCH_DTYPES, resolve_device
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _QUANT = ["4bit", "8bit"]
 # Engine flags: (flag, sub-config field, its config class, type, help). Defaults are the
 # config's own, so `--help` shows what runs.
@@ -64,12 +62,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     for flag, field, config, kind, text in _ENGINE_FLAGS:
         default = getattr(config, field)
         group.add_argument(flag, dest=field, type=kind, default=default, help=text)
-
-
-def _device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return device, _DTYPES[dtype]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -151,7 +143,7 @@ def cmd_checkpoint_quantize(args: argparse.Namespace) -> int:
     from sparrow.loader.weights import load_checkpoint
     from sparrow.quant.mlx_layout import save_mlx_checkpoint
 
-    device, dtype = _device_and_dtype(args)
+    device, dtype = resolve_device(DeviceConfig(args.device, args.dtype))
     model = load_checkpoint(args.src, device, dtype, quantize=QuantConfig.from_name(args.quantize))
     out = save_mlx_checkpoint(model, args.out, tokenizer_dir=args.src)
     print(f"wrote {out} ({args.quantize}, MLX layout)")
@@ -169,7 +161,7 @@ def cmd_checkpoint_random(args: argparse.Namespace) -> int:
     }  # fmt: skip
     cfg = cfg.replace(**{k: v for k, v in changes.items() if v is not None})
     out = write_random_checkpoint(
-        args.out, cfg, seed=args.seed, dtype=_DTYPES[args.dtype],
+        args.out, cfg, seed=args.seed, dtype=TORCH_DTYPES[args.dtype],
         shard_bytes=int(args.shard_gb * (1 << 30)), per_expert=args.per_expert,
     )  # fmt: skip
     print(f"wrote {out} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
@@ -232,7 +224,7 @@ def _add_checkpoint(sub) -> None:
     rnd.add_argument("--moe-intermediate", type=int, help="expert (and shared expert) width")
     rnd.add_argument("--vocab", type=int, help="vocabulary size")
     rnd.add_argument("--seed", type=int, default=0)
-    rnd.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    rnd.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="bfloat16")
     rnd.add_argument("--shard-gb", type=float, default=4.0, help="maximum shard size in GiB")
     rnd.add_argument("--per-expert", action="store_true",
                      help="write experts.E.{gate,up,down}_proj instead of fused tensors")
@@ -249,9 +241,9 @@ def _add_checkpoint(sub) -> None:
 
 
 def _add_device_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                        help="default: bfloat16 on GPU, float32 on CPU")  # fmt: skip
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="auto: bfloat16 on a GPU, float32 on a CPU")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

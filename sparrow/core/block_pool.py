@@ -84,9 +84,3 @@ class StateSlotPool:
         if request_id in self.slots:
             self._free.append(self.slots.pop(request_id))
 
-
-def kv_blocks_for_memory(free_bytes: int, bytes_per_block: int, reserve_fraction: float) -> int:
-    """How many KV blocks fit in `free_bytes` after keeping `reserve_fraction` of it for
-    activations and graphs."""
-    usable = int(free_bytes * (1.0 - reserve_fraction))
-    return max(0, usable // bytes_per_block)

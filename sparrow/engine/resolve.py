@@ -18,7 +18,7 @@ from sparrow.core.cache_spec import paged_bytes_per_block, slot_bytes
 
 CPU_CACHE_TOKENS = 8192
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_device(device: DeviceConfig) -> tuple[str, torch.dtype]:
@@ -30,7 +30,7 @@ def resolve_device(device: DeviceConfig) -> tuple[str, torch.dtype]:
         raise ConfigError(f"device {name!r} requested but no CUDA device is available")
     if device.dtype == "auto":
         return name, torch.bfloat16 if name.startswith("cuda") else torch.float32
-    return name, _DTYPES[device.dtype]
+    return name, TORCH_DTYPES[device.dtype]
 
 
 def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConfig, CacheConfig]:
