@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,9 +11,10 @@ from torch import nn
 from sparrow.core.cache_spec import PagedKVSpec
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.attention import naive
+from sparrow.kernels.attention.chunked import chunk_attention
 from sparrow.kernels.attention.paged import paged_attention, paged_decode_attention
 from sparrow.layers.linear import Projections
-from sparrow.layers.metadata import StepMetadata
+from sparrow.layers.metadata import StepMetadata, to_device
 from sparrow.layers.norms import ZeroCenteredRMSNorm
 
 # Whole prompts (no cached prefix) in a step of at most this many sequences attend through
@@ -19,6 +22,11 @@ from sparrow.layers.norms import ZeroCenteredRMSNorm
 # shape on the H200); the paged kernel measured 1.76 ms per layer for a 4K prompt, about 4x
 # SDPA's time. Many short prompts stay on the paged kernel (one launch for all of them).
 PROMPTS_PER_SDPA = 4
+# Sequences with at least this many new tokens after a cached prefix attend through cuDNN
+# (`kernels.attention.chunked`: 504-648 TFLOP/s for 8K-query chunks over 16K-128K keys on
+# the H200, the paged kernel 74-86) when a step has at most PROMPTS_PER_SDPA of them; the
+# step's other sequences take the paged kernel in one launch.
+CHUNK_TOKENS = 64
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
@@ -84,6 +92,9 @@ class GatedAttention(Projections, nn.Module):
                                          meta.context_lens, self.scale, gate)  # fmt: skip
         elif use_triton(x) and meta.prefix_free and len(meta.seq_lens) <= PROMPTS_PER_SDPA:
             out = prompt_attention(q, k, v, meta.seq_lens, self.scale) * torch.sigmoid(gate)
+        elif use_triton(x) and self.kernel_fits and meta.prefix_lens is not None:
+            out = prefill_attention(q.contiguous(), gate.contiguous(), k, v, kv_cache, meta,
+                                    self.scale)  # fmt: skip
         elif use_triton(x) and self.kernel_fits:
             out = paged_attention(q.contiguous(), *args, gate=gate.contiguous(),
                                   max_q_len=meta.max_q_len)  # fmt: skip
@@ -94,3 +105,35 @@ class GatedAttention(Projections, nn.Module):
         else:
             out = naive.paged_attention(q, *args) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, -1))
+
+
+def prefill_attention(q: torch.Tensor, gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata,
+                      scale: float) -> torch.Tensor:  # fmt: skip
+    """A step's gated attention over the paged cache (GPU): sequences of at least
+    CHUNK_TOKENS new tokens, when at most PROMPTS_PER_SDPA, one cuDNN `chunk_attention` each;
+    the rest in one paged-kernel launch over their rows. q, gate: [T, Hq, D]; k, v: the
+    step's [T, Hkv, D]. Returns [T, Hq, D]."""
+    (k_cache, v_cache), lens, tables = kv_cache, meta.seq_lens, meta.block_tables
+    long = [b for b, n in enumerate(lens) if n >= CHUNK_TOKENS]
+    if not long or len(long) > PROMPTS_PER_SDPA:
+        return paged_attention(q, k_cache, v_cache, tables, meta.cu_seqlens, meta.context_lens,
+                               scale, gate=gate, max_q_len=meta.max_q_len)  # fmt: skip
+    starts = [0, *itertools.accumulate(lens)]
+    out = torch.empty_like(q)
+    for b in long:
+        rows = slice(starts[b], starts[b + 1])
+        o = chunk_attention(q[rows], k[rows], v[rows], k_cache, v_cache, tables[b],
+                            meta.prefix_lens[b], scale)  # fmt: skip
+        out[rows] = o * torch.sigmoid(gate[rows])
+    short = [b for b in range(len(lens)) if b not in long]
+    if short:
+        rows = to_device([r for b in short for r in range(starts[b], starts[b + 1])],
+                         torch.long, q.device)  # fmt: skip
+        which = to_device(short, torch.long, q.device)
+        short_lens = [lens[b] for b in short]
+        cu = to_device([0, *itertools.accumulate(short_lens)], torch.int32, q.device)
+        out[rows] = paged_attention(q[rows], k_cache, v_cache, tables[which], cu,
+                                    meta.context_lens[which], scale, gate=gate[rows],
+                                    max_q_len=max(short_lens))  # fmt: skip
+    return out

@@ -26,3 +26,15 @@ class StepMetadata:
     state_slots: torch.Tensor  # [B] int32, recurrent-state slot per sequence
     max_q_len: int
     prefix_free: bool = False  # every sequence starts at position 0 (no cached prefix; host)
+    prefix_lens: list[int] | None = None  # [B] tokens cached before this step (host; None in
+    # the decode graphs' metadata)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device` without waiting for the device: on a GPU through
+    pinned memory and an async copy (`torch.tensor(..., device=cuda)` synchronises the
+    stream, which would wait for the step in flight)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

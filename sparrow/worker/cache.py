@@ -17,7 +17,7 @@ import torch
 
 from sparrow.core.cache_spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
 from sparrow.kernels.causal_conv1d.conv import state_pool
-from sparrow.layers.metadata import StepMetadata
+from sparrow.layers.metadata import StepMetadata, to_device
 
 
 class ModelCache:
@@ -55,16 +55,6 @@ class ModelCache:
             if spec is not None and not spec.paged:
                 for t in tensors:  # (`t[slots] = 0` copies the 0 over and syncs)
                     t.index_fill_(0, slots, 0)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a tensor on `device` without waiting for the device: on a GPU through
-    pinned memory and an async copy (`torch.tensor(..., device=cuda)` synchronises the
-    stream, which would wait for the step in flight)."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def build_metadata(
@@ -105,4 +95,5 @@ def build_metadata(
         state_slots=as_tensor(state_slots, torch.int32),
         max_q_len=max(seq_lens),
         prefix_free=not any(computed),
+        prefix_lens=list(computed),
     )

@@ -120,3 +120,22 @@ def test_token_logprob_is_log_softmax(dtype):
     assert [t for t, _ in out.top] == best.indices.tolist()
     assert [lp for _, lp in out.top] == pytest.approx(best.values.tolist(), abs=1e-5)
     assert token_logprob(logits, token, 0).top == ()
+
+
+def test_a_seeded_row_does_not_depend_on_the_other_rows():
+    """Rows with different filters are sampled together; each seeded row draws what it draws
+    alone with its generator."""
+    logits = _logits(6, seed=8)
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=1),
+              SamplingParams(temperature=1.2, top_p=0.8, seed=2),
+              SamplingParams(),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
+              SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.1, top_p=0.6, seed=4)]  # fmt: skip
+    for draw in range(3):
+        gens = [_gen(100 * draw + b) for b in range(6)]
+        picked = sample_rows(logits, params, gens)
+        for b in (0, 1, 3, 5):
+            alone = sample(logits[b : b + 1], params[b], _gen(100 * draw + b))[0]
+            assert picked[b] == alone, (draw, b)
+        assert picked[2] == logits[2].argmax()
