@@ -8,7 +8,14 @@ rounds. HF runs up to `--hf-max-len` (beyond, it is skipped and the report says 
 Then concurrency: C requests of 512 tokens decoding together (output tok/s of all of them).
 Finally one decode step of the 4-bit engine is profiled eagerly: time and count per kernel.
 
+`--long` adds the rows past the native 262,144-token context: 256K, 512K and 1M (1,010,000
+tokens, the longest context Qwen3.6's model card serves), `--long-rounds` rounds each. Past
+the native context the model takes the card's YaRN scaling (factor 4 over 262,144
+positions). Each engine's KV cache then holds the longest row: ~20 KB a token in bf16, 21 GB
+at 1M, so run one variant at a time there (`--variants 4bit --hf-max-len 0`).
+
     python -m sparrow.bench.e2e --out bench-out/e2e.json
+    python -m sparrow.bench.e2e --long --lengths 4096 --variants 4bit --hf-max-len 0
     python -m sparrow.bench.plot bench-out/e2e.json   # the PNG (needs matplotlib)
 """
 
@@ -27,17 +34,43 @@ from sparrow.config import QuantConfig
 from sparrow.core.cache_spec import paged_bytes_per_block
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
+from sparrow.layers.rotary import YarnScaling
 from sparrow.loader.random_checkpoint import random_model
 from sparrow.models.qwen3_5_moe import ModelArgs
 from sparrow.worker.cache import build_metadata
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+LONG_LENGTHS = (262144, 524288, 1_010_000)  # opt-in (--long)
+YARN_FACTOR = 4.0  # Qwen3.6's model card: 1M tokens over the native 262,144
 VOCAB = 248000  # prompt token ids are drawn below this
+BLOCK_SIZE = 128
 
 
 def _sync_time() -> float:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def model_for(cfg: ModelArgs, max_len: int) -> ModelArgs:
+    """`cfg`, with the model card's YaRN scaling when `max_len` tokens pass its native
+    context. ValueError past what that scaling reaches."""
+    if max_len <= cfg.max_context:
+        return cfg
+    yarn = YarnScaling(YARN_FACTOR, cfg.max_position_embeddings)
+    if max_len > yarn.max_positions:
+        raise ValueError(f"{max_len} tokens (longest prompt + decode) exceed the "
+                         f"{yarn.max_positions} positions of YaRN factor {YARN_FACTOR} over "
+                         f"{cfg.max_position_embeddings}")  # fmt: skip
+    return cfg.replace(rope_scaling=yarn)
+
+
+def engine_settings(max_len: int, most: int, budget: int) -> dict:
+    """LLM settings that hold one request of `max_len` tokens (or `most` short ones)
+    without preemption; prompts are prefilled in chunks of `budget` tokens."""
+    return {"max_num_seqs": most, "max_model_len": max_len, "max_num_batched_tokens": budget,
+            "block_size": BLOCK_SIZE,
+            "num_blocks": -(-max_len // BLOCK_SIZE) + 8 * most}  # fmt: skip
 
 
 def run_engine(llm: LLM, prompts: list[list[int]], decode: int) -> tuple[float, float, int]:
@@ -103,6 +136,10 @@ def profile_step(llm: LLM, context: int, new_tokens: int) -> dict:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--long", action="store_true",
+                   help=f"add {', '.join(map(str, LONG_LENGTHS))} (YaRN past 262,144)")
+    p.add_argument("--long-rounds", type=int, default=1, help="rounds of rows past 131,072")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
     p.add_argument("--decode", type=int, default=32, help="decode tokens per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="4bit,bf16")
@@ -114,8 +151,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_engines(cfg: ModelArgs, args: argparse.Namespace, max_len: int, most: int) -> dict:
-    """{"hf": HF model (when the baseline runs), "sparrow-<variant>": LLM} on the GPU."""
+def plan_lengths(args: argparse.Namespace) -> list[int]:
+    """The prompt lengths of the batch-1 rows: --lengths, then the --long ones."""
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    return lengths + [n for n in LONG_LENGTHS if args.long and n not in lengths]
+
+
+def build_engines(cfg: ModelArgs, args: argparse.Namespace, max_len: int, most: int,
+                  device: str = "cuda") -> dict:  # fmt: skip
+    """{"hf": HF model (when the baseline runs), "sparrow-<variant>": LLM} on `device`."""
     engines: dict[str, object] = {}
     hf = None
     if args.hf_max_len:
@@ -123,15 +167,14 @@ def build_engines(cfg: ModelArgs, args: argparse.Namespace, max_len: int, most: 
 
         hf = build_hf(cfg, torch.bfloat16)
         engines["hf"] = hf
-    settings = {"max_num_seqs": most, "max_model_len": max_len,
-                "num_blocks": -(-max_len // 128) + 8 * most}  # fmt: skip
+    settings = engine_settings(max_len, most, args.chunk)
     for variant in args.variants.split(","):
         if variant == "bf16":
             from sparrow.eval.hf_compare import ours_from_hf
 
-            model = ours_from_hf(cfg, hf) if hf is not None else random_model(cfg, 0, "cuda")
+            model = ours_from_hf(cfg, hf) if hf is not None else random_model(cfg, 0, device)
         else:
-            model = random_model(cfg, 0, "cuda", quantize=QuantConfig.from_name(variant))
+            model = random_model(cfg, 0, device, quantize=QuantConfig.from_name(variant))
         engines[f"sparrow-{variant}"] = LLM(model, **settings)
     return engines
 
@@ -141,7 +184,8 @@ def batch1(engines: dict, prompt: list[int], args: argparse.Namespace) -> dict[s
     length = len(prompt)
     runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
     warm = 1 if length <= 16384 else 0  # longer prompts reuse the compiled kernels
-    for _ in range(args.rounds + warm):
+    rounds = args.rounds if length <= 131072 else args.long_rounds
+    for _ in range(rounds + warm):
         for name, engine in engines.items():
             if name != "hf":
                 t_pre, t_dec, n = run_engine(engine, [prompt], args.decode + 1)
@@ -159,11 +203,13 @@ def batch1(engines: dict, prompt: list[int], args: argparse.Namespace) -> dict[s
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = plan_lengths(args)
     concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    max_len = max(lengths) + args.decode + 1
     cfg = ModelArgs() if args.layers is None else ModelArgs().replace(num_layers=args.layers)
+    cfg = model_for(cfg, max_len)
     torch.manual_seed(0)
-    engines = build_engines(cfg, args, max(lengths) + args.decode + 1, max(concurrency + [1]))
+    engines = build_engines(cfg, args, max_len, max(concurrency + [1]))
     print(f"[e2e] engines ready; GPU memory {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
     gen = torch.Generator().manual_seed(0)
     results: dict[str, dict[int, dict]] = {name: {} for name in engines}
@@ -189,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "decode_tokens": args.decode, "hf_decode_tokens": args.hf_decode,
         "rounds": args.rounds, "hf_skipped_above": args.hf_max_len or None,
+        "long_rounds": args.long_rounds, "prefill_chunk": args.chunk,
+        "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
         "batch1": results, "concurrency_decode_tok_s": conc,
     }  # fmt: skip
     for name, engine in engines.items():

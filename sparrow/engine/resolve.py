@@ -1,15 +1,17 @@
 """EngineConfig's "auto" and None settings turned into values for one model on one device.
 
 The device and dtype ("auto": CUDA in bfloat16 if present, else the CPU in float32), the
-context limit (the model's own unless set lower), the per-request slots (one per sequence the
-scheduler may run) and the number of KV blocks: what fits in `gpu_memory_utilization` of the
-GPU's memory after the weights and the per-slot states (on a CPU: 8K tokens' worth).
+context limit (the model's own unless set lower; longer is an error, as in vLLM), the
+per-request slots (one per sequence the scheduler may run) and the number of KV blocks: what
+fits in `gpu_memory_utilization` of the GPU's memory after the weights and the per-slot
+states (on a CPU: 8K tokens' worth).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Any
 
 import torch
 
@@ -37,10 +39,10 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
     """The scheduler and cache settings with every None filled in for `model` (loaded: its
     weights already take their memory). Prints the KV cache budget."""
     args, sched, cache = model.config, config.scheduler, config.cache
-    limit = args.max_position_embeddings
+    limit = model_context(args)
     if sched.max_model_len is not None and sched.max_model_len > limit:
         raise ConfigError(f"max_model_len {sched.max_model_len} exceeds the model's context "
-                          f"of {limit} tokens (max_position_embeddings)")  # fmt: skip
+                          f"of {limit} tokens ({_context_source(args)})")  # fmt: skip
     sched = dataclasses.replace(sched, max_model_len=sched.max_model_len or limit)
     slots = cache.num_state_slots or sched.max_num_seqs
     cache = dataclasses.replace(cache, num_state_slots=slots)
@@ -48,6 +50,21 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
         blocks = _blocks_for_memory(cache, model, sched.max_model_len * slots)
         cache = dataclasses.replace(cache, num_blocks=blocks)
     return sched, cache
+
+
+def model_context(args: Any) -> int:
+    """The most positions a model's ModelArgs take: `max_context` where the architecture
+    derives it (rope scaling: original length x factor, as vLLM derives max_model_len), else
+    max_position_embeddings."""
+    return getattr(args, "max_context", args.max_position_embeddings)
+
+
+def _context_source(args: Any) -> str:
+    yarn = getattr(args, "rope_scaling", None)
+    if yarn is not None:
+        return (f"yarn rope scaling: factor {yarn.factor} x original_max_position_embeddings "
+                f"{yarn.original_max_position_embeddings}")  # fmt: skip
+    return "max_position_embeddings; rope_parameters of rope_type 'yarn' in config.json extend it"
 
 
 def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module, most_tokens: int) -> int:

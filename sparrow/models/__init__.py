@@ -3,7 +3,8 @@
 Each architecture module exports:
 - `MODEL_TYPES`: the HF model_type values it runs;
 - `ModelArgs`: a frozen dataclass with `ModelArgs.from_hf(config_dict)`, carrying at least
-  `architecture` (the module's registry name), `vocab_size`, `max_position_embeddings`,
+  `architecture` (the module's registry name), `vocab_size`, `max_position_embeddings`
+  (and `max_context` where rope scaling takes positions past it),
   `eos_token_ids`, `tie_word_embeddings` and `quantization`;
 - `Model(args)`: an `nn.Module` with `forward(meta, cache) -> hidden [T, D]`,
   `logits(hidden) -> [N, vocab] fp32`, `cache_specs()` (one `CacheSpec` or None per layer),

@@ -27,7 +27,7 @@ from sparrow.layers.gated_deltanet import GatedDeltaNet
 from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.moe import SparseMoE
 from sparrow.layers.norms import ZeroCenteredRMSNorm
-from sparrow.layers.rotary import RotaryEmbedding
+from sparrow.layers.rotary import ROPE_TYPES, RotaryEmbedding, YarnScaling
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 FULL_ATTENTION = "full_attention"
@@ -80,6 +80,7 @@ class ModelArgs:
     rope_theta: float = 10_000_000.0
     partial_rotary_factor: float = 0.25
     mrope_section: tuple[int, ...] = (11, 11, 10)
+    rope_scaling: YarnScaling | None = None  # rope_type "yarn"; None: plain RoPE
     # Gated DeltaNet.
     linear_conv_kernel: int = 4
     linear_num_key_heads: int = 16
@@ -120,10 +121,15 @@ class ModelArgs:
                               ("attn_output_gate", True)):  # fmt: skip
             if key in text and text[key] != expected:
                 raise ConfigError(f"{key}={text[key]!r} is not supported (expected {expected!r})")
-        rope = text.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(f"rope_type {rope['rope_type']!r} is not supported "
-                              "(expected 'default')")  # fmt: skip
+        # HF takes a legacy `rope_scaling` block in place of rope_parameters, and `type`
+        # for rope_type
+        rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ConfigError("rope_parameters must be a JSON object")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"rope_type {rope_type!r} is not supported (expected one of "
+                              f"{', '.join(map(repr, ROPE_TYPES))})")  # fmt: skip
         eos = text.get("eos_token_id")
         eos = raw.get("eos_token_id") if eos is None else eos
         eos = 248046 if eos is None or eos == [] else eos  # HF leaves it null by default
@@ -142,6 +148,10 @@ class ModelArgs:
                 values["mrope_section"] = tuple(int(x) for x in rope["mrope_section"])
             if "full_attention_interval" in text:
                 values["full_attention_interval"] = int(text["full_attention_interval"])
+            if rope_type == "yarn":
+                values["rope_scaling"] = YarnScaling.from_hf(
+                    rope, values["max_position_embeddings"],
+                    text.get("original_max_position_embeddings"))  # fmt: skip
             return cls(**values, layer_types=tuple(text.get("layer_types") or ()),
                        eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
                        quantization=QuantConfig.from_checkpoint(raw))  # fmt: skip
@@ -149,6 +159,14 @@ class ModelArgs:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"malformed config: {e}") from e
+
+    @property
+    def max_context(self) -> int:
+        """Positions the model takes: max_position_embeddings, or what its rope scaling
+        reaches (vLLM's derived max_model_len)."""
+        if self.rope_scaling is not None:
+            return self.rope_scaling.max_positions
+        return self.max_position_embeddings
 
     @property
     def rotary_dim(self) -> int:
@@ -189,7 +207,7 @@ class ModelArgs:
                 **{key: getattr(self, key) for key in _ROPE_KEYS},
                 "mrope_section": list(self.mrope_section),
                 "mrope_interleaved": True,
-            },
+            } | (self.rope_scaling.to_hf() if self.rope_scaling is not None else {}),
             "eos_token_id": self.eos_token_ids[0]
             if len(self.eos_token_ids) == 1
             else list(self.eos_token_ids),
@@ -309,7 +327,8 @@ class Qwen3_5MoeModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section,
+                                      cfg.rope_scaling)  # fmt: skip
         self.requires_grad_(False)
 
     @property

@@ -95,7 +95,7 @@ class ModelRunner:
         tokens = []
         for rid, c in zip(rids, computed, strict=True):
             n = plan.num_scheduled_tokens[rid]
-            known = requests[rid].all_token_ids[c : c + n]
+            known = requests[rid].token_ids(c, c + n)
             tokens.append(known + [PENDING] * (n - len(known)))
         done = [rid for rid, c, t in zip(rids, computed, tokens, strict=True)
                 if c + len(t) == requests[rid].num_tokens]  # fmt: skip

@@ -5,6 +5,8 @@ on how it was batched, chunked or preempted, so every schedule must produce the 
 as running the request alone.
 """
 
+import time
+
 import pytest
 
 from sparrow.config import CacheConfig, SchedulerConfig
@@ -291,3 +293,38 @@ def test_one_step_in_flight_gives_the_same_outputs(kind):
     cache = overlapped.cache_config
     assert overlapped.kv.pool.num_free == cache.num_blocks
     assert overlapped.slots.num_free == cache.num_state_slots
+
+
+def test_token_ids_slices_prompt_and_outputs():
+    request = make("r", 5)
+    request.output_token_ids = [60, 70, 80]
+    for start, stop in [(0, 3), (2, 5), (4, 7), (5, 8), (6, 9), (0, 8), (7, 10)]:
+        assert request.token_ids(start, stop) == request.all_token_ids[start:stop]
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_1m_token_prompt_runs_in_chunks_to_decode(block_size):
+    """A 1,010,000-token prompt (Qwen3.6's 1M context with YaRN) is admitted, prefilled in
+    chunks of the step budget and decoded; every step's block table holds exactly the blocks
+    of what is computed so far, and the whole run takes seconds (nothing per step grows with
+    the context but the table itself)."""
+    n, out, budget = 1_010_000, 16, 8192
+    config = configs(max_model_len=1_048_576, max_num_batched_tokens=budget,
+                     block_size=block_size, num_blocks=1_048_576 // block_size)  # fmt: skip
+    scheduler = Scheduler(*config)
+    request = make("1m", n, max_tokens=out)
+    start = time.perf_counter()
+    scheduler.add_request(request)
+    plans, computed = [], 0
+    while scheduler.has_unfinished():
+        plan, _ = run_step(scheduler)
+        computed += plan.num_scheduled_tokens["1m"]
+        assert len(plan.block_tables["1m"]) == -(-computed // block_size)
+        plans.append(plan)
+    elapsed = time.perf_counter() - start
+    chunks = [p.num_scheduled_tokens["1m"] for p in plans]
+    assert chunks == [budget] * (n // budget) + [n % budget] + [1] * (out - 1)
+    assert request.finish_reason is FinishReason.LENGTH and len(request.output_token_ids) == out
+    assert len(plans[-1].block_tables["1m"]) == -(-(n + out - 1) // block_size)
+    assert scheduler.kv.pool.num_free == config[1].num_blocks
+    assert elapsed < 10, f"{elapsed:.1f} s"

@@ -33,6 +33,7 @@ from transformers import (
 
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
+from sparrow.layers.rotary import RotaryEmbedding
 from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 
@@ -46,8 +47,10 @@ PROMPT_LENGTHS = (9, 70, 23)  # 70: more than one 64-token GDN chunk in HF
 LIN, FULL = "linear_attention", "full_attention"
 
 
-def _rope(partial: float, section: list[int] | None = None, theta: float = 10_000.0) -> dict:
-    rope = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
+def _rope(partial: float, section: list[int] | None = None, theta: float = 10_000.0,
+          **yarn) -> dict:  # fmt: skip
+    rope = {"rope_type": "yarn" if yarn else "default", "rope_theta": theta,
+            "partial_rotary_factor": partial} | yarn  # fmt: skip
     return rope | ({"mrope_section": section, "mrope_interleaved": True} if section else {})
 
 
@@ -57,6 +60,7 @@ class Case:
     text: dict = field(default_factory=dict)  # Qwen3_5MoeTextConfig keywords
     tie: bool = False  # tie_word_embeddings (top level of the config, as HF reads it)
     seed: int = 0
+    lengths: tuple[int, ...] = PROMPT_LENGTHS  # of the prompts compared
 
 
 # Head dims / hidden sizes not powers of two, head counts not multiples of 4, expert counts
@@ -101,6 +105,28 @@ CASES = {
         linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
         linear_value_head_dim=32, num_experts=12, num_experts_per_tok=3,
         moe_intermediate_size=32, shared_expert_intermediate_size=48), seed=4),
+    # YaRN over 64 original positions (factor 4: a context of 256), prompts longer than 64.
+    # The real rope block; most frequencies interpolated, cos and sin scaled by 1.139.
+    "vlm-yarn": Case("vlm", dict(
+        vocab_size=515, hidden_size=72, num_hidden_layers=3, layer_types=[FULL, LIN, FULL],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+        rope_parameters=_rope(0.25, [11, 11, 10], theta=10_000_000.0, factor=4.0,
+                              original_max_position_embeddings=64),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=32, num_experts=12, num_experts_per_tok=3,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48), seed=7,
+        lengths=(100, 9, 70)),
+    # YaRN with every optional key, in the text layout (a context of 144); rotary dim 12.
+    "text-yarn": Case("text", dict(
+        vocab_size=250, hidden_size=96, num_hidden_layers=2, layer_types=[FULL, LIN],
+        num_attention_heads=6, num_key_value_heads=3, head_dim=48,
+        rope_parameters=_rope(0.25, [2, 2, 2], factor=3.0,
+                              original_max_position_embeddings=48, beta_fast=16, beta_slow=2,
+                              mscale=1.0, mscale_all_dim=0.5, truncate=False),
+        linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=24,
+        linear_value_head_dim=24, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=40, shared_expert_intermediate_size=56), seed=8,
+        lengths=(90, 41, 9)),
 }  # fmt: skip
 # Tied embeddings: HF writes no lm_head tensor. In the VLM layout HF sets the flag at the top
 # level and writes text_config.tie_word_embeddings false; HF ties by the top-level flag.
@@ -179,7 +205,8 @@ def case(request, tmp_path_factory):
     """(checkpoint dir, HF references for PROMPT_LENGTHS, case name) of one case."""
     path = tmp_path_factory.mktemp(request.param)
     hf = save_hf_checkpoint(path, CASES[request.param])
-    return path, tie_free_references(hf, CASES[request.param].text["vocab_size"]), request.param
+    case = CASES[request.param]
+    return path, tie_free_references(hf, case.text["vocab_size"], case.lengths), request.param
 
 
 def _llm(path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, **kw) -> LLM:
@@ -200,7 +227,7 @@ def test_files_are_as_hf_writes_them(case):
     text = raw["text_config"] if layout == "vlm" else raw
     assert raw["model_type"] == {"vlm": "qwen3_5_moe", "text": "qwen3_5_moe_text"}[layout]
     rope = text["rope_parameters"]
-    assert rope["rope_type"] == "default"
+    assert rope["rope_type"] == CASES[name].text.get("rope_parameters", _rope(0))["rope_type"]
     assert ("mrope_section" in rope) == ("rope_parameters" in CASES[name].text)
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         names = list(f.keys())
@@ -228,6 +255,28 @@ def test_logits_match_hf(case):
             rows += [model.logits(batch.forward([[t]])) for t in ref.tokens[:-1]]
         err = rel_err(torch.cat(rows), ref.logits)
         assert err < TOL, f"prompt of {len(ref.prompt)} tokens: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["vlm-yarn", "text-yarn"])
+def test_yarn_changes_the_logits(name, tmp_path):
+    """The same checkpoint with the YaRN rotation swapped for plain RoPE is far from HF's
+    logits: the parity above is parity of the scaling, not of a rotation it leaves alone."""
+    hf = save_hf_checkpoint(tmp_path, CASES[name])
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, CASES[name].text["vocab_size"], (100,), generator=gen).tolist()
+    want = hf_greedy(hf, prompt, steps=1).logits
+    model = _llm(tmp_path).model
+    args = model.config
+    assert len(prompt) > args.rope_scaling.original_max_position_embeddings
+    errs = []
+    for scaling in (args.rope_scaling, None):
+        model.rotary = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.mrope_section,
+                                       scaling)  # fmt: skip
+        with torch.inference_mode():
+            errs.append(rel_err(model.logits(SequenceBatch(model, 1, 100).forward([prompt])),
+                                want))  # fmt: skip
+    assert errs[0] < TOL, f"YaRN: rel err {errs[0]:.2e}"
+    assert errs[1] > 100 * TOL, f"plain RoPE is as close to HF as YaRN: {errs[1]:.2e}"
 
 
 @pytest.mark.parametrize("name", list(TIED))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sparrow.config import ConfigError
+from sparrow.layers.rotary import YarnScaling
 from sparrow.models import load_model_args, model_args_from_hf
 from sparrow.models.qwen3_5_moe import ModelArgs
 
@@ -99,3 +100,80 @@ def test_full_attention_interval_lays_out_layers():
     raw["full_attention_interval"] = 3
     assert model_args_from_hf(raw).layer_types == ("linear_attention", "linear_attention",
                                                    "full_attention") * 2
+
+
+def _yarn_text(**rope) -> dict:
+    text = ModelArgs().to_hf_text_config()
+    text["rope_parameters"] |= {"rope_type": "yarn"} | rope
+    return text
+
+
+def test_yarn_parses_with_hf_defaults():
+    """Qwen3.6's 1M recipe: factor 4 over the native 262,144 positions."""
+    args = model_args_from_hf(_yarn_text(factor=4.0, original_max_position_embeddings=262144))
+    assert args.rope_scaling == YarnScaling(4.0, 262144)
+    yarn = args.rope_scaling
+    assert (yarn.beta_fast, yarn.beta_slow, yarn.truncate) == (32.0, 1.0, True)
+    assert yarn.mscale is yarn.mscale_all_dim is yarn.attention_factor is None
+    assert args.max_position_embeddings == 262144 and args.max_context == 1_048_576
+    assert ModelArgs().max_context == 262144
+
+
+def test_yarn_round_trips_through_hf_configs():
+    from transformers import Qwen3_5MoeConfig
+
+    yarn = YarnScaling(3.0, 64, beta_fast=8.0, beta_slow=2.0, mscale=0.7, mscale_all_dim=0.3,
+                       attention_factor=1.2, truncate=False)  # fmt: skip
+    cfg = ModelArgs(num_layers=4, max_position_embeddings=192, rope_scaling=yarn)
+    assert model_args_from_hf(cfg.to_hf_config()) == cfg
+    hf = Qwen3_5MoeConfig(**cfg.to_hf_config())  # HF reads the same keys back
+    assert model_args_from_hf(json.loads(hf.to_json_string())) == cfg
+
+
+@pytest.mark.parametrize(
+    "rope, text, expected",
+    [
+        # original_max_position_embeddings left out: HF takes max_position_embeddings
+        ({"factor": 2.0}, {}, YarnScaling(2.0, 262144)),
+        # a null factor: max_position_embeddings / original
+        ({"factor": None, "original_max_position_embeddings": 65536}, {}, YarnScaling(4.0, 65536)),
+        # 0 or null betas take HF's 32 and 1
+        ({"factor": 2.0, "original_max_position_embeddings": 64, "beta_fast": 0,
+          "beta_slow": None}, {}, YarnScaling(2.0, 64)),
+        # a text-config original_max_position_embeddings wins over rope_parameters' (HF)
+        ({"factor": 2.0, "original_max_position_embeddings": 64},
+         {"original_max_position_embeddings": 128}, YarnScaling(2.0, 128)),
+    ],
+)  # fmt: skip
+def test_yarn_fills_what_hf_fills(rope, text, expected):
+    assert model_args_from_hf(_yarn_text(**rope) | text).rope_scaling == expected
+
+
+def test_legacy_rope_scaling_block():
+    """HF reads `rope_scaling` (with `type`) in place of rope_parameters; rope_theta and
+    partial_rotary_factor may then sit in the text config."""
+    text = ModelArgs().to_hf_text_config()
+    del text["rope_parameters"]
+    text |= {"rope_scaling": {"type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 4096},
+             "rope_theta": 5e5, "partial_rotary_factor": 0.5}  # fmt: skip
+    args = model_args_from_hf(text)
+    assert args.rope_scaling == YarnScaling(4.0, 4096)
+    assert (args.rope_theta, args.partial_rotary_factor) == (5e5, 0.5)
+
+
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        ({"rope_type": "linear", "factor": 2.0}, "rope_type 'linear' is not supported"),
+        ({"rope_type": "longrope"}, r"expected one of 'default', 'yarn'"),
+        ({"rope_type": "yarn", "original_max_position_embeddings": 64}, "need a 'factor'"),
+        ({"rope_type": "yarn", "factor": "big"}, "malformed config"),
+        ({"rope_type": "yarn", "factor": 0}, "factor > 0"),
+    ],
+)
+def test_bad_rope_parameters(rope, message):
+    text = ModelArgs().to_hf_text_config()
+    text["rope_parameters"] |= rope
+    with pytest.raises(ConfigError, match=message):
+        model_args_from_hf(text)

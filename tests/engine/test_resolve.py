@@ -1,0 +1,63 @@
+"""The context limit: max_model_len up to what the model's positions reach (YaRN's original
+length x factor), longer an error, as in vLLM; and the CLI's `--max-model-len 1010000`."""
+
+import json
+
+import pytest
+import torch
+
+from sparrow.cli import main
+from sparrow.config import ConfigError, EngineConfig
+from sparrow.engine.resolve import resolve
+from sparrow.layers.rotary import YarnScaling
+from sparrow.loader.random_checkpoint import PRESETS
+from sparrow.models.qwen3_5_moe import Model
+
+TINY = PRESETS["qwen3.6-tiny"].replace(num_layers=2)  # max_position_embeddings 262144
+QWEN_1M = YarnScaling(4.0, 262144)  # Qwen3.6's recipe for 1M tokens
+
+
+def _resolve(args, **settings):
+    with torch.device("meta"):
+        model = Model(args)
+    config = EngineConfig.from_kwargs(num_blocks=8000, **settings)
+    return resolve(config, model)[0]
+
+
+def test_yarn_extends_the_context():
+    args = TINY.replace(rope_scaling=QWEN_1M)
+    assert _resolve(args).max_model_len == 1_048_576
+    assert _resolve(args, max_model_len=1_010_000).max_model_len == 1_010_000
+    with pytest.raises(ConfigError, match=r"1048577 exceeds .* 1048576 tokens \(yarn .*4\.0"):
+        _resolve(args, max_model_len=1_048_577)
+
+
+def test_without_rope_scaling_the_native_context_is_the_limit():
+    assert _resolve(TINY).max_model_len == 262144
+    with pytest.raises(ConfigError, match=r"of 262144 tokens \(max_position_embeddings; .*yarn"):
+        _resolve(TINY, max_model_len=1_010_000)
+
+
+def test_yarn_over_a_short_original_caps_the_context():
+    """vLLM's rule: the derived length is original x factor, even below
+    max_position_embeddings."""
+    args = TINY.replace(max_position_embeddings=32768, rope_scaling=YarnScaling(4.0, 64))
+    assert _resolve(args).max_model_len == 256
+
+
+@pytest.mark.parametrize("yarn", [True, False], ids=["yarn", "native"])
+def test_cli_max_model_len_1m(yarn, tmp_path, capsys):
+    """`sparrow generate --max-model-len 1010000` runs when config.json carries Qwen3.6's
+    YaRN block and stops with the reason (exit status 2) when it does not."""
+    cfg = TINY.replace(rope_scaling=QWEN_1M if yarn else None).to_hf_config()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    status = main(["generate", "--model", str(tmp_path), "--load-format", "dummy",
+                   "--max-model-len", "1010000", "--prompt", "hi", "--max-tokens", "2",
+                   "--raw"])  # fmt: skip
+    captured = capsys.readouterr()
+    if yarn:
+        assert status == 0, captured.err
+        assert "decode: 2 tokens" in captured.out
+    else:
+        assert status == 2
+        assert "max_model_len 1010000 exceeds the model's context of 262144" in captured.err
