@@ -1,10 +1,16 @@
 """Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
 
-All sampled rows of a step are filtered together (one top-k, one sort for the rows with a
-top-p, one softmax), then drawn by an exponential race: argmax(p / E) with E ~ Exp(1) per
-token picks token i with probability p_i. The noise comes from each request's own generator
-(one draw per generator for all its rows), so a seeded request's tokens do not depend on the
-other requests of the step.
+All sampled rows of a step are filtered together (one top-k, one softmax, one top-p pass
+over the rows that ask for it), then drawn by inverting each row's cumulative distribution
+at one uniform number from the request's own generator (one draw per generator for all its
+rows), so a seeded request's tokens do not depend on the other requests of the step.
+
+Top-p finds each row's cut without sorting the vocabulary on a CPU: the probabilities are
+bucketed by their top 16 bits (sign, exponent, 7 mantissa bits: buckets ordered like the
+values), the bucket where the mass from the top reaches p is the only one sorted, and every
+token at or above the cut value is kept. At 43 rows x 248,320 that is ~0.2 s against ~0.7 s
+for the full sort on two cores. On a GPU, and for vocabularies under 4 x 16,257 tokens, the
+rows are sorted (on a GPU fast, and deterministic, unlike the bucket sums' atomics).
 """
 
 from __future__ import annotations
@@ -38,8 +44,7 @@ def sample_rows(
     x = x / _column([p.temperature for p in chosen], x)
     x = _top_k(x, [p.top_k for p in chosen])
     probs = _top_p(torch.softmax(x, dim=-1), [p.top_p for p in chosen])
-    noise = _exponential(probs, [gens[b] for b in hot])
-    drawn = (probs / noise).argmax(dim=-1)
+    drawn = _draw(probs, [gens[b] for b in hot])
     if every:
         return drawn
     picked[rows] = drawn
@@ -51,30 +56,40 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
 
 
 def _top_k(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    """Logits below each row's k-th largest set to -inf (k 0 or >= V: no filter)."""
+    """Logits below each row's k-th largest set to -inf (k 0 or >= V: no filter); only the
+    rows with a k go through top-k, with the largest of their k."""
     vocab = x.shape[-1]
-    ks = [k if 0 < k < vocab else vocab for k in ks]
-    if min(ks) == vocab:
+    need = [i for i, k in enumerate(ks) if 0 < k < vocab]
+    if not need:
         return x
-    best = torch.topk(x, max(ks), dim=-1).values
-    kth = best.gather(1, to_device([k - 1 for k in ks], torch.long, x.device)[:, None])
-    return x.masked_fill(x < kth, float("-inf"))
+    every = len(need) == len(ks)
+    rows = None if every else to_device(need, torch.long, x.device)
+    sub = x if every else x[rows]
+    best = torch.topk(sub, max(ks[i] for i in need), dim=-1).values
+    kth = best.gather(1, to_device([ks[i] - 1 for i in need], torch.long, x.device)[:, None])
+    sub = sub.masked_fill(sub < kth, float("-inf"))
+    if every:
+        return sub
+    x = x.clone()
+    x[rows] = sub
+    return x
 
 
 def _top_p(probs: torch.Tensor, ps: list[float]) -> torch.Tensor:
     """Each row with p < 1 keeps the smallest prefix of its sorted probabilities whose mass
-    reaches p, and always the most likely token (a p below fp32's smallest subnormal compares
-    as 0). Rows with p = 1 are left as they are."""
+    reaches p (on a CPU, ties with the last kept value too), and always the most likely
+    token (a p below fp32's smallest subnormal compares as 0). Rows with p = 1 stay as they
+    are."""
     need = [i for i, p in enumerate(ps) if p < 1]
     if not need:
         return probs
     every = len(need) == len(ps)
     rows = None if every else to_device(need, torch.long, probs.device)
     sub = probs if every else probs[rows]
-    ordered, order = sub.sort(dim=-1, descending=True)
-    drop = ordered.cumsum(-1) - ordered >= _column([ps[i] for i in need], ordered)
-    drop[:, 0] = False
-    kept = torch.zeros_like(sub).scatter_(-1, order, ordered.masked_fill(drop, 0.0))
+    top_p = _column([ps[i] for i in need], sub)
+    # few tokens a row (tests, tiny vocabularies): sorting is cheaper than the buckets
+    cut = _sorted_cut if sub.is_cuda or sub.shape[1] < 4 * _BUCKETS else _bucketed_cut
+    kept = cut(sub, top_p)
     if every:
         return kept
     probs = probs.clone()
@@ -82,21 +97,56 @@ def _top_p(probs: torch.Tensor, ps: list[float]) -> torch.Tensor:
     return probs
 
 
-def _exponential(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
-    """Exp(1) noise like probs, the rows of each generator drawn from it in one call (rows
-    sharing none from the default generator). Kept above 0: p / 0 would be inf or NaN."""
+def _sorted_cut(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    ordered, order = probs.sort(dim=-1, descending=True)
+    drop = ordered.cumsum(-1) - ordered >= top_p
+    drop[:, 0] = False
+    return torch.zeros_like(probs).scatter_(-1, order, ordered.masked_fill(drop, 0.0))
+
+
+_BUCKETS = (1 << 14) - 127  # 16-bit prefixes of fp32 values in [0, 1]: 0x0000 .. 0x3F80
+
+
+def _bucketed_cut(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`_sorted_cut` by buckets (module docstring): fp32 probabilities [R, V] in [0, 1]."""
+    rows = probs.shape[0]
+    buckets = probs.view(torch.int32) >> 16
+    offsets = torch.arange(rows, dtype=torch.int32)[:, None] * _BUCKETS
+    mass = torch.zeros(rows * _BUCKETS, dtype=torch.float64).index_add_(
+        0, (buckets + offsets).flatten(), probs.flatten().double()).view(rows, _BUCKETS)
+    from_top = mass.flip(-1).cumsum(-1)
+    # buckets wholly kept, and the empty ones above the row's largest value
+    full = ((from_top < top_p.double()) | (from_top == 0)).sum(-1, keepdim=True)
+    crossing = _BUCKETS - 1 - full
+    above = torch.where(full > 0, from_top.gather(1, (full - 1).clamp(min=0)), 0.0)
+    inside = buckets == crossing
+    width = int(inside.sum(-1).max())
+    values = torch.where(inside, probs, 0.0).topk(width, dim=-1).values
+    within = ((above + values.double().cumsum(-1)) < top_p.double()).sum(-1, keepdim=True)
+    cut_value = values.gather(1, within.clamp(max=width - 1))
+    return probs.masked_fill(probs < cut_value, 0.0)
+
+
+def _draw(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of unnormalised probabilities [R, V]: the row's cumulative sum
+    inverted at a uniform number drawn from the row's generator (rows sharing none from the
+    default generator). A uniform that rounds onto a zero-probability tail takes the row's
+    most likely token."""
+    uniform = torch.empty(probs.shape[0], device=probs.device, dtype=torch.float64)
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for row, gen in enumerate(gens):
         groups.setdefault(id(gen), (gen, []))[1].append(row)
-    if len(groups) == 1:
-        noise = torch.empty_like(probs).exponential_(generator=gens[0])
-    else:
-        noise = torch.empty_like(probs)
-        for gen, rows in groups.values():
-            draw = torch.empty(len(rows), probs.shape[1], device=probs.device,
-                               dtype=probs.dtype).exponential_(generator=gen)  # fmt: skip
-            noise[to_device(rows, torch.long, probs.device)] = draw
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    for gen, rows in groups.values():
+        draw = torch.rand(len(rows), generator=gen, device=probs.device, dtype=torch.float64)
+        if len(groups) == 1:
+            uniform = draw
+        else:
+            uniform[to_device(rows, torch.long, probs.device)] = draw
+    cdf = probs.double().cumsum(-1)
+    target = (uniform * cdf[:, -1])[:, None]
+    token = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
+    empty = probs.gather(1, token[:, None])[:, 0] == 0
+    return torch.where(empty, probs.argmax(dim=-1), token)
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

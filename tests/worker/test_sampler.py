@@ -139,3 +139,40 @@ def test_a_seeded_row_does_not_depend_on_the_other_rows():
             alone = sample(logits[b : b + 1], params[b], _gen(100 * draw + b))[0]
             assert picked[b] == alone, (draw, b)
         assert picked[2] == logits[2].argmax()
+
+
+@pytest.mark.parametrize("shape", ["flat", "peaked"])
+@pytest.mark.parametrize("top_p", [0.0, 1e-6, 0.3, 0.9, 0.999])
+def test_bucketed_top_p_keeps_what_sorting_keeps(shape, top_p):
+    """The CPU's bucketed cut (large vocabularies) against the sort, on tie-free rows: the
+    same tokens, but for one at the boundary where the two sums (fp64 by bucket, fp32 in
+    sorted order) round to opposite sides of p."""
+    from sparrow.worker.sampler import _bucketed_cut, _sorted_cut
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 70_000, generator=gen) * (1.0 if shape == "flat" else 6.0)
+    probs = torch.softmax(logits, -1)
+    column = torch.full((3, 1), top_p)
+    bucketed, ordered = _bucketed_cut(probs, column), _sorted_cut(probs, column)
+    assert ((bucketed > 0) != (ordered > 0)).sum(-1).max() <= 1
+    assert torch.equal(bucketed[bucketed > 0], probs[bucketed > 0])
+
+
+def test_bucketed_top_p_keeps_every_token_tied_with_the_cut():
+    from sparrow.worker.sampler import _bucketed_cut
+
+    probs = torch.full((1, 70_000), 1 / 70_000)
+    kept = _bucketed_cut(probs, torch.tensor([[0.5]]))
+    assert torch.equal(kept, probs)  # all equal: the cut value is everyone's
+
+
+def test_large_vocabulary_rows_sample_inside_their_nucleus():
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(64, 70_000, generator=gen) * 4
+    params = [SamplingParams(temperature=1.0, top_p=0.5)] * 64
+    picked = sample_rows(logits, params, [None] * 64)
+    probs = torch.softmax(logits, -1)
+    ordered, order = probs.sort(-1, descending=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(70_000).expand(64, -1))
+    last = ((ordered.cumsum(-1) - ordered) < 0.5).sum(-1)  # the nucleus' size per row
+    assert (rank.gather(1, picked[:, None])[:, 0] < last).all()
