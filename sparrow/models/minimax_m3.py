@@ -351,6 +351,9 @@ _RENAMES = (
 _PER_EXPERT = re.compile(
     r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.(weight)$"
 )
+_SWITCH_MLP = re.compile(
+    r"^(layers\.\d+\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+)
 _GATE_UP = re.compile(r"^(layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\."
                       r"(weight|scales|biases)$")  # fmt: skip
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -374,12 +377,17 @@ def checkpoint_name(name: str) -> str | None:
 
 def expert_target(name: str) -> tuple[str, int | None, str, str] | None:
     """For a piece of a fused tensor (after `checkpoint_name`): (fused parameter, expert
-    index, or None for a 2-D dense gate_up, projection, kind in weight/scales/biases)."""
+    index or None for all experts / a 2-D dense gate_up, projection, kind in
+    weight/scales/biases)."""
     m = _PER_EXPERT.match(name)
     if m:
         proj = _PROJ.get(m.group(3), m.group(3))
         fused = "gate_up_proj" if proj in ("gate_proj", "up_proj") else "down_proj"
         return f"{m.group(1)}.experts.{fused}", int(m.group(2)), proj, m.group(4)
+    m = _SWITCH_MLP.match(name)  # all experts at once (what `save_mlx_checkpoint` writes)
+    if m:
+        fused = "gate_up_proj" if m.group(2) in ("gate_proj", "up_proj") else "down_proj"
+        return f"{m.group(1)}.experts.{fused}", None, m.group(2), m.group(3)
     m = _GATE_UP.match(name)
     if m:
         return f"{m.group(1)}.gate_up_proj.weight", None, m.group(2), m.group(3)
