@@ -144,7 +144,7 @@ def write_random_checkpoint(
     if tokenizer:
         from sparrow.tokenizer import write_tokenizer_files
 
-        write_tokenizer_files(out)
+        write_tokenizer_files(out, cfg.architecture)
     return out
 
 
