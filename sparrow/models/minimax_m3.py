@@ -305,7 +305,8 @@ class MiniMaxM3Model(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, (cfg.rotary_dim // 2, 0, 0))
         self.requires_grad_(False)
 
-    # Decode steps read the routing on the host (the reference experts): not capturable.
+    # Decode steps run eagerly on a GPU (ModelRunner reads this): the 4-bit experts read
+    # the routing on the host, and the MSA reference path has no CUDA-graph test.
     cuda_graphs = False
 
     @property
