@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-Q_CHUNK = 128  # queries per scoring / attention step
-KV_BLOCKS = 16  # key blocks per scoring step
+Q_CHUNK = 256  # queries per scoring / attention step
+KV_BLOCKS = 32  # key blocks per scoring step
 
 
 def token_tables(block_tables: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int):

@@ -12,8 +12,10 @@ from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as hf_m3
 from sparrow.kernels.msa import naive as msa
 from tests.conftest import rel_err
 
-# (sequence length, block size, top-k, local blocks, index heads, index dim)
-SHAPES = [(63, 8, 3, 1, 3, 20), (100, 4, 5, 2, 2, 12), (17, 16, 4, 1, 1, 36), (9, 2, 16, 3, 2, 8)]
+# (sequence length, block size, top-k, local blocks, index heads, index dim); the last has
+# the real block geometry (128-token blocks, top-16) over 20 blocks, the last one partial.
+SHAPES = [(63, 8, 3, 1, 3, 20), (100, 4, 5, 2, 2, 12), (17, 16, 4, 1, 1, 36), (9, 2, 16, 3, 2, 8),
+          (2500, 128, 16, 1, 2, 32)]
 
 
 def paged(values: torch.Tensor, bs: int, gen: torch.Generator, spare: int = 3):
@@ -61,7 +63,8 @@ def test_selection_matches_hf_indexer(shape):
     iq, ik = hf_m3.apply_rotary_pos_emb(iq.transpose(0, 1), ik.transpose(0, 1), cos[0], sin[0],
                                        unsqueeze_dim=0)
     ik_cache, table = paged(ik[0], bs, gen)
-    for q_chunk, kv_blocks in ((128, 16), (5, 1), (7, 3)):
+    chunks = ((256, 32), (5, 1), (7, 3)) if s < 1000 else ((256, 32), (700, 6))
+    for q_chunk, kv_blocks in chunks:
         ours = msa.select_blocks(iq.transpose(0, 1), ik_cache, table, range(s), topk, local,
                                  q_chunk, kv_blocks)  # fmt: skip
         assert ours.shape == (s, hi, topk)
