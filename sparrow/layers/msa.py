@@ -33,7 +33,7 @@ class Indexer(nn.Module):
         """x: [T, hidden]. Writes the index keys to ik_cache [pages, bs, Di] at slot_mapping
         [T]; returns the index queries [T, Hi, Di]."""
         t = x.shape[0]
-        cos, sin = cos[:, : self.head_dim], sin[:, : self.head_dim]
+        cos, sin = cos[:, : self.head_dim].contiguous(), sin[:, : self.head_dim].contiguous()
         iq = self.q_norm.with_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         ik = self.k_norm.with_rope(self.k_proj(x).view(t, 1, self.head_dim), cos, sin)
         ik_cache.view(-1, self.head_dim).index_copy_(0, slot_mapping, ik[:, 0])

@@ -106,7 +106,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     each query's sequence (`token_tables`); positions: [T]; blocks: [T, Hkv, K] logical block
     ids, -1 unused. Returns [T, Hq, D] in q's dtype (fp32 softmax, merged over the K blocks
     online)."""
-    out = torch.empty_like(q)
+    out, tables = torch.empty_like(q), tables.long()
     for c0 in range(0, q.shape[0], q_chunk):
         rows = slice(c0, c0 + q_chunk)
         out[rows] = _attend(q[rows], k_cache, v_cache, tables[rows], positions[rows],
@@ -125,7 +125,7 @@ def _attend(q, k_cache, v_cache, tables, positions, blocks, scale):
     acc = torch.zeros_like(qf)
     for slot in range(blocks.shape[-1]):
         logical = blocks[:, :, slot]  # [T, Hkv]
-        pages = tables.gather(1, logical.clamp(min=0).to(tables.dtype)).long()
+        pages = tables.gather(1, logical.clamp(min=0))
         k = k_cache[pages[:, :, None], offsets, heads].float()  # [T, Hkv, bs, D]
         v = v_cache[pages[:, :, None], offsets, heads].float()
         k_pos = logical[:, :, None] * bs + offsets  # [T, Hkv, bs]
