@@ -28,7 +28,8 @@ _ENGINE_FLAGS = (
     ("--max-num-seqs", "max_num_seqs", SchedulerConfig, int, "sequences in a batch at most"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", SchedulerConfig, int,
      "token budget of one step (longer prompts are chunked)"),
-    ("--block-size", "block_size", CacheConfig, int, "tokens per KV-cache block"),
+    ("--block-size", "block_size", CacheConfig, int,
+     "tokens per KV-cache block; None: the model's MSA block, else 128"),
     ("--num-blocks", "num_blocks", CacheConfig, int,
      "KV-cache blocks; None: what fits in --gpu-memory-utilization"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", CacheConfig, float,
@@ -157,9 +158,10 @@ def cmd_checkpoint_random(args: argparse.Namespace) -> int:
     changes = {
         "num_layers": args.layers, "hidden_size": args.hidden, "num_experts": args.experts,
         "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_intermediate,
-        "shared_expert_intermediate_size": args.moe_intermediate, "vocab_size": args.vocab,
+        "shared_expert_intermediate_size": args.moe_intermediate,  # Qwen's name
+        "shared_intermediate_size": args.moe_intermediate, "vocab_size": args.vocab,  # M3's
     }  # fmt: skip
-    cfg = cfg.replace(**{k: v for k, v in changes.items() if v is not None})
+    cfg = cfg.replace(**{k: v for k, v in changes.items() if v is not None and hasattr(cfg, k)})
     out = write_random_checkpoint(
         args.out, cfg, seed=args.seed, dtype=TORCH_DTYPES[args.dtype],
         shard_bytes=int(args.shard_gb * (1 << 30)), per_expert=args.per_expert,
@@ -217,7 +219,8 @@ def _add_checkpoint(sub) -> None:
     )
     rnd.add_argument("out", help="output directory")
     rnd.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.6-35b-a3b")
-    rnd.add_argument("--layers", type=int, help="number of layers (every 4th is attention)")
+    rnd.add_argument("--layers", type=int, help="number of layers (Qwen: every 4th is "
+                     "attention; M3: the first 3 full attention + dense, then sparse + MoE)")
     rnd.add_argument("--hidden", type=int, help="hidden size")
     rnd.add_argument("--experts", type=int, help="number of routed experts")
     rnd.add_argument("--top-k", type=int, help="experts per token")

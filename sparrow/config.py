@@ -134,18 +134,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The cache's geometry. `num_blocks` None: as many blocks as fit in
+    """The cache's geometry. `block_size` None: the model's MSA block if it has one, else 128
+    (a model with MSA layers takes no other). `num_blocks` None: as many blocks as fit in
     `gpu_memory_utilization` of the device memory left after the weights (8K tokens' worth on
     a CPU). `num_state_slots` None: one per sequence the scheduler may run."""
 
-    block_size: int = 128  # tokens per KV block
+    block_size: int | None = None  # tokens per KV block
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     num_state_slots: int | None = None  # per-request slots (recurrent state, next token)
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "num_blocks", "num_state_slots")
-        if self.block_size & (self.block_size - 1):
+        if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(

@@ -54,6 +54,29 @@ CHATML_TEMPLATE = """\
 """
 
 EOS_TOKEN = "<|im_end|>"
+
+# MiniMax's turn format: ]~!b[ once, then per message ]~b]{role}\n{content}[e~[\n, the
+# assistant's role spelled "ai".
+MINIMAX_TEMPLATE = """\
+{{- ']~!b[' -}}
+{%- for message in messages -%}
+{%- set role = 'ai' if message['role'] == 'assistant' else message['role'] -%}
+{%- if message['content'] is string -%}{%- set content = message['content'] -%}
+{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')
+| map(attribute='text') | join('') -%}
+{%- endif -%}
+{{- ']~b]' + role + '\\n' + content + '[e~[\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- ']~b]ai\\n' -}}{%- endif -%}
+"""
+# MiniMax M3's special tokens at the checkpoint's ids (bos, eos, role marker, vision).
+M3_SPECIAL_TOKENS = {
+    "]~b]": 200019, "[e~[": 200020, "]<]image[>[": 200025, "]<]video[>[": 200026,
+    "]<]start of image[>[": 200029, "]<]end of image[>[": 200030,
+    "]<]start of video[>[": 200031, "]<]end of video[>[": 200032, "]<]vision pad[>[": 200033,
+    "]~!b[": 200034,
+}  # fmt: skip
+M3_FIRST_SPECIAL = 200000  # regular tokens take the ids below
 # The reasoning markers in an assistant turn are the model's own output, which the template
 # parses (it drops earlier reasoning); they stay tokens there. Everywhere else in message
 # content a special token's text is plain text.
@@ -232,13 +255,31 @@ def _bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def write_tokenizer_files(out_dir: str | Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json for the Qwen3.5/3.6 vocabulary, as a
-    real checkpoint carries them (byte-level BPE, NFC, the Qwen pre-tokenizer regex)."""
+def write_tokenizer_files(out_dir: str | Path, architecture: str = "qwen3_5_moe") -> None:
+    """Write tokenizer.json and tokenizer_config.json as a real checkpoint of `architecture`
+    carries them: the Qwen3.5/3.6 vocabulary (byte-level BPE, NFC, the Qwen pre-tokenizer
+    regex), or for `minimax_m3` its first 200,000 tokens with M3's special tokens at M3's ids
+    and a MiniMax chat template (random checkpoints: ids and markers, not M3's own merges)."""
+    ranks, pattern, specials = _packaged_vocab()
+    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": EOS_TOKEN,
+              "pad_token": "<|endoftext|>", "model_max_length": 262144,
+              "chat_template": CHATML_TEMPLATE}  # fmt: skip
+    if architecture == "minimax_m3":
+        ranks = {t: r for t, r in ranks.items() if r < M3_FIRST_SPECIAL}
+        specials = sorted((i, t) for t, i in M3_SPECIAL_TOKENS.items())
+        config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "]~!b[", "eos_token": "[e~[",
+                  "model_max_length": 1048576, "chat_template": MINIMAX_TEMPLATE}  # fmt: skip
+    out = Path(out_dir)
+    _bpe_tokenizer(ranks, pattern, specials).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _bpe_tokenizer(ranks: dict[bytes, int], pattern: str, specials: list[tuple[int, str]]):
+    """A byte-level BPE `tokenizers.Tokenizer` from tiktoken ranks; special tokens at their
+    ids (ids between the vocabulary and them stay unused)."""
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    ranks, pattern, specials = _packaged_vocab()
     to_char = _byte_to_unicode()
 
     def text(b: bytes) -> str:
@@ -253,14 +294,9 @@ def write_tokenizer_files(out_dir: str | Path) -> None:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in specials])
-    out = Path(out_dir)
-    tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "eos_token": EOS_TOKEN,
-        "pad_token": "<|endoftext|>",
-        "model_max_length": 262144,
-        "chat_template": CHATML_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for i, t in specials:  # added tokens take the next free id: fill the gaps in order
+        while tok.get_vocab_size(with_added_tokens=True) < i:
+            n = tok.get_vocab_size(with_added_tokens=True)
+            tok.add_tokens([AddedToken(f"<|unused_{n}|>", special=True, normalized=False)])
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
+    return tok

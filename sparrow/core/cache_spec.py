@@ -2,8 +2,8 @@
 
 A model lists one spec per layer (`Model.cache_specs()`, None for a layer that keeps
 nothing). Two kinds of storage follow from them:
-- paged, per token: K/V rows (later also MSA index keys) in fixed-size blocks that every
-  paged layer addresses through the same per-request block table; the block manager
+- paged, per token: K/V rows (and, for MSA layers, one index key) in fixed-size blocks
+  that every paged layer addresses through the same per-request block table; the block manager
   (`core/block_pool.py`) counts blocks, the worker's `ModelCache` holds one tensor set per
   layer;
 - per request slot: recurrent state (the GDN conv window and matrix state), one slot per
@@ -48,7 +48,32 @@ class RecurrentStateSpec:
         return conv + state
 
 
-CacheSpec = PagedKVSpec | RecurrentStateSpec
+@dataclass(frozen=True)
+class SparseKVSpec:
+    """An MSA layer: K and V as `PagedKVSpec`, plus one index key per token
+    [num_blocks, block_size, index_head_dim], in pages of exactly `block_size` tokens (one
+    page is one MSA block: selection picks pages)."""
+
+    paged: ClassVar[bool] = True
+    num_kv_heads: int
+    head_dim: int
+    index_head_dim: int
+    block_size: int
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return (2 * self.num_kv_heads * self.head_dim + self.index_head_dim) * itemsize
+
+
+CacheSpec = PagedKVSpec | RecurrentStateSpec | SparseKVSpec
+
+
+def required_block_size(specs: Sequence[CacheSpec | None]) -> int | None:
+    """The page size the layers need (an MSA block), None if any size does; ValueError if
+    two layers need different ones."""
+    sizes = {s.block_size for s in specs if isinstance(s, SparseKVSpec)}
+    if len(sizes) > 1:
+        raise ValueError(f"layers need different cache page sizes: {sorted(sizes)}")
+    return sizes.pop() if sizes else None
 
 
 def paged_bytes_per_block(specs: Sequence[CacheSpec | None], block_size: int,

@@ -2,9 +2,10 @@
 
 The device and dtype ("auto": CUDA in bfloat16 if present, else the CPU in float32), the
 context limit (the model's own unless set lower; longer is an error, as in vLLM), the
-per-request slots (one per sequence the scheduler may run) and the number of KV blocks: what
-fits in `gpu_memory_utilization` of the GPU's memory after the weights and the per-slot
-states (on a CPU: 8K tokens' worth).
+per-request slots (one per sequence the scheduler may run), the block size (the model's MSA
+block where it has one, which is then the only size allowed, else 128) and the number of KV
+blocks: what fits in `gpu_memory_utilization` of the GPU's memory after the weights and the
+per-slot states (on a CPU: 8K tokens' worth).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 
 from sparrow.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, SchedulerConfig
-from sparrow.core.cache_spec import paged_bytes_per_block, slot_bytes
+from sparrow.core.cache_spec import paged_bytes_per_block, required_block_size, slot_bytes
 
 CPU_CACHE_TOKENS = 8192
+DEFAULT_BLOCK_SIZE = 128
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -45,7 +47,8 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
                           f"of {limit} tokens ({_context_source(args)})")  # fmt: skip
     sched = dataclasses.replace(sched, max_model_len=sched.max_model_len or limit)
     slots = cache.num_state_slots or sched.max_num_seqs
-    cache = dataclasses.replace(cache, num_state_slots=slots)
+    block_size = _block_size(cache.block_size, model)
+    cache = dataclasses.replace(cache, num_state_slots=slots, block_size=block_size)
     if cache.num_blocks is None:
         blocks = _blocks_for_memory(cache, model, sched.max_model_len * slots)
         cache = dataclasses.replace(cache, num_blocks=blocks)
@@ -65,6 +68,16 @@ def _context_source(args: Any) -> str:
         return (f"yarn rope scaling: factor {yarn.factor} x original_max_position_embeddings "
                 f"{yarn.original_max_position_embeddings}")  # fmt: skip
     return "max_position_embeddings; rope_parameters of rope_type 'yarn' in config.json extend it"
+
+
+def _block_size(asked: int | None, model: torch.nn.Module) -> int:
+    """The cache page size: the model's MSA block if it has one (ConfigError for another)."""
+    needed = required_block_size(model.cache_specs())
+    if needed is not None and asked is not None and asked != needed:
+        raise ConfigError(f"block_size {asked} does not match the model's MSA block of "
+                          f"{needed} tokens (index_block_size): a cache page must be one MSA "
+                          f"block")  # fmt: skip
+    return asked or needed or DEFAULT_BLOCK_SIZE
 
 
 def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module, most_tokens: int) -> int:

@@ -50,6 +50,17 @@ class Experts(nn.Module):
         """Float (gate_up [2I, hidden], down [hidden, I]) of expert e."""
         return self.gate_up_proj[e], self.down_proj[e]
 
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The GLU between the two projections: [.., 2I] -> [.., I]."""
+        return naive.swiglu(gate_up)
+
+    def quantized(self, spec, dtype: torch.dtype) -> nn.Module:
+        """The group-affine quantised twin of these experts (empty, for the loader)."""
+        from sparrow.layers.quantized import QuantizedExperts
+
+        e, two_i, hidden = self.gate_up_proj.shape
+        return QuantizedExperts(e, hidden, two_i // 2, spec, dtype)
+
     def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                       shared: SwiGLU | None = None,
                       shared_gate: torch.Tensor | None = None):  # fmt: skip
@@ -67,7 +78,7 @@ class Experts(nn.Module):
         if use_triton(x) and x.is_cuda:
             grouped = self._grouped if x.dtype == torch.bfloat16 else self._gathered
             return grouped(x, weights, ids)
-        return naive.experts(x, weights, ids, self.expert_weights)
+        return naive.experts(x, weights, ids, self.expert_weights, self.activation)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
         """Assignments sorted by expert, then torch's grouped GEMM per projection: no host
@@ -80,8 +91,8 @@ class Experts(nn.Module):
         ends = counts.cumsum(0, dtype=torch.int32)
         rows = x[order // k]
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=ends)
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=ends)
+        y = torch._grouped_mm(self.activation(gate_up), self.down_proj.transpose(-2, -1),
+                              offs=ends)  # fmt: skip
         y = y * weights.flatten()[order, None]
         out = torch.empty_like(y).index_copy_(0, order, y)
         return out.view(t, k, -1).sum(1)
@@ -91,8 +102,8 @@ class Experts(nn.Module):
         t, k = ids.shape
         flat = ids.flatten()
         rows = x.repeat_interleave(k, dim=0)[:, :, None]  # assignment a = t * k + slot
-        gate, up = torch.bmm(self.gate_up_proj[flat].to(x.dtype), rows)[..., 0].chunk(2, -1)
-        h = (F.silu(gate) * up)[:, :, None]
+        h = self.activation(torch.bmm(self.gate_up_proj[flat].to(x.dtype), rows)[..., 0])
+        h = h[:, :, None]
         y = torch.bmm(self.down_proj[flat].to(x.dtype), h)[..., 0] * weights.reshape(-1, 1)
         return y.view(t, k, -1).sum(1)
 

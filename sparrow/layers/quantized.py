@@ -176,11 +176,10 @@ def quantize_modules(
             new = QuantizedLinear(module.in_features, module.out_features, spec, dtype)
         elif isinstance(module, nn.Embedding) and module.embedding_dim % spec.group_size == 0:
             new = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, spec, dtype)
-        elif type(module) is Experts and all(
+        elif isinstance(module, Experts) and not hasattr(module, "spec") and all(
             w.shape[-1] % spec.group_size == 0 for w in (module.gate_up_proj, module.down_proj)
         ):
-            e, two_i, hidden = module.gate_up_proj.shape
-            new = QuantizedExperts(e, hidden, two_i // 2, spec, dtype)
+            new = module.quantized(spec, dtype)
         else:
             continue
         parent, _, child = path.rpartition(".")

@@ -1,8 +1,10 @@
 """Random weights in the exact HF layout, for tests and benchmarks.
 
-The init follows HF's `_init_weights` for Qwen3.5 MoE, so activations stay finite through
-40 layers: linear/embedding/conv/expert/router weights N(0, initializer_range), zero-centred
-RMSNorm weights 0, the GDN output norm 1, dt_bias 1, A_log = log U(0.01, 16).
+The init follows HF's `_init_weights` for Qwen3.5 MoE and MiniMax M3, so activations stay
+finite through 40-60 layers: linear/embedding/conv/expert/router weights N(0,
+initializer_range), zero-centred RMSNorm weights 0, the GDN output norm 1, dt_bias 1,
+A_log = log U(0.01, 16), M3's router correction bias N(0, initializer_range) (HF: 0; random
+values make the bias matter for the choice).
 
 Weights can be written as a checkpoint directory (`write_random_checkpoint`, what
 `sparrow checkpoint random` runs) or materialised directly on a device with no file
@@ -26,10 +28,11 @@ from tqdm import tqdm
 from sparrow.config import QuantConfig
 from sparrow.loader.weights import build_empty_model, load_tensors
 from sparrow.loader.writer import ShardWriter
+from sparrow.models import minimax_m3
 from sparrow.models.qwen3_5_moe import ModelArgs
 
 # fmt: off
-PRESETS: dict[str, ModelArgs] = {
+PRESETS: dict[str, ModelArgs | minimax_m3.ModelArgs] = {
     "qwen3.6-35b-a3b": ModelArgs(),
     # Small enough for CPU tests and the built-in default (full vocabulary, 4 layers).
     "qwen3.6-tiny": ModelArgs(
@@ -37,6 +40,17 @@ PRESETS: dict[str, ModelArgs] = {
         mrope_section=(2, 1, 1), linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    ),
+    "minimax-m3": minimax_m3.ModelArgs(),
+    # 2 full + dense, 2 sparse + MoE layers; MSA blocks of 16 tokens, top-2 of them.
+    "minimax-m3-tiny": minimax_m3.ModelArgs(
+        hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
+        layer_types=("full_attention", "minimax_m3_sparse", "minimax_m3_sparse",
+                     "full_attention"),
+        mlp_layer_types=("dense", "sparse", "sparse", "dense"), index_n_heads=2,
+        index_head_dim=32, index_block_size=16, index_topk_blocks=2, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, dense_intermediate_size=128,
+        shared_intermediate_size=64,
     ),
 }
 # fmt: on
@@ -130,7 +144,7 @@ def write_random_checkpoint(
     if tokenizer:
         from sparrow.tokenizer import write_tokenizer_files
 
-        write_tokenizer_files(out)
+        write_tokenizer_files(out, cfg.architecture)
     return out
 
 

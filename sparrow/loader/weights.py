@@ -89,8 +89,10 @@ class WeightAssembler:
         if expert is not None:
             fused, e, proj, kind = expert
             param = fused if kind == "weight" else companion(fused, kind)
-            rows = self.arch.expert_slice(proj, self.model.config.moe_intermediate_size)
-            index = (slice(None) if e is None else e, rows)
+            if param in self.params:  # a piece of a fused [.., 2I, hidden] or down tensor
+                shape = self.params[param].shape
+                rows = self.arch.expert_slice(proj, shape[-2] // 2)
+                index = (rows,) if len(shape) == 2 else (slice(None) if e is None else e, rows)
         if param not in self.params:
             raise CheckpointError(
                 f"{source}: tensor {name!r} does not belong to this model "
@@ -167,10 +169,12 @@ class WeightAssembler:
     def _describe_missing(self, param: str) -> str:
         shape = list(self.params[param].shape)
         if param in self.filled and self.filled[param].dim() == 2:
-            e, row = (int(i) for i in (~self.filled[param]).nonzero()[0])
-            inter = self.model.config.moe_intermediate_size
+            missing = [int(i) for i in (~self.filled[param]).nonzero()[0]]
+            dense = len(shape) == 2  # rows of a fused gate_up, else (expert, row)
+            row, inter = missing[0 if dense else 1], shape[-2] // 2
             proj = "down_proj" if "down_proj" in param else ("gate_proj", "up_proj")[row >= inter]
-            return f"{param} (expert {e}, {proj}; full shape {shape})"
+            where = proj if dense else f"expert {missing[0]}, {proj}"
+            return f"{param} ({where}; full shape {shape})"
         return f"{param} (expected shape {shape})"
 
 

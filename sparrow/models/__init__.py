@@ -21,9 +21,9 @@ from types import ModuleType
 from typing import Any
 
 from sparrow.config import ConfigError
-from sparrow.models import qwen3_5_moe
+from sparrow.models import minimax_m3, qwen3_5_moe
 
-ARCHITECTURES: dict[str, ModuleType] = {"qwen3_5_moe": qwen3_5_moe}
+ARCHITECTURES: dict[str, ModuleType] = {"qwen3_5_moe": qwen3_5_moe, "minimax_m3": minimax_m3}
 MODEL_TYPES: dict[str, ModuleType] = {
     model_type: module for module in ARCHITECTURES.values() for model_type in module.MODEL_TYPES
 }

@@ -2,7 +2,9 @@
 that indexes them.
 
 Paged layers (`PagedKVSpec`) keep K/V in a block pool per layer ([num_blocks, block_size,
-Hkv, D], a request's blocks listed in its block table, shared by all paged layers);
+Hkv, D], a request's blocks listed in its block table, shared by all paged layers); MSA
+layers (`SparseKVSpec`) keep an index-key pool [num_blocks, block_size, Di] beside their K/V,
+and need `block_size` to be their MSA block;
 slot layers (`RecurrentStateSpec`) keep conv and recurrent states in slot pools ([num_slots,
 ...] per layer, one slot per running request; the conv pool position-major in memory,
 `state_pool`). Which block and which slot a request owns is decided on the CPU
@@ -15,14 +17,21 @@ from collections.abc import Sequence
 
 import torch
 
-from sparrow.core.cache_spec import CacheSpec, PagedKVSpec, RecurrentStateSpec
+from sparrow.core.cache_spec import (
+    CacheSpec,
+    PagedKVSpec,
+    RecurrentStateSpec,
+    SparseKVSpec,
+    required_block_size,
+)
 from sparrow.kernels.causal_conv1d.conv import state_pool
 from sparrow.layers.metadata import StepMetadata, to_device
 
 
 class ModelCache:
     """`layers[i]`: what layer i keeps, per its spec: (k, v) block pools for a paged layer,
-    (conv, state) slot pools for a recurrent one, None for a layer that keeps nothing.
+    (k, v, index keys) for an MSA layer, (conv, state) slot pools for a recurrent one, None
+    for a layer that keeps nothing. ValueError if `block_size` is not the MSA block.
 
     One block and one state slot beyond those the scheduler hands out (`pad_block`,
     `pad_slot`) are scratch: padding rows of a captured decode step write there."""
@@ -30,6 +39,11 @@ class ModelCache:
     def __init__(self, specs: Sequence[CacheSpec | None], num_blocks: int, block_size: int,
                  num_slots: int, device: torch.device | str, dtype: torch.dtype):  # fmt: skip
         self.specs, self.block_size = list(specs), block_size
+        needed = required_block_size(self.specs)
+        if needed is not None and needed != block_size:
+            raise ValueError(f"cache block size {block_size} does not match the model's MSA "
+                             f"block of {needed} tokens: a cache page must be one MSA block "
+                             f"(set block_size={needed})")  # fmt: skip
         self.pad_block, self.pad_slot = num_blocks, num_slots
         self.layers = [self._allocate(s, num_blocks + 1, num_slots + 1, device, dtype)
                        for s in self.specs]  # fmt: skip
@@ -42,6 +56,11 @@ class ModelCache:
             shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
             return (torch.zeros(shape, device=device, dtype=dtype),
                     torch.zeros(shape, device=device, dtype=dtype))  # fmt: skip
+        if isinstance(spec, SparseKVSpec):
+            kv = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            index = (num_blocks, self.block_size, spec.index_head_dim)
+            return tuple(torch.zeros(shape, device=device, dtype=dtype)
+                         for shape in (kv, kv, index))  # fmt: skip
         if isinstance(spec, RecurrentStateSpec):
             conv = state_pool(num_slots, spec.conv_channels, spec.conv_kernel, device, dtype)
             state = torch.zeros(num_slots, *spec.state_shape, device=device,

@@ -62,8 +62,9 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, sched: SchedulerConfig, cache: CacheConfig,
                  cuda_graphs: bool = True):  # fmt: skip
-        """sched, cache: resolved settings. cuda_graphs: capture decode steps (GPU only;
-        False runs every step eagerly)."""
+        """sched, cache: resolved settings. cuda_graphs: capture decode steps (GPU only, and
+        only for models whose `cuda_graphs` attribute, if any, is true; False runs every step
+        eagerly)."""
         self.model = model
         self.cache = ModelCache(model.cache_specs(), cache.num_blocks, cache.block_size,
                                 cache.num_state_slots, model.device, model.dtype)  # fmt: skip
@@ -72,7 +73,7 @@ class ModelRunner:
         self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
                                        device=model.device)  # fmt: skip
         self.graphs = None
-        if cuda_graphs and model.device.type == "cuda":
+        if cuda_graphs and model.device.type == "cuda" and getattr(model, "cuda_graphs", True):
             max_blocks = -(-sched.max_model_len // cache.block_size)
             self.graphs = DecodeGraphs(model, self.cache, sched.max_num_seqs, max_blocks)
             self.graphs.capture()

@@ -7,14 +7,18 @@ from collections.abc import Sequence
 
 import torch
 
+from sparrow.core.cache_spec import required_block_size
 from sparrow.worker.cache import ModelCache, build_metadata
 
 
 class SequenceBatch:
-    """Sequence b owns a contiguous run of blocks and recurrent-state slot b."""
+    """Sequence b owns a contiguous run of blocks and recurrent-state slot b. Blocks are of
+    `block_size` tokens (None: the model's MSA block if it has one, else 16)."""
 
-    def __init__(self, model: torch.nn.Module, num_seqs: int, max_len: int, block_size: int = 16):
+    def __init__(self, model: torch.nn.Module, num_seqs: int, max_len: int,
+                 block_size: int | None = None):  # fmt: skip
         self.model = model
+        block_size = block_size or required_block_size(model.cache_specs()) or 16
         per_seq = -(-max_len // block_size)
         self.cache = ModelCache(model.cache_specs(), num_seqs * per_seq, block_size, num_seqs,
                                 model.device, model.dtype)  # fmt: skip

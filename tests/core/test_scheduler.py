@@ -21,7 +21,7 @@ _CACHE_KEYS = ("block_size", "num_blocks", "num_state_slots")
 
 def configs(**kw) -> tuple[SchedulerConfig, CacheConfig]:
     """Resolved settings: a 262,144-token context, 1,024 blocks, 64 state slots unless given."""
-    cache = {"num_blocks": 1024, "num_state_slots": 64} | {
+    cache = {"block_size": 128, "num_blocks": 1024, "num_state_slots": 64} | {
         k: kw.pop(k) for k in _CACHE_KEYS if k in kw}
     return SchedulerConfig(**({"max_model_len": 262144} | kw)), CacheConfig(**cache)
 

@@ -85,22 +85,29 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, small_m: int = 0) -
                    small and Blocks(*(t.to(ids.device) for t in small)))  # fmt: skip
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [.., 2I] gate_up output (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
     expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    act: Callable[[torch.Tensor], torch.Tensor] = swiglu,
 ) -> torch.Tensor:
     """x: [T, hidden]; weights, ids: [T, k]; expert_weights(e): expert e's float (gate_up
-    [2I, hidden], down [hidden, I]). Returns sum_j w_tj * down(silu(gate) * up)(x_t) over
-    the experts that received rows, in x's dtype (matmuls in x's dtype, as the model's
-    reference path). Reads the ids on the host."""
+    [2I, hidden], down [hidden, I]). Returns sum_j w_tj * down(act(gate_up(x_t))) over the
+    experts that received rows (act: the GLU of gate and up, `swiglu` by default), in x's
+    dtype (matmuls in x's dtype, as the model's reference path). Reads the ids on the host."""
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
         gate_up, down = expert_weights(e)
-        gate, up = F.linear(x[token], gate_up.to(x.dtype)).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down.to(x.dtype)) * weights[token, slot, None]
+        h = act(F.linear(x[token], gate_up.to(x.dtype)))
+        y = F.linear(h, down.to(x.dtype)) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
 

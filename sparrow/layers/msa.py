@@ -1,0 +1,123 @@
+"""MiniMax M3 attention: per-head Gemma q/k norms, partial RoPE, GQA, no output gate; on
+sparse layers the MSA indexer picks `topk` key blocks per (query, KV group) and attention
+runs over those blocks only (`sparrow.kernels.msa.naive` defines both steps)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparrow.core.cache_spec import PagedKVSpec, SparseKVSpec
+from sparrow.kernels import fits_tiles, use_triton
+from sparrow.kernels.attention import naive as dense
+from sparrow.kernels.attention import paged
+from sparrow.kernels.msa import naive as msa
+from sparrow.layers.metadata import StepMetadata
+from sparrow.layers.norms import ZeroCenteredRMSNorm
+
+
+class Indexer(nn.Module):
+    """Index queries (Hi heads) and one index key per token, both Gemma-normed and rotated
+    with the attention's RoPE tables cut to the index head dim."""
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, head_dim, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
+        self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ik_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """x: [T, hidden]. Writes the index keys to ik_cache [pages, bs, Di] at slot_mapping
+        [T]; returns the index queries [T, Hi, Di]."""
+        t = x.shape[0]
+        cos, sin = cos[:, : self.head_dim].contiguous(), sin[:, : self.head_dim].contiguous()
+        iq = self.q_norm.with_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        ik = self.k_norm.with_rope(self.k_proj(x).view(t, 1, self.head_dim), cos, sin)
+        ik_cache.view(-1, self.head_dim).index_copy_(0, slot_mapping, ik[:, 0])
+        return iq
+
+
+class M3Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, sparse: dict | None = None):  # fmt: skip
+        """sparse: None for full attention, else the MSA settings {index_heads,
+        index_head_dim, block_size, topk, local_blocks}."""
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
+        self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
+        self.sparse = sparse
+        if sparse is not None:
+            self.indexer = Indexer(hidden, sparse["index_heads"], sparse["index_head_dim"], eps)
+
+    def cache_spec(self) -> PagedKVSpec | SparseKVSpec:
+        if self.sparse is None:
+            return PagedKVSpec(self.num_kv_heads, self.head_dim)
+        return SparseKVSpec(self.num_kv_heads, self.head_dim, self.sparse["index_head_dim"],
+                            self.sparse["block_size"])  # fmt: skip
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: StepMetadata, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
+        """x: [T, hidden]; cos, sin: [T, rotary]; cache: this layer's paged K and V
+        [pages, bs, Hkv, D] (and index keys [pages, bs, Di] on sparse layers), written here
+        for the step's tokens, then read."""
+        t, hkv, d = x.shape[0], self.num_kv_heads, self.head_dim
+        q = self.q_norm.with_rope(self.q_proj(x).view(t, self.num_heads, d), cos, sin)
+        v = self.v_proj(x).view(t, hkv, d)
+        k_cache, v_cache = cache[0], cache[1]
+        rows = (k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d), meta.slot_mapping)
+        self.k_norm.with_rope(self.k_proj(x).view(t, hkv, d), cos, sin, cache=(v, *rows))
+        if self.sparse is None:
+            out = self._dense(q, k_cache, v_cache, meta)
+        else:
+            iq = self.indexer(x, cos, sin, cache[2], meta.slot_mapping)
+            out = self._sparse(q, iq, cache, meta)
+        return self.o_proj(out.reshape(t, -1))
+
+    def _dense(self, q, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
+        if use_triton(q) and fits_tiles(self.head_dim):
+            if meta.max_q_len == 1:
+                return paged.paged_decode_attention(q.contiguous(), k_cache, v_cache,
+                                                    meta.block_tables, meta.context_lens,
+                                                    self.scale)  # fmt: skip
+            return paged.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
+                                         meta.cu_seqlens, meta.context_lens, self.scale,
+                                         max_q_len=meta.max_q_len)  # fmt: skip
+        if meta.max_q_len == 1:  # no host reads
+            return dense.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                                meta.context_lens, self.scale)  # fmt: skip
+        return dense.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens,
+                                     meta.context_lens, self.scale)  # fmt: skip
+
+    def _sparse(self, q, iq, cache, meta: StepMetadata) -> torch.Tensor:
+        k_cache, v_cache, ik_cache = cache
+        topk, local = self.sparse["topk"], self.sparse["local_blocks"]
+        if meta.max_q_len == 1:  # one query per sequence: no host reads
+            blocks = msa.decode_select_blocks(iq, ik_cache, meta.block_tables, meta.positions,
+                                              topk, local)  # fmt: skip
+            tables = meta.block_tables
+        else:
+            blocks = self._select_per_sequence(iq, ik_cache, meta, topk, local)
+            tables = msa.token_tables(meta.block_tables, meta.cu_seqlens, q.shape[0])
+        return msa.sparse_attention(q, k_cache, v_cache, tables, meta.positions, blocks,
+                                    self.scale)  # fmt: skip
+
+    @staticmethod
+    def _select_per_sequence(iq, ik_cache, meta: StepMetadata, topk: int, local: int):
+        """Prompts and chunks: each sequence's queries score its keys (read once per chunk);
+        reads the context lengths on the host."""
+        out, start = [], 0
+        for b, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens.tolist(),
+                                         strict=True)):  # fmt: skip
+            out.append(msa.select_blocks(iq[start : start + n], ik_cache, meta.block_tables[b],
+                                         range(ctx - n, ctx), topk, local))  # fmt: skip
+            start += n
+        return torch.cat(out)

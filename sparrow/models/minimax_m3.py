@@ -1,0 +1,420 @@
+"""MiniMax M3 (`minimax_m3_vl`, `minimax_m3_vl_text`): args, model, weight names, caches.
+
+Layers: `layer_types[i]` picks full attention ("full_attention") or MiniMax Sparse Attention
+("minimax_m3_sparse": the MSA indexer selects key blocks), `mlp_layer_types[i]` a dense
+SwiGLU-OAI MLP ("dense") or the sigmoid-routed MoE ("sparse"). The released checkpoint has
+layers 0-2 full + dense and 3-59 sparse + MoE. Parameters are named like the HF text model
+without its prefix (`layers.3.self_attn.indexer.q_proj.weight`); `checkpoint_name` maps the
+HF-native names and the original MiniMax ones (`block_sparse_moe`, `index_q_proj`, per-expert
+`w1/w3/w2`, separate `gate_proj/up_proj`) onto them. Vision and MTP weights are ignored.
+
+Caches: paged K/V for every layer, plus one index key per token on sparse layers, in pages of
+exactly `index_block_size` tokens (one page per MSA block; `ModelCache` rejects other sizes).
+
+4-bit (group-affine, MLX layout, groups of 64): every linear layer (attention, indexer,
+dense MLPs, shared experts, lm_head), the routed experts and the token embedding. What stays
+in float: all norms and the routers (`mlp.gate`: weight and e_score_correction_bias).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparrow.config import ConfigError, QuantConfig
+from sparrow.core.cache_spec import CacheSpec
+from sparrow.layers.metadata import StepMetadata
+from sparrow.layers.msa import M3Attention
+from sparrow.layers.norms import ZeroCenteredRMSNorm
+from sparrow.layers.rotary import RotaryEmbedding
+from sparrow.layers.sigmoid_moe import DenseMLP, SigmoidMoE
+
+MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text")
+FULL_ATTENTION, SPARSE_ATTENTION = "full_attention", "minimax_m3_sparse"
+LAYER_TYPES = (FULL_ATTENTION, SPARSE_ATTENTION)
+DENSE, MOE = "dense", "sparse"
+MLP_LAYER_TYPES = (DENSE, MOE)
+
+# ModelArgs field -> key of the HF text config (scalars only).
+_HF_TEXT_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "num_experts": "num_local_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "intermediate_size",
+    "dense_intermediate_size": "dense_intermediate_size",
+    "shared_intermediate_size": "shared_intermediate_size",
+    "routed_scaling_factor": "routed_scaling_factor",
+    "swiglu_alpha": "swiglu_alpha",
+    "swiglu_limit": "swiglu_limit",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_block_size": "index_block_size",
+    "index_topk_blocks": "index_topk_blocks",
+    "index_local_blocks": "index_local_blocks",
+    "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "initializer_range": "initializer_range",
+}
+# The checkpoint's `sparse_attention_config` keys, as HF's config maps them.
+_LEGACY_SPARSE = {
+    "index_n_heads": "sparse_num_index_heads",
+    "index_head_dim": "sparse_index_dim",
+    "index_block_size": "sparse_block_size",
+    "index_topk_blocks": "sparse_topk_blocks",
+    "index_local_blocks": "sparse_local_block",
+}
+# HF's defaults for keys a config.json leaves out, where they differ from the checkpoint's.
+_HF_MISSING = {"max_position_embeddings": 524288, "partial_rotary_factor": 1.0}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The text model of MiniMax M3. Defaults are the released checkpoint's (`from_hf` fills
+    keys a config.json leaves out with HF's defaults instead)."""
+
+    architecture: str = "minimax_m3"  # the registry key of this file
+    vocab_size: int = 200064
+    hidden_size: int = 6144
+    num_layers: int = 60
+    layer_types: tuple[str, ...] = ()  # () -> 3 full layers, then sparse
+    mlp_layer_types: tuple[str, ...] = ()  # () -> 3 dense layers, then MoE
+    num_attention_heads: int = 64
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    rope_theta: float = 5_000_000.0
+    partial_rotary_factor: float = 0.5
+    # MSA indexer.
+    index_n_heads: int = 4
+    index_head_dim: int = 128
+    index_block_size: int = 128
+    index_topk_blocks: int = 16
+    index_local_blocks: int = 1
+    # MLPs.
+    num_experts: int = 128
+    num_experts_per_tok: int = 4
+    moe_intermediate_size: int = 3072
+    dense_intermediate_size: int = 12288
+    shared_intermediate_size: int = 3072
+    routed_scaling_factor: float = 2.0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # Everything else.
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    eos_token_ids: tuple[int, ...] = (200020,)
+    quantization: QuantConfig | None = None  # set for checkpoints stored quantised
+
+    def __post_init__(self) -> None:
+        first = min(3, self.num_layers)
+        if not self.layer_types:
+            types = (FULL_ATTENTION,) * first + (SPARSE_ATTENTION,) * (self.num_layers - first)
+            object.__setattr__(self, "layer_types", types)
+        if not self.mlp_layer_types:
+            object.__setattr__(self, "mlp_layer_types",
+                               (DENSE,) * first + (MOE,) * (self.num_layers - first))  # fmt: skip
+        _validate(self)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelArgs:
+        """Parse the dict of an HF `config.json` (`minimax_m3_vl` with `text_config`, or a
+        bare `minimax_m3_vl_text`), legacy keys included. Raises ConfigError on unsupported
+        or inconsistent configs."""
+        text = raw.get("text_config", raw) if raw.get("model_type") == "minimax_m3_vl" else raw
+        if not isinstance(text, dict):
+            raise ConfigError("text_config must be a JSON object")
+        try:
+            values = _hf_values(cls, raw, text)
+            return cls(**values, quantization=QuantConfig.from_checkpoint(raw))
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"malformed config: {e}") from e
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def sparse_settings(self) -> dict[str, int]:
+        """What an MSA layer needs besides its attention shapes."""
+        return {"index_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
+                "block_size": self.index_block_size, "topk": self.index_topk_blocks,
+                "local_blocks": self.index_local_blocks}  # fmt: skip
+
+    def replace(self, **changes: Any) -> ModelArgs:
+        values = {f.name: getattr(self, f.name) for f in fields(self)} | changes
+        if "num_layers" in changes:  # re-laid out unless given
+            values["layer_types"] = changes.get("layer_types", ())
+            values["mlp_layer_types"] = changes.get("mlp_layer_types", ())
+        return ModelArgs(**values)
+
+    def to_hf_text_config(self) -> dict[str, Any]:
+        """The `text_config` dict of an HF `config.json` (model_type `minimax_m3_vl_text`)."""
+        text = {key: getattr(self, f) for f, key in _HF_TEXT_KEYS.items()}
+        return text | {
+            "model_type": "minimax_m3_vl_text",
+            "layer_types": list(self.layer_types),
+            "mlp_layer_types": list(self.mlp_layer_types),
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "rotary_dim": self.rotary_dim,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+            else self.eos_token_ids[0],
+            "bos_token_id": 200034,
+        }  # fmt: skip
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A full HF `config.json` of model_type `minimax_m3_vl` (text config nested)."""
+        return {
+            "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
+            "model_type": "minimax_m3_vl",
+            "text_config": self.to_hf_text_config(),
+            "vision_config": {"model_type": "minimax_m3_vl_vision"},
+            "image_token_index": 200025,
+            "video_token_index": 200026,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+
+
+def _hf_values(cls, raw: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+    """ModelArgs keywords from an HF config's text part, as HF's config class reads it."""
+    legacy = text.get("sparse_attention_config") or {}
+    rope = text.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(f"rope_type {rope['rope_type']!r} is not supported (expected 'default')")
+    values: dict[str, Any] = dict(_HF_MISSING)
+    for name, key in _HF_TEXT_KEYS.items():
+        kind = type(getattr(cls, name))  # int, float or bool
+        if key == "num_local_experts" and key not in text and "num_experts" in text:
+            key = "num_experts"
+        if key == "tie_word_embeddings" and key in raw:  # the top level wins, as in HF
+            values[name] = bool(raw[key])
+        elif key in text:
+            values[name] = kind(text[key])
+        if _LEGACY_SPARSE.get(name) in legacy:
+            values[name] = kind(legacy[_LEGACY_SPARSE[name]])
+    for key in ("rope_theta", "partial_rotary_factor"):  # top-level keys move into the block
+        if key in rope or key in text:
+            values[key] = float(rope.get(key, text.get(key)))
+    layer_types, mlp_types = text.get("layer_types"), text.get("mlp_layer_types")
+    if layer_types is None and "sparse_attention_freq" in legacy:
+        layer_types = [SPARSE_ATTENTION if f else FULL_ATTENTION
+                       for f in legacy["sparse_attention_freq"]]  # fmt: skip
+    if mlp_types is None and text.get("moe_layer_freq") is not None:
+        mlp_types = [MOE if f else DENSE for f in text["moe_layer_freq"]]
+    n = values.get("num_layers", 60)
+    values["layer_types"] = tuple(layer_types or (FULL_ATTENTION,) * n)  # HF's defaults
+    values["mlp_layer_types"] = tuple(mlp_types or (MOE,) * n)
+    eos = text.get("eos_token_id", raw.get("eos_token_id", 200020))
+    eos = 200020 if eos is None or eos == [] else eos
+    values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return values
+
+
+def _validate(cfg: ModelArgs) -> None:
+    positive = ["vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                "num_kv_heads", "head_dim", "index_n_heads", "index_head_dim",
+                "index_block_size", "index_topk_blocks", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "dense_intermediate_size", "shared_intermediate_size",
+                "max_position_embeddings"]  # fmt: skip
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+    for name, types, known in (("layer_types", cfg.layer_types, LAYER_TYPES),
+                               ("mlp_layer_types", cfg.mlp_layer_types, MLP_LAYER_TYPES)):
+        if len(types) != cfg.num_layers:
+            raise ConfigError(f"{name} has {len(types)} entries but num_hidden_layers is "
+                              f"{cfg.num_layers}")  # fmt: skip
+        unknown = sorted(set(types) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown {name} {unknown}; expected one of {list(known)}")
+    if cfg.num_attention_heads % cfg.num_kv_heads:
+        raise ConfigError(f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple "
+                          f"of num_key_value_heads ({cfg.num_kv_heads})")  # fmt: skip
+    if SPARSE_ATTENTION in cfg.layer_types and cfg.index_n_heads != cfg.num_kv_heads:
+        raise ConfigError(f"index_n_heads ({cfg.index_n_heads}) must equal num_key_value_heads "
+                          f"({cfg.num_kv_heads}): one block selection per KV group")  # fmt: skip
+    bs = cfg.index_block_size
+    if bs & (bs - 1):
+        raise ConfigError(f"index_block_size must be a power of two (it is the cache page), "
+                          f"got {bs}")  # fmt: skip
+    if cfg.index_local_blocks < 0:
+        raise ConfigError(f"index_local_blocks must be >= 0, got {cfg.index_local_blocks}")
+    if cfg.num_experts_per_tok > cfg.num_experts:
+        raise ConfigError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds "
+                          f"num_local_experts ({cfg.num_experts})")  # fmt: skip
+    rotary = cfg.rotary_dim
+    if not (0 < rotary <= cfg.head_dim) or rotary % 2:
+        raise ConfigError(f"partial_rotary_factor {cfg.partial_rotary_factor} gives rotary dim "
+                          f"{rotary}; it must be even and in (0, head_dim={cfg.head_dim}]")
+
+
+def _mlp(cfg: ModelArgs, mlp_type: str) -> nn.Module:
+    if mlp_type == DENSE:
+        return DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
+                        cfg.swiglu_limit)  # fmt: skip
+    return SigmoidMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                      cfg.moe_intermediate_size, cfg.shared_intermediate_size,
+                      cfg.routed_scaling_factor, cfg.swiglu_alpha, cfg.swiglu_limit)  # fmt: skip
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArgs, layer_type: str, mlp_type: str):
+        super().__init__()
+        sparse = cfg.sparse_settings() if layer_type == SPARSE_ATTENTION else None
+        self.self_attn = M3Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads,
+                                     cfg.head_dim, cfg.rms_norm_eps, sparse)  # fmt: skip
+        self.mlp = _mlp(cfg, mlp_type)
+        self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, cos, sin, meta: StepMetadata, cache):
+        """x: the previous layer's MLP output (not yet added to the residual stream), or the
+        embeddings with residual None. Returns (this layer's MLP output, the residual stream
+        before it): each add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, cos, sin, meta, cache)
+        residual, h = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
+
+
+class MiniMaxM3Model(nn.Module):
+    def __init__(self, cfg: ModelArgs):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t, m) for t, m in
+                                    zip(cfg.layer_types, cfg.mlp_layer_types, strict=True))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Plain 1-D RoPE: every frequency takes the token's (text) position.
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, (cfg.rotary_dim // 2, 0, 0))
+        self.requires_grad_(False)
+
+    # Decode steps run eagerly on a GPU (ModelRunner reads this): the 4-bit experts read
+    # the routing on the host, and the MSA reference path has no CUDA-graph test.
+    cuda_graphs = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (weights may be packed integers)."""
+        return self.norm.weight.dtype
+
+    def cache_specs(self) -> list[CacheSpec | None]:
+        """Paged K/V on every layer; sparse layers add the index keys (pages of one MSA block)."""
+        return [layer.self_attn.cache_spec() for layer in self.layers]
+
+    def forward(self, meta: StepMetadata, cache) -> torch.Tensor:
+        """Run the step's new tokens (meta.input_ids [T]); reads and extends the cache
+        (`cache.layers[i]`: layer i's tensors). Returns final-norm hidden states [T, hidden]."""
+        x = self.embed_tokens(meta.input_ids)
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        residual = None
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x, residual = layer(x, residual, cos, sin, meta, layer_cache)
+        return self.norm.add(x, residual)[1]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+# Checkpoint names -> parameter names.
+_IGNORED = re.compile(r"^(model\.)?(mtp\.|vision_tower\.|multi_modal_projector\.|"
+                      r"patch_merge_mlp\.)")  # fmt: skip
+_PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|model\.)")
+_LM_HEAD = re.compile(r"^(language_model\.)?lm_head\.(weight|scales|biases)$")
+# The original MiniMax spellings (what HF's VL conversion maps from) -> HF-native.
+_RENAMES = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),
+    (re.compile(r"\.self_attn\.index_(q|k)_(proj|norm)\."), r".self_attn.indexer.\1_\2."),
+)
+# Pieces of fused tensors: per-expert projections, and separate gate/up of the dense MLPs.
+_PER_EXPERT = re.compile(
+    r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.(weight)$"
+)
+_SWITCH_MLP = re.compile(
+    r"^(layers\.\d+\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
+)
+_GATE_UP = re.compile(r"^(layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\."
+                      r"(weight|scales|biases)$")  # fmt: skip
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def checkpoint_name(name: str) -> str | None:
+    """Map an HF-native or original MiniMax tensor name to our parameter name; None if
+    ignored. `language_model.model.layers.3.block_sparse_moe.e_score_correction_bias` ->
+    `layers.3.mlp.gate.e_score_correction_bias`. Pieces of fused tensors keep their form:
+    see `expert_target`."""
+    if _IGNORED.match(name):
+        return None
+    m = _LM_HEAD.match(name)
+    if m:
+        return f"lm_head.{m.group(2)}"
+    name = _PREFIX.sub("", name, count=1)
+    for pattern, target in _RENAMES:
+        name = pattern.sub(target, name)
+    return name
+
+
+def expert_target(name: str) -> tuple[str, int | None, str, str] | None:
+    """For a piece of a fused tensor (after `checkpoint_name`): (fused parameter, expert
+    index or None for all experts / a 2-D dense gate_up, projection, kind in
+    weight/scales/biases)."""
+    m = _PER_EXPERT.match(name)
+    if m:
+        proj = _PROJ.get(m.group(3), m.group(3))
+        fused = "gate_up_proj" if proj in ("gate_proj", "up_proj") else "down_proj"
+        return f"{m.group(1)}.experts.{fused}", int(m.group(2)), proj, m.group(4)
+    m = _SWITCH_MLP.match(name)  # all experts at once (what `save_mlx_checkpoint` writes)
+    if m:
+        fused = "gate_up_proj" if m.group(2) in ("gate_proj", "up_proj") else "down_proj"
+        return f"{m.group(1)}.experts.{fused}", None, m.group(2), m.group(3)
+    m = _GATE_UP.match(name)
+    if m:
+        return f"{m.group(1)}.gate_up_proj.weight", None, m.group(2), m.group(3)
+    return None
+
+
+def expert_slice(proj: str, intermediate: int) -> slice:
+    """Rows of a fused [.., 2I, hidden] gate_up tensor that one projection fills."""
+    if proj == "gate_proj":
+        return slice(0, intermediate)
+    if proj == "up_proj":
+        return slice(intermediate, 2 * intermediate)
+    return slice(None)
+
+
+def is_mlx_conv(param: str, shape: tuple[int, ...]) -> bool:
+    """M3 has no convolutions."""
+    return False
+
+
+def from_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def to_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+Model = MiniMaxM3Model
