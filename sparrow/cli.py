@@ -34,6 +34,8 @@ _ENGINE_FLAGS = (
      "KV-cache blocks; None: what fits in --gpu-memory-utilization"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", CacheConfig, float,
      "fraction of GPU memory for weights, cache and activations"),
+    ("--num-state-snapshots", "num_state_snapshots", CacheConfig, int,
+     "saved recurrent states prefix caching resumes from; None: one per sequence"),
     ("--tensor-parallel-size", "tensor_parallel_size", ParallelConfig, int,
      "GPUs per engine (1 today)"),
     ("--device", "device", DeviceConfig, str, "auto, cpu, cuda or cuda:N"),
@@ -45,7 +47,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     settings = {field: getattr(args, field) for _, field, *_ in _ENGINE_FLAGS}
     return EngineConfig.from_kwargs(
         model=args.model, quantize=args.quantize, load_format=args.load_format,
-        dtype=args.dtype, enforce_eager=args.enforce_eager, **settings,
+        dtype=args.dtype, enforce_eager=args.enforce_eager,
+        enable_prefix_caching=not args.no_prefix_caching, **settings,
     )  # fmt: skip
 
 
@@ -60,6 +63,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="auto: bfloat16 on a GPU, float32 on a CPU")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run decode steps eagerly, without CUDA graphs")  # fmt: skip
+    group.add_argument("--no-prefix-caching", action="store_true",
+                       help="compute every prompt from scratch (no reuse of cached KV blocks)")
     for flag, field, config, kind, text in _ENGINE_FLAGS:
         default = getattr(config, field)
         group.add_argument(flag, dest=field, type=kind, default=default, help=text)

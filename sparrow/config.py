@@ -137,15 +137,23 @@ class CacheConfig:
     """The cache's geometry. `block_size` None: the model's MSA block if it has one, else 128
     (a model with MSA layers takes no other). `num_blocks` None: as many blocks as fit in
     `gpu_memory_utilization` of the device memory left after the weights (8K tokens' worth on
-    a CPU). `num_state_slots` None: one per sequence the scheduler may run."""
+    a CPU). `num_state_slots` None: one per sequence the scheduler may run.
+    `enable_prefix_caching`: full KV blocks are kept by content and reused by requests that
+    share their prefix. `num_state_snapshots`: saved recurrent states a shared prefix resumes
+    from (models with recurrent layers; None: one per sequence the scheduler may run, 0 with
+    prefix caching off)."""
 
     block_size: int | None = None  # tokens per KV block
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     num_state_slots: int | None = None  # per-request slots (recurrent state, next token)
+    enable_prefix_caching: bool = True
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "num_blocks", "num_state_slots")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ConfigError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.block_size is not None and self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0 < self.gpu_memory_utilization <= 1:

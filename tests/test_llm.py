@@ -51,7 +51,7 @@ def test_batched_engine_matches_single_generation(ckpt, expected, scheduler):
 def test_generate_cuts_the_text_at_a_stop_string(ckpt):
     """A stop string ends its request (reason STOP, cache freed); the text stops before it."""
     llm = _engine(ckpt)
-    free = llm.scheduler.kv.pool.num_free
+    free = llm.scheduler.kv.num_free
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     full = llm.generate([PROMPTS[0]], params)[0]
     text = full.text
@@ -61,7 +61,7 @@ def test_generate_cuts_the_text_at_a_stop_string(ckpt):
                                                     stop=(stop,)))[0]  # fmt: skip
     assert out.text == text[: text.find(stop)] and out.finish_reason is FinishReason.STOP
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
-    assert llm.scheduler.kv.pool.num_free == free and not llm.scheduler.has_unfinished()
+    assert llm.scheduler.kv.num_free == free and not llm.scheduler.has_unfinished()
 
 
 def test_seeded_sampling_is_reproducible(ckpt):
@@ -94,10 +94,10 @@ def test_warmup_leaves_the_engine_idle(ckpt):
     """Warm-up prompts run to completion and give back every block and slot; generation
     afterwards is the same as on a fresh engine."""
     llm = _engine(ckpt, max_model_len=40)
-    free_blocks, free_slots = llm.scheduler.kv.pool.num_free, llm.scheduler.slots.num_free
+    free_blocks, free_slots = llm.scheduler.kv.num_free, llm.scheduler.slots.num_free
     llm.warmup(lengths=(8, 100), batch=3)  # 100 is clamped to the model length
     assert not llm.scheduler.has_unfinished()
-    assert llm.scheduler.kv.pool.num_free == free_blocks
+    assert llm.scheduler.kv.num_free == free_blocks
     assert llm.scheduler.slots.num_free == free_slots
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     fresh = _engine(ckpt, max_model_len=40).generate([PROMPTS[0][:20]], params)

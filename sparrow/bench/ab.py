@@ -32,7 +32,12 @@ from sparrow.loader.random_checkpoint import PRESETS, random_model
 from sparrow.config import QuantConfig
 try:
     from sparrow.engine.llm import LLM
-    settings = lambda n, l, b: {"max_num_seqs": n, "max_model_len": l, "num_blocks": b}
+    from dataclasses import fields
+    from sparrow.config import CacheConfig
+    # rounds repeat their prompts: no prefix caching where the checkout has it
+    off = {"enable_prefix_caching": False} if "enable_prefix_caching" in {
+        f.name for f in fields(CacheConfig)} else {}
+    settings = lambda n, l, b: {"max_num_seqs": n, "max_model_len": l, "num_blocks": b} | off
 except ImportError:
     from sparrow.llm import LLM
     from sparrow.core.scheduler import SchedulerConfig

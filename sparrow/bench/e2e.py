@@ -67,9 +67,10 @@ def model_for(cfg: ModelArgs, max_len: int) -> ModelArgs:
 
 def engine_settings(max_len: int, most: int, budget: int) -> dict:
     """LLM settings that hold one request of `max_len` tokens (or `most` short ones)
-    without preemption; prompts are prefilled in chunks of `budget` tokens."""
+    without preemption; prompts are prefilled in chunks of `budget` tokens. No prefix
+    caching: rounds repeat their prompts."""
     return {"max_num_seqs": most, "max_model_len": max_len, "max_num_batched_tokens": budget,
-            "block_size": BLOCK_SIZE,
+            "block_size": BLOCK_SIZE, "enable_prefix_caching": False,
             "num_blocks": -(-max_len // BLOCK_SIZE) + 8 * most}  # fmt: skip
 
 

@@ -12,6 +12,12 @@ it; per concurrency: output tok/s of all clients together.
 
 `--preset` serves random weights for a built-in config (`--load-format dummy` on a directory
 holding only its config.json; the tokenizer is the packaged Qwen3.5/3.6 vocabulary).
+
+`--workload agent`: sessions sharing a long prefix, several turns each, against a server with
+prefix caching and one without, alternating (`sparrow.bench.agent`):
+
+    python -m sparrow.bench.serve --workload agent --preset qwen3.6-35b-a3b --quantize 4bit \\
+        --concurrency 1,8,32 --out bench-out/agent.json
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from sparrow.bench import agent
 from sparrow.bench.report import write_report
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
@@ -47,7 +54,8 @@ def _free_port() -> int:
 
 def offline(args, prompt: list[int]) -> dict:
     """Decode tok/s of the engine in this process, one request at a time."""
-    llm = LLM(args.model, quantize=args.quantize, load_format=args.load_format)
+    llm = LLM(args.model, quantize=args.quantize, load_format=args.load_format,
+              enable_prefix_caching=False)  # the requests repeat one prompt
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for _ in range(args.requests + 1):  # the first warms up
@@ -68,11 +76,14 @@ def offline(args, prompt: list[int]) -> dict:
             "decode_tok_s": statistics.median(r[1] for r in rows)}  # fmt: skip
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, extra: tuple[str, ...] = ("--no-prefix-caching",)
+                 ) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """`sparrow serve` on the benchmark's model (by default without prefix caching: the
+    requests repeat one prompt), once /health answers."""
     port = _free_port()
     cmd = [sys.executable, "-m", "sparrow", "serve", "--port", str(port),
            "--served-model-name", "bench", "--max-waiting", "4096",
-           "--load-format", args.load_format]  # fmt: skip
+           "--load-format", args.load_format, *extra]  # fmt: skip
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--quantize", args.quantize] if args.quantize else []
     proc = subprocess.Popen(cmd, env=os.environ.copy())
@@ -155,6 +166,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--workload", choices=("repeat", "agent"), default="repeat",
+                   help="repeat: one prompt again and again; agent: sessions on a shared prefix")
+    p.add_argument("--prefix-len", type=int, default=60000, help="agent: the shared prefix")
+    p.add_argument("--turn-len", type=int, default=500, help="agent: new tokens per turn")
+    p.add_argument("--output-len", type=int, default=200, help="agent: tokens per turn")
+    p.add_argument("--turns", type=int, default=3, help="agent: turns per session")
+    p.add_argument("--rounds", type=int, default=1, help="agent: rounds per concurrency")
+    p.add_argument("--memory-share", type=float, default=0.45,
+                   help="agent: --gpu-memory-utilization of each of the two servers")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out/serve.json")
     args = p.parse_args(argv)
     if args.preset:  # a directory with just the config: weights are drawn at load time
@@ -162,6 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
         config = PRESETS[args.preset].to_hf_config()
         (Path(args.model) / "config.json").write_text(json.dumps(config))
         args.load_format = "dummy"
+    if args.workload == "agent":
+        return agent_main(args)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 100000, (args.prompt_len,), generator=gen).tolist()
 
@@ -189,6 +212,28 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['decode_tok_s_per_request']:>15.1f}{r['output_tok_s']:>14.1f}")  # fmt: skip
     if overhead is not None:
         print(f"HTTP path vs offline decode at concurrency 1: {overhead:+.1%} slower")
+    write_report(args.out, report)
+    return report
+
+
+def agent_main(args) -> dict:
+    """The agent workload against a cached and an uncached server side by side."""
+    share = ("--gpu-memory-utilization", str(args.memory_share))
+    procs, servers = [], {}
+    try:
+        for name, extra in (("cached", share), ("uncached", (*share, "--no-prefix-caching"))):
+            proc, base = start_server(args, extra)
+            procs.append(proc)
+            servers[name] = base
+        report = agent.workload(servers, args)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=120)
+    report |= {"model": args.preset or args.model or "built-in default",
+               "quantize": args.quantize}  # fmt: skip
+    for c, ratio in report["speedup"].items():
+        print(f"[agent] concurrency {c}: output tok/s with prefix caching {ratio:.2f}x without")
     write_report(args.out, report)
     return report
 

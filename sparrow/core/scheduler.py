@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sparrow.config import CacheConfig, SchedulerConfig
-from sparrow.core.block_pool import KVCacheManager, StateSlotPool
+from sparrow.core.block_pool import KVCacheManager, SnapshotPool, StateSlotPool
 from sparrow.core.request import FinishReason, Request, RequestOutput, RequestStatus
 
 
@@ -37,6 +37,10 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     state_slots: dict[str, int] = field(default_factory=dict)
+    # prefix caching with recurrent layers: the snapshot a (re)started request's state slot
+    # is loaded from (instead of zeros), and the one its state is saved to after this step
+    restore: dict[str, int] = field(default_factory=dict)
+    save: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -44,15 +48,23 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig):
-        """config and cache resolved: max_model_len, num_blocks and num_state_slots set.
-        The scheduler sees token ids only (stop tokens, length); stop strings are the output
-        processor's (sparrow/engine)."""
-        if None in (config.max_model_len, cache.num_blocks, cache.num_state_slots):
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, recurrent: bool = False):
+        """config and cache resolved: max_model_len, block_size, num_blocks and
+        num_state_slots set. recurrent: the model keeps per-request recurrent state, so a
+        prefix hit needs a snapshot of that state where the hit ends. The scheduler sees
+        token ids only (stop tokens, length); stop strings are the output processor's
+        (sparrow/engine)."""
+        if None in (config.max_model_len, cache.block_size, cache.num_blocks,
+                    cache.num_state_slots):  # fmt: skip
             raise ValueError(f"unresolved scheduler settings: {config}, {cache}")
         self.config, self.cache_config = config, cache
-        self.kv = KVCacheManager(cache.num_blocks, cache.block_size)
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.slots = StateSlotPool(cache.num_state_slots)
+        self.recurrent = recurrent
+        self.snapshots = SnapshotPool(cache.num_state_snapshots or 0)
+        # saves planned, not filed yet: request -> [(blocks the state follows, snapshot)]
+        self._unfiled: dict[str, list[tuple[int, int]]] = {}
+        self._latest: dict[str, int] = {}  # request -> its latest snapshot past the prompt
         self.requests: dict[str, Request] = {}  # unfinished ones
         # finished with tokens still in flight: request id -> how many (discarded on resolve)
         self._draining: dict[str, int] = {}
@@ -134,11 +146,8 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted with a token in flight: readmitted once it is resolved
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.slots.allocate(request.request_id) is None:
-                break
-            if not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
-                self.slots.free(request.request_id)
+            n = self._admit(request, budget, out)
+            if n is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -146,10 +155,69 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = n
             out.new_request_ids.append(request.request_id)
             budget -= n
-        for rid in out.num_scheduled_tokens:
+        for rid, n in out.num_scheduled_tokens.items():
             out.block_tables[rid] = list(self.kv.tables[rid])
             out.state_slots[rid] = self.slots.slots[rid]
+            self._plan_snapshot(self.requests[rid], n, out)
         return out
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Give a waiting request its slot, its cached prefix and the blocks for its first
+        chunk. Returns the chunk's tokens, or None (nothing held) if it does not fit."""
+        rid, bs = request.request_id, self.kv.block_size
+        if self.slots.allocate(rid) is None:
+            return None
+        blocks, restore, match_end = self._prefix_hit(request)
+        self.kv.take(rid, blocks)
+        request.num_computed_tokens = start = len(blocks) * bs
+        n = min(request.num_tokens - start, budget)
+        cut = self.recurrent and start < match_end < start + n
+        if cut:
+            n = match_end - start  # a snapshot where this prefix leaves the cached one
+        if not self.kv.allocate(rid, start + n):
+            self.kv.free(rid)
+            self.slots.free(rid)
+            request.num_computed_tokens = 0
+            return None
+        self.kv.queries += request.num_tokens
+        self.kv.hits += start
+        if restore is not None:
+            out.restore[rid] = restore
+        if cut:
+            self._reserve_snapshot(rid, match_end // bs, out)
+        return n
+
+    def _prefix_hit(self, request: Request) -> tuple[list[tuple[int, int]], int | None, int]:
+        """(cached blocks to start from, the snapshot to restore the recurrent state from,
+        tokens the cached blocks match). The last token is always computed (its logits are
+        needed); with recurrent state the hit ends where a snapshot exists."""
+        bs = self.kv.block_size
+        matched = self.kv.match(request.token_ids(0, request.num_tokens))
+        matched = matched[: (request.num_tokens - 1) // bs]
+        if not self.recurrent:
+            return matched, None, len(matched) * bs
+        for j in range(len(matched), 0, -1):
+            snapshot = self.snapshots.find(matched[j - 1][1])
+            if snapshot is not None:
+                return matched[:j], snapshot, len(matched) * bs
+        return [], None, len(matched) * bs
+
+    def _plan_snapshot(self, request: Request, n: int, out: SchedulerOutput) -> None:
+        """Past the prompt, save the recurrent state after each step that ends on a block
+        boundary (only the latest is kept: the next turn of a conversation resumes there)."""
+        end, bs = request.num_computed_tokens + n, self.kv.block_size
+        if self.recurrent and end % bs == 0 and end > len(request.prompt_token_ids):
+            self._reserve_snapshot(request.request_id, end // bs, out)
+
+    def _reserve_snapshot(self, rid: str, num_blocks: int, out: SchedulerOutput) -> None:
+        """Plan a save of rid's state after its first num_blocks blocks (filed once their
+        content is keyed)."""
+        if rid in out.save or not self.snapshots.num_snapshots:
+            return
+        snapshot = self.snapshots.reserve()
+        if snapshot is not None:
+            out.save[rid] = snapshot
+            self._unfiled.setdefault(rid, []).append((num_blocks, snapshot))
 
     def update_from_output(
         self, scheduled: SchedulerOutput, sampled: dict[str, list[int]]
@@ -167,6 +235,7 @@ class Scheduler:
             if request is None or request.is_finished or request.status is RequestStatus.WAITING:
                 continue  # aborted or preempted since the plan was made
             request.num_computed_tokens += n
+            self._register(request)
             if request.num_computed_tokens == request.num_tokens:
                 request.num_pending += 1
                 sampling.append(rid)
@@ -190,6 +259,7 @@ class Scheduler:
                 reason = self._stop_reason(request, token)
                 if reason is not None:
                     break
+            self._register(request)
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(RequestOutput(rid, new, reason))
@@ -225,7 +295,43 @@ class Scheduler:
         total = len(request.prompt_token_ids) + outputs
         return outputs >= request.params.max_tokens or total >= self.config.max_model_len
 
+    def uncache(self, request_ids: list[str]) -> None:
+        """Forget the cached contents of these requests' blocks (a step that wrote them
+        failed); their planned snapshots are then never filed."""
+        for rid in request_ids:
+            self.kv.uncache(rid)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache over prompt tokens admitted."""
+        return self.kv.hit_rate
+
+    def _register(self, request: Request) -> None:
+        """Key the blocks the request's computed, host-known tokens fill; file the snapshots
+        that follow them."""
+        rid = request.request_id
+        known = min(request.num_computed_tokens,
+                    len(request.prompt_token_ids) + len(request.output_token_ids))  # fmt: skip
+        self.kv.register(rid, known, request.token_ids)
+        pending = []
+        for num_blocks, snapshot in self._unfiled.pop(rid, []):
+            content = self.kv.content_id(rid, num_blocks)
+            if content is None:
+                pending.append((num_blocks, snapshot))
+            elif self.snapshots.file(snapshot, content) and \
+                    num_blocks * self.kv.block_size > len(request.prompt_token_ids):  # fmt: skip
+                if rid in self._latest:  # keep the latest past the prompt only
+                    self.snapshots.release(self._latest[rid])
+                self._latest[rid] = snapshot
+        if pending:
+            self._unfiled[rid] = pending
+
     def _release(self, request: Request) -> None:
+        rid = request.request_id
+        self._register(request)
+        for _, snapshot in self._unfiled.pop(rid, []):
+            self.snapshots.release(snapshot)  # its blocks' content never became known
+        self._latest.pop(rid, None)
         self.kv.free(request.request_id)
         self.slots.free(request.request_id)
         if request in self.running:

@@ -94,7 +94,8 @@ class AsyncEngine(EngineClient):
     def stats(self) -> EngineStats:
         stats = self._llm.stats()
         queued = self._added - self._taken
-        return EngineStats(stats.waiting + queued, stats.running, stats.kv_usage)
+        return EngineStats(stats.waiting + queued, stats.running, stats.kv_usage,
+                           stats.prefix_hit_rate)  # fmt: skip
 
     def health(self) -> EngineHealth:
         alive = self._error is None and self._thread.is_alive()

@@ -52,6 +52,7 @@ class EngineStats:
     waiting: int  # queued, not admitted yet
     running: int
     kv_usage: float  # fraction of KV blocks in use
+    prefix_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / admitted
 
 
 @dataclass(frozen=True)

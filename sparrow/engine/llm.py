@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from sparrow.config import EngineConfig
+from sparrow.core.cache_spec import slot_bytes
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler
@@ -72,7 +73,8 @@ class LLM:
             self.model, self.tokenizer = self._load(config, progress)
         args = self.model.config
         self.scheduler_config, self.cache_config = resolve(config, self.model)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        recurrent = slot_bytes(self.model.cache_specs(), 1) > 0
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, recurrent)
         self.runner = ModelRunner(self.model, self.scheduler_config, self.cache_config,
                                   cuda_graphs=not config.device.enforce_eager)  # fmt: skip
         self._in_flight: _InFlight | None = None  # launched, not read
@@ -175,6 +177,7 @@ class LLM:
         self.scheduler.drop_pending(sampling)
         self.scheduler.drop_pending(earlier)
         failed = list(dict.fromkeys(planned + earlier))
+        self.scheduler.uncache(failed)  # what their steps wrote is not to be reused
         for rid in failed:
             self.abort(rid)
         return StepFailed(failed, cause)
@@ -206,7 +209,8 @@ class LLM:
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
-        return EngineStats(scheduler.num_waiting, len(scheduler.running), scheduler.kv.usage)
+        return EngineStats(scheduler.num_waiting, len(scheduler.running), scheduler.kv.usage,
+                           scheduler.prefix_hit_rate)  # fmt: skip
 
     def generate(
         self,

@@ -48,10 +48,18 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
     sched = dataclasses.replace(sched, max_model_len=sched.max_model_len or limit)
     slots = cache.num_state_slots or sched.max_num_seqs
     block_size = _block_size(cache.block_size, model)
-    cache = dataclasses.replace(cache, num_state_slots=slots, block_size=block_size)
+    recurrent = slot_bytes(model.cache_specs(), 1) > 0
+    snapshots = cache.num_state_snapshots if cache.num_state_snapshots is not None else slots
+    snapshots = snapshots if cache.enable_prefix_caching and recurrent else 0
+    cache = dataclasses.replace(cache, num_state_slots=slots, block_size=block_size,
+                                num_state_snapshots=snapshots)  # fmt: skip
     if cache.num_blocks is None:
         blocks = _blocks_for_memory(cache, model, sched.max_model_len * slots)
         cache = dataclasses.replace(cache, num_blocks=blocks)
+    if snapshots:
+        size = snapshots * slot_bytes(model.cache_specs(), model.dtype.itemsize)
+        print(f"[sparrow] prefix caching: {snapshots} recurrent-state snapshots "
+              f"({size / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
     return sched, cache
 
 
@@ -87,7 +95,8 @@ def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module, most_tokens: 
         return -(-most_tokens // cache.block_size)
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
-        states = slot_bytes(specs, itemsize) * (cache.num_state_slots + 1)
+        states = slot_bytes(specs, itemsize) * (cache.num_state_slots + 1
+                                                + cache.num_state_snapshots)
         usable = int(total * cache.gpu_memory_utilization) - (total - free) - states
         blocks = max(0, usable // per_block)
     else:

@@ -46,10 +46,12 @@ class Choice:
     num_tokens: int = 0
     finish_reason: FinishReason | None = None
     logprobs: list[LogprobEntry] | None = None  # None: not asked for
+    token_ids: list[int] = field(default_factory=list)
 
     def take(self, delta: OutputDelta) -> None:
         self.text += delta.text
         self.num_tokens += len(delta.token_ids)
+        self.token_ids += delta.token_ids
         self.finish_reason = delta.finish_reason
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
@@ -168,8 +170,10 @@ class Handlers:
                 collect.cancel()  # closes the events: unfinished choices are aborted
                 await asyncio.gather(collect, return_exceptions=True)
         chat = job.chat
+        ids = job.body.return_token_ids
         choices = [protocol.choice_body(c.index, c.text, protocol.finish_reason(c.finish_reason),
-                                        protocol.logprobs_body(c.logprobs, chat), chat)
+                                        protocol.logprobs_body(c.logprobs, chat), chat,
+                                        token_ids=c.token_ids if ids else None)
                    for c in job.choices]  # fmt: skip
         return protocol.response_body(job.response_id, job.created, self.model_name, choices,
                                       chat, usage=job.usage())  # fmt: skip

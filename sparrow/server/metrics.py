@@ -27,6 +27,9 @@ class Metrics:
         self.running = Gauge("sparrow_running_requests", "requests running", registry=r)
         self.kv_usage = Gauge("sparrow_kv_cache_usage", "fraction of KV blocks in use",
                               registry=r)  # fmt: skip
+        self.prefix_hit_rate = Gauge("sparrow_prefix_cache_hit_rate",
+                                     "prompt tokens found in the prefix cache / admitted",
+                                     registry=r)  # fmt: skip
 
     def render(self) -> bytes:
         """The Prometheus text format, engine gauges updated now."""
@@ -34,4 +37,5 @@ class Metrics:
         self.waiting.set(stats.waiting)
         self.running.set(stats.running)
         self.kv_usage.set(stats.kv_usage)
+        self.prefix_hit_rate.set(stats.prefix_hit_rate)
         return generate_latest(self.registry)

@@ -73,6 +73,9 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # keep generating past end tokens (vLLM's extension; benchmarks)
+    # each choice (and stream chunk) also carries its generated token ids (vLLM's extension:
+    # a client can send them back as the next turn's prompt, exactly as generated)
+    return_token_ids: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -170,14 +173,16 @@ def logprobs_body(entries: list[LogprobEntry] | None, chat: bool) -> dict[str, A
 
 
 def choice_body(index: int, text: str, reason: str | None, logprobs: dict | None,
-                chat: bool, delta: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One choice of a response (`delta`: of a stream chunk)."""
+                chat: bool, delta: bool = False,
+                token_ids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One choice of a response (`delta`: of a stream chunk); `token_ids` when asked for."""
     if chat:
         content = {"delta" if delta else "message": {"content": text} if delta
                    else {"role": "assistant", "content": text}}  # fmt: skip
     else:
         content = {"text": text}
-    return {"index": index, **content, "finish_reason": reason, "logprobs": logprobs}
+    ids = {} if token_ids is None else {"token_ids": token_ids}
+    return {"index": index, **content, "finish_reason": reason, "logprobs": logprobs, **ids}
 
 
 def response_body(response_id: str, created: int, model: str, choices: list[dict],

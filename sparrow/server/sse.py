@@ -39,13 +39,15 @@ async def sse_events(job: Job, events: AsyncIterator[tuple[Choice, OutputDelta]]
                           "finish_reason": None}])  # fmt: skip
     async with contextlib.aclosing(events):
         try:
+            ids = job.body.return_token_ids
             async for c, delta in events:
                 reason = protocol.finish_reason(delta.finish_reason)
-                if not delta.text and reason is None and not delta.logprobs:
+                if not (delta.text or reason or delta.logprobs or ids and delta.token_ids):
                     continue
                 logprobs = protocol.logprobs_body(delta.logprobs, job.chat)
                 yield chunk([protocol.choice_body(c.index, delta.text, reason, logprobs,
-                                                  job.chat, delta=True)])  # fmt: skip
+                                                  job.chat, delta=True,
+                                                  token_ids=delta.token_ids if ids else None)])
         except EngineError as e:
             yield event(protocol.error_body(str(e), "server_error", 500))
             return

@@ -34,10 +34,13 @@ class ModelCache:
     for a layer that keeps nothing. ValueError if `block_size` is not the MSA block.
 
     One block and one state slot beyond those the scheduler hands out (`pad_block`,
-    `pad_slot`) are scratch: padding rows of a captured decode step write there."""
+    `pad_slot`) are scratch: padding rows of a captured decode step write there.
+    `snapshots[i]`: a recurrent layer's saved states (`num_snapshots` of them, laid out like
+    its slots), what prefix caching resumes from; None for other layers."""
 
     def __init__(self, specs: Sequence[CacheSpec | None], num_blocks: int, block_size: int,
-                 num_slots: int, device: torch.device | str, dtype: torch.dtype):  # fmt: skip
+                 num_slots: int, device: torch.device | str, dtype: torch.dtype,
+                 num_snapshots: int = 0):  # fmt: skip
         self.specs, self.block_size = list(specs), block_size
         needed = required_block_size(self.specs)
         if needed is not None and needed != block_size:
@@ -47,6 +50,9 @@ class ModelCache:
         self.pad_block, self.pad_slot = num_blocks, num_slots
         self.layers = [self._allocate(s, num_blocks + 1, num_slots + 1, device, dtype)
                        for s in self.specs]  # fmt: skip
+        self.snapshots = [self._allocate(s, 0, num_snapshots, device, dtype)
+                          if num_snapshots and s is not None and not s.paged else None
+                          for s in self.specs]  # fmt: skip
 
     def _allocate(self, spec: CacheSpec | None, num_blocks: int, num_slots: int, device,
                   dtype) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
@@ -74,6 +80,18 @@ class ModelCache:
             if spec is not None and not spec.paged:
                 for t in tensors:  # (`t[slots] = 0` copies the 0 over and syncs)
                     t.index_fill_(0, slots, 0)
+
+    def restore(self, slots: torch.Tensor, snapshots: torch.Tensor) -> None:
+        """Load saved states into slots (both [n] int64 on the device)."""
+        for tensors, saved in zip(self.layers, self.snapshots, strict=True):
+            for t, s in zip(tensors, saved or (), strict=False):
+                t.index_copy_(0, slots, s.index_select(0, snapshots))
+
+    def save(self, slots: torch.Tensor, snapshots: torch.Tensor) -> None:
+        """Save the slots' states into snapshots (both [n] int64 on the device)."""
+        for tensors, saved in zip(self.layers, self.snapshots, strict=True):
+            for t, s in zip(tensors, saved or (), strict=False):
+                s.index_copy_(0, snapshots, t.index_select(0, slots))
 
 
 def build_metadata(

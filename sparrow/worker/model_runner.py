@@ -67,7 +67,8 @@ class ModelRunner:
         eagerly)."""
         self.model = model
         self.cache = ModelCache(model.cache_specs(), cache.num_blocks, cache.block_size,
-                                cache.num_state_slots, model.device, model.dtype)  # fmt: skip
+                                cache.num_state_slots, model.device, model.dtype,
+                                cache.num_state_snapshots or 0)  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
         # the last token sampled for each state slot (and the padding slot)
         self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
@@ -77,6 +78,24 @@ class ModelRunner:
             max_blocks = -(-sched.max_model_len // cache.block_size)
             self.graphs = DecodeGraphs(model, self.cache, sched.max_num_seqs, max_blocks)
             self.graphs.capture()
+
+    def _start_states(self, plan: SchedulerOutput) -> None:
+        """(Re)started requests begin from zero recurrent state, or from the snapshot their
+        cached prefix ends at."""
+        device = self.model.device
+        fresh = [plan.state_slots[r] for r in plan.new_request_ids if r not in plan.restore]
+        if fresh:
+            self.cache.reset_slots(to_device(fresh, torch.long, device))
+        if plan.restore:
+            slots = to_device([plan.state_slots[r] for r in plan.restore], torch.long, device)
+            self.cache.restore(slots, to_device(list(plan.restore.values()), torch.long, device))
+
+    def _save_states(self, plan: SchedulerOutput) -> None:
+        """After the forward: the recurrent states the plan saves for prefix caching."""
+        if plan.save:
+            device = self.model.device
+            slots = to_device([plan.state_slots[r] for r in plan.save], torch.long, device)
+            self.cache.save(slots, to_device(list(plan.save.values()), torch.long, device))
 
     def free(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -88,9 +107,7 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return None
         device = self.model.device
-        if plan.new_request_ids:  # (re)started requests begin from zero recurrent state
-            fresh = [plan.state_slots[rid] for rid in plan.new_request_ids]
-            self.cache.reset_slots(to_device(fresh, torch.long, device))
+        self._start_states(plan)
         rids = list(plan.num_scheduled_tokens)
         computed = [requests[rid].num_computed_tokens for rid in rids]
         tokens = []
@@ -105,6 +122,7 @@ class ModelRunner:
         if is_decode and self.graphs is not None and self.graphs.padded_size(len(rids)):
             logits = self.graphs.run([t[0] for t in tokens], computed, tables, slots,
                                      self.next_tokens)  # fmt: skip
+            self._save_states(plan)
         else:
             meta = build_metadata(tokens, computed, tables, slots, self.cache.block_size, device)
             ends = list(itertools.accumulate(meta.seq_lens))  # host side: no device sync
@@ -114,6 +132,7 @@ class ModelRunner:
                 meta.input_ids[rows] = self.next_tokens[
                     to_device([slots[i] for i in pending], torch.long, device)]
             hidden = self.model(meta, self.cache)
+            self._save_states(plan)
             finished = set(done)
             last = [ends[i] - 1 for i, rid in enumerate(rids) if rid in finished]
             if not last:

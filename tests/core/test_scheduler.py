@@ -16,12 +16,15 @@ from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import Scheduler
 
 VOCAB = 1000
-_CACHE_KEYS = ("block_size", "num_blocks", "num_state_slots")
+_CACHE_KEYS = ("block_size", "num_blocks", "num_state_slots", "enable_prefix_caching",
+               "num_state_snapshots")
 
 
 def configs(**kw) -> tuple[SchedulerConfig, CacheConfig]:
-    """Resolved settings: a 262,144-token context, 1,024 blocks, 64 state slots unless given."""
-    cache = {"block_size": 128, "num_blocks": 1024, "num_state_slots": 64} | {
+    """Resolved settings: a 262,144-token context, 1,024 blocks, 64 state slots and no prefix
+    caching unless given (tests/core/test_prefix_cache.py covers it)."""
+    cache = {"block_size": 128, "num_blocks": 1024, "num_state_slots": 64,
+             "enable_prefix_caching": False} | {
         k: kw.pop(k) for k in _CACHE_KEYS if k in kw}
     return SchedulerConfig(**({"max_model_len": 262144} | kw)), CacheConfig(**cache)
 
@@ -78,7 +81,7 @@ def test_single_request_prefill_then_decode():
     plans = run_all(scheduler)
     assert [p.num_scheduled_tokens for p in plans] == [{"a": 20}, {"a": 1}, {"a": 1}]
     assert request.finish_reason is FinishReason.LENGTH and len(request.output_token_ids) == 3
-    assert scheduler.kv.pool.num_free == 8 and scheduler.slots.num_free == 64
+    assert scheduler.kv.num_free == 8 and scheduler.slots.num_free == 64
 
 
 def test_budget_mixes_decodes_and_prefill_chunks():
@@ -136,7 +139,7 @@ def test_stop_token_and_abort_with_stop():
     run_step(scheduler)
     assert scheduler.abort("t", FinishReason.STOP) and not scheduler.has_unfinished()
     assert by_string.finish_reason is FinishReason.STOP and len(by_string.output_token_ids) == 2
-    assert scheduler.kv.pool.num_free == 8
+    assert scheduler.kv.num_free == 8
 
 
 def test_finished_ids_are_forgotten_once_nothing_is_in_flight():
@@ -152,7 +155,7 @@ def test_finished_ids_are_forgotten_once_nothing_is_in_flight():
     again = make("a", 4, max_tokens=2)
     scheduler.add_request(again)
     run_all(scheduler)
-    assert len(again.output_token_ids) == 2 and scheduler.kv.pool.num_free == 8
+    assert len(again.output_token_ids) == 2 and scheduler.kv.num_free == 8
 
 
 def test_dropping_a_failed_steps_tokens_leaves_nothing_in_flight():
@@ -167,12 +170,12 @@ def test_dropping_a_failed_steps_tokens_leaves_nothing_in_flight():
     scheduler.drop_pending(first)
     assert scheduler.requests["a"].num_pending == 0 and scheduler.num_draining == 0
     assert scheduler.abort("a") and scheduler.num_draining == 0
-    assert not scheduler.has_unfinished() and scheduler.kv.pool.num_free == 8
+    assert not scheduler.has_unfinished() and scheduler.kv.num_free == 8
     assert not scheduler.kv.tables and not scheduler.slots.slots
     scheduler.add_request(make("a", 4, max_tokens=2))
     scheduler.add_request(make("b", 4, max_tokens=2))
     run_all(scheduler)
-    assert scheduler.kv.pool.num_free == 8 and not scheduler.requests
+    assert scheduler.kv.num_free == 8 and not scheduler.requests
 
 
 def test_preemption_when_blocks_run_out_gives_the_same_tokens():
@@ -186,7 +189,7 @@ def test_preemption_when_blocks_run_out_gives_the_same_tokens():
     preempted = [rid for p in plans for rid in p.preempted_ids]
     assert preempted and set(preempted) == {"new"}  # the newest request gives way
     assert old.output_token_ids == alone(old) and new.output_token_ids == alone(new)
-    assert scheduler.kv.pool.num_free == 6
+    assert scheduler.kv.num_free == 6
 
 
 def test_admission_queues_instead_of_overcommitting():
@@ -221,10 +224,10 @@ def test_abort_frees_at_once():
     scheduler.add_request(running)
     run_step(scheduler)
     scheduler.add_request(queued)
-    assert scheduler.kv.pool.num_free == 7
+    assert scheduler.kv.num_free == 7
     assert scheduler.abort("run") and scheduler.abort("queued") and not scheduler.abort("run")
     assert running.finish_reason is FinishReason.ABORT
-    assert scheduler.kv.pool.num_free == 10 and not scheduler.has_unfinished()
+    assert scheduler.kv.num_free == 10 and not scheduler.has_unfinished()
 
 
 def test_pools():
@@ -233,7 +236,7 @@ def test_pools():
     assert not kv.allocate("b", 9) and "b" not in kv.tables  # all or nothing
     assert kv.usage == 0.75
     kv.free("a")
-    assert kv.pool.num_free == 4
+    assert kv.num_free == 4
     with pytest.raises(ValueError, match="power of two"):
         KVCacheManager(4, 12)
     slots = StateSlotPool(1)
@@ -291,7 +294,7 @@ def test_one_step_in_flight_gives_the_same_outputs(kind):
         assert got.output_token_ids == want.output_token_ids
         assert got.finish_reason is want.finish_reason and got.num_pending == 0
     cache = overlapped.cache_config
-    assert overlapped.kv.pool.num_free == cache.num_blocks
+    assert overlapped.kv.num_free == cache.num_blocks
     assert overlapped.slots.num_free == cache.num_state_slots
 
 
@@ -326,5 +329,5 @@ def test_1m_token_prompt_runs_in_chunks_to_decode(block_size):
     assert chunks == [budget] * (n // budget) + [n % budget] + [1] * (out - 1)
     assert request.finish_reason is FinishReason.LENGTH and len(request.output_token_ids) == out
     assert len(plans[-1].block_tables["1m"]) == -(-(n + out - 1) // block_size)
-    assert scheduler.kv.pool.num_free == config[1].num_blocks
+    assert scheduler.kv.num_free == config[1].num_blocks
     assert elapsed < 10, f"{elapsed:.1f} s"

@@ -185,3 +185,15 @@ def test_unknown_model_health_and_metrics(client, engine):
     assert "sparrow_kv_cache_usage 0.25" in client.get("/metrics").text
     engine.alive = False
     assert client.get("/health").status_code == 503
+
+
+def test_token_ids_come_back_when_asked_for(client):
+    """vLLM's `return_token_ids`: the generated ids per choice, and per chunk when streamed."""
+    body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 4, "return_token_ids": True}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["token_ids"] == [1, 2, 3, 4] and whole["text"] == "Hello world"
+    chunks = events(client.post("/v1/completions", json=body | {"stream": True}))
+    streamed = [i for c in chunks[:-1] for ch in c["choices"] for i in ch["token_ids"]]
+    assert streamed == [1, 2, 3, 4]
+    plain = client.post("/v1/completions", json=body | {"return_token_ids": False}).json()
+    assert "token_ids" not in plain["choices"][0]
