@@ -115,7 +115,8 @@ def _device_positions(q_pos: list[int] | range, device: torch.device) -> torch.T
 
 def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
                   q_pos: list[int] | range, topk: int, local_blocks: int,
-                  q_chunk: int | None = None, kv_blocks: int = KV_BLOCKS) -> torch.Tensor:  # fmt: skip
+                  q_chunk: int | None = None,
+                  kv_blocks: int = KV_BLOCKS) -> torch.Tensor:  # fmt: skip
     """`naive.select_blocks` in Triton. iq: [Q, Hi, Di] at host positions q_pos [Q];
     ik_cache: [pages, bs, Di]; table: [W] the sequence's pages. Returns int64 [Q, Hi, topk],
     -1 padded. q_chunk: queries per score buffer (default: SCORE_BYTES of scores)."""
