@@ -85,8 +85,9 @@ def _block_major_kernel(
                 b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v,
                                                         input_precision=PRECISION)  # fmt: skip
                 m_i = m_new
-            b_o = b_acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            b_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no causal key: an unused row
+            b_o = b_acc / l_safe[:, None]
+            b_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
             o_part = pair.to(tl.int64) * G + g
             tl.store(o_ptr + o_part[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None])
             tl.store(lse_ptr + o_part, b_lse, mask=m_r)
