@@ -128,18 +128,24 @@ def _merge_kernel(
 @dataclass(frozen=True)
 class BlockMajorTiles:
     """Pairs per work item (tile), pairs per register tile (block_m: block_m * G rows), keys
-    per step (block_n, at most a block), programs of the persistent grid (None: 8 per SM)."""
+    per step (block_n, at most a block), programs of the persistent grid (None: 8 per SM),
+    num_warps, num_stages."""
 
     tile: int
     block_m: int
     block_n: int
     programs: int | None = None
+    num_warps: int = 8
+    num_stages: int = 1
 
     @classmethod
     def for_shape(cls, group: int, head_dim: int) -> BlockMajorTiles:
-        """64 rows per register tile, 64 pairs per work item, 8192 / D keys per step."""
+        """64 rows per register tile, 64 pairs per work item, 16384 / D keys per step (a
+        whole 128-token block at D = 128), 8 warps, no pipelining: 195 registers, no spills,
+        48 KB shared at the real shapes (ptxas, sm_90, tests/kernels/sm90_cases.py); 4 warps
+        or 64-key steps spill, 2 stages take 194 KB of shared memory."""
         block_m = max(1, 64 // group)
-        return cls(max(64, block_m), block_m, max(16, min(64, 8192 // head_dim)))
+        return cls(max(64, block_m), block_m, max(16, min(128, 16384 // head_dim)))
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,7 @@ def _attend_chunk(q, k_cache, v_cache, tables, positions, blocks, scale, tiles):
         HKV=hkv, K=k, G=g, D=d, BS=bs, ROWS=max(16, triton.next_power_of_2(tiles.block_m * g)),
         BLOCK_M=tiles.block_m, TILE=tiles.tile, BLOCK_N=min(tiles.block_n, bs),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     out = torch.empty_like(q)
     block_t = max(1, 64 // g)

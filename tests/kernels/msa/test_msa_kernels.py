@@ -263,3 +263,26 @@ def test_real_sizes_gpu(ctx):
     ref = naive.sparse_attention(q[:3], k, v, tables, lengths - 1, blocks, d**-0.5)
     ours = sparse_decode_attention(q[:3], k, v, tables, lengths - 1, blocks, d**-0.5)
     assert rel_err(ours, ref) < TOL[torch.bfloat16]
+
+
+def test_kernels_module_takes_the_reference_signatures():
+    """`kernels` swaps in for `naive` (the layer's switch): same names, same parameters."""
+    import inspect
+
+    from sparrow.kernels.msa import kernels
+
+    for name in ("select_blocks", "decode_select_blocks", "sparse_attention", "token_tables"):
+        ours, ref = (inspect.signature(getattr(m, name)).parameters for m in (kernels, naive))
+        assert list(ours) == list(ref), name
+
+
+@pytest.mark.parametrize("decode_rows", [0, 64])
+def test_kernels_sparse_attention_either_path(monkeypatch, decode_rows):
+    from sparrow.kernels.msa import kernels
+
+    monkeypatch.setattr(kernels, "DECODE_ROWS", decode_rows)
+    gen = torch.Generator().manual_seed(21)
+    q, k, v, tables, positions, blocks = prompt_batch([(40, 3), (20, 2)], 16, 4, 2, 16, 3,
+                                                      torch.float32, gen)  # fmt: skip
+    ref = naive.sparse_attention(q, k, v, tables, positions, blocks, 0.25)
+    assert rel_err(kernels.sparse_attention(q, k, v, tables, positions, blocks, 0.25), ref) < 1e-4
