@@ -54,7 +54,7 @@ def per_head_tables(tables: torch.Tensor, positions: torch.Tensor, blocks: torch
     valid = ids != _UNUSED
     n_valid = valid.sum(-1)  # [T, Hkv]
     logical = ids.masked_fill(~valid, 0)
-    pages = tables.long().gather(1, logical.flatten(1)).view(t, hkv, k)
+    pages = tables.gather(1, logical.flatten(1)).long().view(t, hkv, k)
     heads = torch.arange(hkv, device=blocks.device)[:, None]
     virtual = pages * heads_per_page + heads
     last = logical.gather(-1, (n_valid - 1).clamp(min=0)[..., None])[..., 0]

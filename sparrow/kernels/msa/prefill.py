@@ -27,6 +27,7 @@ K x 4, the lists 3 x Tc x Hkv x K int64 and row_ptr (pages x Hkv + 1) int64.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -166,7 +167,7 @@ def block_lists(tables: torch.Tensor, blocks: torch.Tensor, num_pages: int,
     unused. Torch ops only, no host reads."""
     t, hkv, k = blocks.shape
     n_rows, n = num_pages * hkv, blocks.numel()
-    pages = tables.long().gather(1, blocks.clamp(min=0).flatten(1).long()).view(t, hkv, k)
+    pages = tables.gather(1, blocks.clamp(min=0).flatten(1).long()).long().view(t, hkv, k)
     heads = torch.arange(hkv, device=blocks.device)[:, None]
     key = torch.where(blocks >= 0, pages * hkv + heads, n_rows).flatten()
     rows, pairs = key.sort(stable=True)
@@ -180,13 +181,20 @@ def block_lists(tables: torch.Tensor, blocks: torch.Tensor, num_pages: int,
     return BlockLists(pairs, rows, row_ptr, tile_start, first.sum(0, keepdim=True), max_tiles)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _programs(tiles: BlockMajorTiles, device: torch.device, max_tiles: int) -> int:
+    """The persistent grid: tiles.programs, else 8 per SM (8 under the interpreter)."""
     if tiles.programs is not None:
-        return max(1, min(tiles.programs, max_tiles))
-    if device.type != "cuda":
-        return max(1, min(8, max_tiles))
-    return max(1, min(8 * torch.cuda.get_device_properties(device).multi_processor_count,
-                      max_tiles))  # fmt: skip
+        want = tiles.programs
+    elif device.type == "cuda":
+        want = 8 * _sm_count(device.index if device.index is not None else 0)
+    else:
+        want = 8
+    return max(1, min(want, max_tiles))
 
 
 def _attend_chunk(q, k_cache, v_cache, tables, positions, blocks, scale, tiles):
