@@ -197,7 +197,8 @@ def _programs(tiles: BlockMajorTiles, device: torch.device, max_tiles: int) -> i
     return max(1, min(want, max_tiles))
 
 
-def _attend_chunk(q, k_cache, v_cache, tables, positions, blocks, scale, tiles):
+def _attend_chunk(q, k_cache, v_cache, tables, positions, blocks, scale, tiles, out):
+    """One chunk of queries into out (a view of the output rows)."""
     t, hq, d = q.shape
     num_pages, bs, hkv, _ = k_cache.shape
     g, k = hq // hkv, blocks.shape[-1]
@@ -214,7 +215,6 @@ def _attend_chunk(q, k_cache, v_cache, tables, positions, blocks, scale, tiles):
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    out = torch.empty_like(q)
     block_t = max(1, 64 // g)
     fast(_merge_kernel)[(triton.cdiv(t, block_t), hkv)](
         o_part, lse, out, t, out.stride(0), out.stride(1),
@@ -246,6 +246,6 @@ def sparse_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty_like(q)
     for c0 in range(0, t, q_chunk):
         rows = slice(c0, c0 + q_chunk)
-        out[rows] = _attend_chunk(q[rows], k_cache, v_cache, tables[rows], positions[rows],
-                                  blocks[rows].contiguous(), scale, tiles)  # fmt: skip
+        _attend_chunk(q[rows], k_cache, v_cache, tables[rows], positions[rows],
+                      blocks[rows].contiguous(), scale, tiles, out[rows])  # fmt: skip
     return out
