@@ -10,9 +10,11 @@ Prefill: one prompt of C tokens. Sparse = `select.select_blocks` (index scores +
 causal, GQA, over contiguous [1, H, C, D] tensors. Dense above --dense-max tokens is not run
 but extrapolated from --dense-max x (C / dense_max)^2 (causal attention is quadratic), and
 marked so in the table and the JSON.
-Decode: one step of a batch of sequences of C tokens. Sparse = `select.decode_select_blocks`
-and `decode.sparse_decode_attention` (the paged decode kernel on per-head page views); dense
-= SDPA over contiguous caches and the engine's paged split-K decode over the same pages.
+Decode: one step of a batch of sequences of C tokens. Sparse =
+`decode_select.fused_decode_select_blocks` (also timed: `select.decode_select_blocks`, the
+scores then torch.topk) and `decode.sparse_decode_attention` (the paged decode kernel on
+per-head page views); dense = SDPA over contiguous caches and the engine's paged split-K
+decode over the same pages.
 Decode times are CUDA-graph replays (`timing.graph_time_us`); batches whose caches exceed
 --max-gib are skipped.
 
@@ -33,6 +35,7 @@ from sparrow.bench.report import write_report
 from sparrow.bench.timing import graph_time_us
 from sparrow.kernels.attention.paged import paged_decode_attention
 from sparrow.kernels.msa.decode import sparse_decode_attention
+from sparrow.kernels.msa.decode_select import fused_decode_select_blocks
 from sparrow.kernels.msa.prefill import sparse_prefill_attention
 from sparrow.kernels.msa.select import decode_select_blocks, select_blocks
 
@@ -113,11 +116,12 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen) -> dict:
     blocks = decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
 
     def sparse():
-        b = decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
+        b = fused_decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
         return sparse_decode_attention(q, k, v, tables, pos, b, SCALE)
 
     fns = {
-        "select": lambda: decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL),
+        "select": lambda: fused_decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL),
+        "select_unfused": lambda: decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL),
         "attend": lambda: sparse_decode_attention(q, k, v, tables, pos, blocks, SCALE),
         "sparse": sparse,
         "dense_sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
@@ -146,10 +150,12 @@ def _print(prefill: list[dict], decode: list[dict]) -> None:
         mark = " (extrapolated)" if r["dense_extrapolated"] else ""
         print(f"{r['context']:>12}{r['select_ms']:>11.2f}{r['attend_ms']:>11.2f}"
               f"{r['sparse_ms']:>11.2f}{r['dense_ms']:>11.2f}{r['speedup']:>9.2f}{mark}")
-    print(f"{'decode ctx':>12}{'batch':>7}{'select us':>11}{'attend us':>11}{'sparse us':>11}"
-          f"{'sdpa us':>10}{'paged us':>10}{'vs sdpa':>9}{'vs paged':>10}")  # fmt: skip
+    print(f"{'decode ctx':>12}{'batch':>7}{'select us':>11}{'unfused us':>12}{'attend us':>11}"
+          f"{'sparse us':>11}{'sdpa us':>10}{'paged us':>10}{'vs sdpa':>9}"
+          f"{'vs paged':>10}")  # fmt: skip
     for r in decode:
-        print(f"{r['context']:>12}{r['batch']:>7}{r['select_us']:>11.1f}{r['attend_us']:>11.1f}"
+        print(f"{r['context']:>12}{r['batch']:>7}{r['select_us']:>11.1f}"
+              f"{r['select_unfused_us']:>12.1f}{r['attend_us']:>11.1f}"
               f"{r['sparse_us']:>11.1f}{r['dense_sdpa_us']:>10.1f}{r['dense_paged_us']:>10.1f}"
               f"{r['speedup_vs_sdpa']:>9.2f}{r['speedup_vs_paged']:>10.2f}")  # fmt: skip
 

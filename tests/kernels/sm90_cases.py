@@ -20,6 +20,7 @@ from sparrow.kernels.causal_conv1d import conv
 from sparrow.kernels.dequant import dequant
 from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
 from sparrow.kernels.moe import combine, expert_gemv, grouped_gemm, routing
+from sparrow.kernels.msa import decode_select as msa_decode_select
 from sparrow.kernels.msa import prefill as msa_prefill
 from sparrow.kernels.msa import select as msa_select
 from sparrow.kernels.quant_gemv import gdn, gemv, mma
@@ -163,6 +164,14 @@ CASES = {
                          {"HI": 4, "DI": 128, "ROWS": 64, "BLOCK_M": 16, "BS": 128,
                           "BLOCK_N": 64, "NB": 16, "LOCAL": 1, "PRECISION": "tf32"},
                          {"num_warps": 4}),
+    "msa_decode_select_topk": (msa_decode_select._select_topk_kernel,
+                               {"*": "bf16", "tables_ptr": "i32", "pos_ptr": "i64",
+                                "cand_s_ptr": "fp32", "cand_i_ptr": "i32", "count_ptr": "i32",
+                                "out_ptr": "i64"},
+                               {"HI": 4, "ROWS": 16, "DI": 128, "BS": 128, "BLOCK_N": 64,
+                                "NB": 64, "TOPK": 16, "CW": 2048, "LOCAL": 1,
+                                "PRECISION": "tf32"},
+                               {"num_warps": 4}),  # 1M context: 128 splits of 64 blocks
     "msa_block_major": (msa_prefill._block_major_kernel,
                         {"*": "i64", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
                          "o_ptr": "fp32", "lse_ptr": "fp32"},

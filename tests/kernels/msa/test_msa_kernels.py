@@ -22,6 +22,7 @@ import torch
 from sparrow.kernels.attention.paged import DecodeTiles
 from sparrow.kernels.msa import naive
 from sparrow.kernels.msa.decode import sparse_decode_attention
+from sparrow.kernels.msa.decode_select import fused_decode_select_blocks
 from sparrow.kernels.msa.prefill import BlockMajorTiles, sparse_prefill_attention
 from sparrow.kernels.msa.select import decode_select_blocks, select_blocks
 from tests.conftest import rel_err
@@ -118,20 +119,41 @@ def test_select_blocks_ties(local):
     assert ((ours >= 0).sum(-1) == (q_block[:, None] + 1).clamp(max=topk)).all()
 
 
-@pytest.mark.parametrize("bs, lengths, hi, di", [
-    (16, [1, 15, 16, 17, 257, 100], 2, 16),
-    (16, [625, 2], 4, 32),
-    (128, [1, 127, 128, 129, 2049], 4, 128),
+@pytest.mark.parametrize("bs, lengths, hi, di, local, kv_blocks", [
+    (16, [1, 15, 16, 17, 257, 100], 2, 16, 1, None),
+    (16, [625, 2, 300], 4, 32, 2, 16),  # 40 blocks in 3 splits of the fused kernel
+    (128, [1, 127, 128, 129, 2049], 4, 128, 1, None),
 ])  # fmt: skip
-def test_decode_select_blocks(bs, lengths, hi, di):
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_select_blocks(bs, lengths, hi, di, local, kv_blocks, fused):
     gen = torch.Generator().manual_seed(len(lengths))
     _, _, ik, tables = caches(lengths, bs, 1, 16, di, torch.float32, gen)
     iq = torch.randn(len(lengths), hi, di, generator=gen).to(device())
     pos = torch.tensor(lengths, device=device()) - 1
-    ref = naive.decode_select_blocks(iq, ik, tables, pos, 16, 1)
-    ours = decode_select_blocks(iq, ik, tables, pos, 16, 1)
+    ref = naive.decode_select_blocks(iq, ik, tables, pos, 16, local)
+    if fused:
+        ours = fused_decode_select_blocks(iq, ik, tables, pos, 16, local, kv_blocks)
+    else:
+        ours = decode_select_blocks(iq, ik, tables, pos, 16, local, kv_blocks or 16)
     assert ours.shape == ref.shape and ours.dtype == torch.int64
     assert torch.equal(sorted_blocks(ours, 16), sorted_blocks(ref, 16))
+
+
+def test_fused_decode_select_ties_take_the_lower_block():
+    """Every block holds block 0's index keys: all full blocks tie, so the fused kernel
+    takes the local block, then the lowest ids (across its splits)."""
+    gen = torch.Generator().manual_seed(4)
+    bs, lengths = 16, [600, 100]
+    _, _, ik, tables = caches(lengths, bs, 1, 16, 16, torch.float32, gen)
+    rows = tables.long()[..., None] * bs + torch.arange(bs, device=ik.device)  # [B, W, bs]
+    flat = ik.view(-1, 16)
+    flat[rows.flatten()] = flat[rows[:, :1].expand_as(rows).flatten()].clone()
+    iq = torch.randn(2, 2, 16, generator=gen).to(device())
+    pos = torch.tensor(lengths, device=device()) - 1
+    ours = fused_decode_select_blocks(iq, ik, tables, pos, 4, 1, kv_blocks=16)
+    own = (pos // bs)[:, None, None].expand(-1, 2, 1)
+    want = torch.cat([own, torch.arange(3, device=own.device).expand(2, 2, 3)], -1)
+    assert torch.equal(ours, want)
 
 
 def prompt_batch(chunks, bs, hq, hkv, d, topk, dtype, gen):
@@ -257,9 +279,9 @@ def test_real_sizes_gpu(ctx):
     assert rel_err(ours, ref) < TOL[torch.bfloat16]
     lengths = torch.tensor([ctx, ctx, max(1, ctx // 3)], device=q.device)
     blocks = naive.decode_select_blocks(iq[:3], ik, tables, lengths - 1, topk, 1)
-    assert torch.equal(sorted_blocks(decode_select_blocks(iq[:3], ik, tables, lengths - 1,
-                                                          topk, 1), topk),
-                       sorted_blocks(blocks, topk))  # fmt: skip
+    for select in (decode_select_blocks, fused_decode_select_blocks):
+        ours_sel = select(iq[:3], ik, tables, lengths - 1, topk, 1)
+        assert torch.equal(sorted_blocks(ours_sel, topk), sorted_blocks(blocks, topk))
     ref = naive.sparse_attention(q[:3], k, v, tables, lengths - 1, blocks, d**-0.5)
     ours = sparse_decode_attention(q[:3], k, v, tables, lengths - 1, blocks, d**-0.5)
     assert rel_err(ours, ref) < TOL[torch.bfloat16]
