@@ -7,14 +7,16 @@ make some blocks far more popular, which the block-major kernel's tiles absorb).
 
 Prefill: one prompt of C tokens. Sparse = `select.select_blocks` (index scores + top-k) and
 `prefill.sparse_prefill_attention` over the paged caches, each timed; dense = torch SDPA,
-causal, GQA, over contiguous [1, H, C, D] tensors. Dense above --dense-max tokens is not run
-but extrapolated from --dense-max x (C / dense_max)^2 (causal attention is quadratic), and
-marked so in the table and the JSON.
+causal, over contiguous [1, Hq, C, D] tensors (K/V heads repeated: the flash backend).
+Dense above --dense-max tokens (default 128K) is not run but extrapolated as the
+--dense-max time x (C / dense_max)^2 (causal attention is quadratic: 512K = 128K x 16, 1M =
+128K x 64), and marked so in the table and the JSON.
 Decode: one step of a batch of sequences of C tokens. Sparse =
 `decode_select.fused_decode_select_blocks` (also timed: `select.decode_select_blocks`, the
 scores then torch.topk) and `decode.sparse_decode_attention` (the paged decode kernel on
-per-head page views); dense = SDPA over contiguous caches and the engine's paged split-K
-decode over the same pages.
+per-head page views); dense = SDPA over contiguous caches (a KV group's 16 query heads as
+16 query rows of one head, no mask) and the engine's paged split-K decode over the same
+pages.
 Decode times are CUDA-graph replays (`timing.graph_time_us`); batches whose caches exceed
 --max-gib are skipped.
 
@@ -93,9 +95,10 @@ def bench_prefill(ctx: int, dense_max: int, rounds: int, gen) -> dict:
     }
     n_dense = min(ctx, dense_max)
     qd = q[:n_dense].transpose(0, 1)[None]
-    kd, vd = (_contiguous(c, tables, ctx)[:, :, :n_dense] for c in (k, v))
-    fns["dense"] = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True,
-                                                          enable_gqa=True)  # fmt: skip
+    # K/V heads repeated for the query heads: the flash backend, no GQA fallback to math
+    kd, vd = (_contiguous(c, tables, ctx)[:, :, :n_dense].repeat_interleave(HQ // HKV, dim=1)
+              for c in (k, v))  # fmt: skip
+    fns["dense"] = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
     reps = 1 if ctx >= 131072 else 3
     t = _alternate(fns, rounds, reps)
     dense = t["dense"] * (ctx / n_dense) ** 2
@@ -112,7 +115,7 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen) -> dict:
     pos = torch.full((batch,), ctx - 1, device="cuda")
     ctx_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     kd, vd = _contiguous(k, tables, ctx), _contiguous(v, tables, ctx)
-    qd = q[:, :, None]
+    qd = q.view(batch, HKV, HQ // HKV, D)  # a group's query heads as rows: GQA, no mask
     blocks = decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
 
     def sparse():
@@ -124,7 +127,7 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen) -> dict:
         "select_unfused": lambda: decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL),
         "attend": lambda: sparse_decode_attention(q, k, v, tables, pos, blocks, SCALE),
         "sparse": sparse,
-        "dense_sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True),
+        "dense_sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd),
         "dense_paged": lambda: paged_decode_attention(q, k, v, tables, ctx_lens, SCALE),
     }
     times = {name: [] for name in fns}

@@ -16,7 +16,7 @@ with one KV head and G query heads:
 Softmax does not depend on the order of the keys, and every selected block before the own
 block is full, so this equals attention over the selected blocks with the token-level causal
 mask. No host reads: the launch shapes depend on T, Hkv and K only (capturable). The tables
-take T x Hkv x K int32 (1 KiB per query at the real shapes).
+take T x Hkv x K int32 (256 bytes per query at the real shapes).
 """
 
 from __future__ import annotations
