@@ -20,6 +20,9 @@ from sparrow.kernels.causal_conv1d import conv
 from sparrow.kernels.dequant import dequant
 from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
 from sparrow.kernels.moe import combine, expert_gemv, grouped_gemm, routing
+from sparrow.kernels.msa import decode_select as msa_decode_select
+from sparrow.kernels.msa import prefill as msa_prefill
+from sparrow.kernels.msa import select as msa_select
 from sparrow.kernels.quant_gemv import gdn, gemv, mma
 from sparrow.kernels.rms_norm import norm
 
@@ -154,6 +157,36 @@ CASES = {
                    {"BLOCK_M": 128, "SMALL_M": 64, "BLOCK_E": 256, "BLOCK_B": 64},
                    {"num_warps": 4}),
     "align_scatter": (routing._scatter_kernel, {"*": "i32"}, {"BLOCK": 1024}, {"num_warps": 4}),
+    # MiniMax M3 MSA at its real shapes: 4 index heads x 128, 128-token blocks, top-16,
+    # 64 query heads over 4 KV heads of 128
+    "msa_block_scores": (msa_select._block_scores_kernel,
+                         {"*": "bf16", "tables_ptr": "i32", "pos_ptr": "i64", "out_ptr": "fp32"},
+                         {"HI": 4, "DI": 128, "ROWS": 64, "BLOCK_M": 16, "BS": 128,
+                          "BLOCK_N": 64, "NB": 16, "LOCAL": 1, "PRECISION": "tf32"},
+                         {"num_warps": 4}),
+    "msa_decode_select_topk": (msa_decode_select._select_topk_kernel,
+                               {"*": "bf16", "tables_ptr": "i32", "pos_ptr": "i64",
+                                "cand_s_ptr": "fp32", "cand_i_ptr": "i32", "count_ptr": "i32",
+                                "out_ptr": "i64"},
+                               {"HI": 4, "ROWS": 16, "DI": 128, "BS": 128, "BLOCK_N": 64,
+                                "NB": 64, "TOPK": 16, "CW": 2048, "LOCAL": 1,
+                                "PRECISION": "tf32"},
+                               {"num_warps": 4}),  # 1M context: 128 splits of 64 blocks
+    "msa_block_major": (msa_prefill._block_major_kernel,
+                        {"*": "i64", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
+                         "o_ptr": "fp32", "lse_ptr": "fp32"},
+                        {"HKV": 4, "K": 16, "G": 16, "D": 128, "BS": 128, "ROWS": 64,
+                         "BLOCK_M": 4, "TILE": 64, "BLOCK_N": 128, "PRECISION": "tf32"},
+                        {"num_warps": 8, "num_stages": 1}),
+    "msa_merge": (msa_prefill._merge_kernel, {"*": "fp32", "out_ptr": "bf16"},
+                  {"HKV": 4, "K": 16, "G": 16, "ROWS": 64, "BLOCK_T": 4, "D": 128},
+                  {"num_warps": 4}),
+    "msa_paged_decode_split": (paged._decode_split_kernel, {"*": "bf16", "acc_ptr": "fp32",
+                                                            "ml_ptr": "fp32", "tables_ptr": "i32",
+                                                            "ctx_ptr": "i32"},
+                               {"S": 16, "G": 16, "D": 128, "ROWS": 16, "BLOCK_N": 64,
+                                "CACHE_BLOCK": 128, "PRECISION": "tf32"},
+                               {"num_warps": 4}),  # per (query, KV group) with one head
 }  # fmt: skip
 
 
