@@ -11,6 +11,7 @@ from sparrow.core.cache_spec import PagedKVSpec, SparseKVSpec
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.attention import naive as dense
 from sparrow.kernels.attention import paged
+from sparrow.kernels.msa import kernels as msa_kernels
 from sparrow.kernels.msa import naive as msa
 from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.norms import ZeroCenteredRMSNorm
@@ -98,26 +99,30 @@ class M3Attention(nn.Module):
                                      meta.context_lens, self.scale)  # fmt: skip
 
     def _sparse(self, q, iq, cache, meta: StepMetadata) -> torch.Tensor:
+        """The MSA kernels (`kernels.msa.kernels`) with the Triton backend where the dims
+        suit them, else the reference (`kernels.msa.naive`): the same functions."""
         k_cache, v_cache, ik_cache = cache
         topk, local = self.sparse["topk"], self.sparse["local_blocks"]
+        dims = (self.head_dim, self.sparse["index_head_dim"], self.sparse["block_size"])
+        ops = msa_kernels if use_triton(q) and fits_tiles(*dims) else msa
         if meta.max_q_len == 1:  # one query per sequence: no host reads
-            blocks = msa.decode_select_blocks(iq, ik_cache, meta.block_tables, meta.positions,
+            blocks = ops.decode_select_blocks(iq, ik_cache, meta.block_tables, meta.positions,
                                               topk, local)  # fmt: skip
             tables = meta.block_tables
         else:
-            blocks = self._select_per_sequence(iq, ik_cache, meta, topk, local)
-            tables = msa.token_tables(meta.block_tables, meta.cu_seqlens, q.shape[0])
-        return msa.sparse_attention(q, k_cache, v_cache, tables, meta.positions, blocks,
+            blocks = self._select_per_sequence(ops, iq, ik_cache, meta, topk, local)
+            tables = ops.token_tables(meta.block_tables, meta.cu_seqlens, q.shape[0])
+        return ops.sparse_attention(q, k_cache, v_cache, tables, meta.positions, blocks,
                                     self.scale)  # fmt: skip
 
     @staticmethod
-    def _select_per_sequence(iq, ik_cache, meta: StepMetadata, topk: int, local: int):
+    def _select_per_sequence(ops, iq, ik_cache, meta: StepMetadata, topk: int, local: int):
         """Prompts and chunks: each sequence's queries score its keys (read once per chunk);
         reads the context lengths on the host."""
         out, start = [], 0
         for b, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens.tolist(),
                                          strict=True)):  # fmt: skip
-            out.append(msa.select_blocks(iq[start : start + n], ik_cache, meta.block_tables[b],
+            out.append(ops.select_blocks(iq[start : start + n], ik_cache, meta.block_tables[b],
                                          range(ctx - n, ctx), topk, local))  # fmt: skip
             start += n
         return torch.cat(out)

@@ -1,5 +1,5 @@
-"""MiniMax M3 against HF with the MSA Triton kernels in place of the reference: the layer's
-switch (`sparrow.layers.msa` reading `kernels` instead of `naive`) is the only change.
+"""MiniMax M3 against HF with the MSA Triton kernels in place of the reference, picked by the
+layer's kernel switch (`M3Attention._sparse`) under the Triton backend.
 Dims the kernels take (head and index dims 16, 16-token blocks); top-2 of 3 blocks, so
 selection drops keys. Prefill (block major), then a cached decode step (the paged decode kernel)."""
 
@@ -19,10 +19,15 @@ POW2 = TEXT | {"head_dim": 16, "index_head_dim": 16, "index_block_size": 16,
 
 @pytest.fixture
 def triton_msa(monkeypatch):
-    import sparrow.layers.msa as layer
+    """The Triton backend (the interpreter on a CPU) for the whole model: the layer's switch
+    picks the MSA kernels."""
+    from sparrow.kernels import get_backend, set_backend
 
-    monkeypatch.setattr(layer, "msa", kernels)
     monkeypatch.setattr(kernels, "DECODE_ROWS", 1)  # the prompt: block major; decode: paged
+    before = get_backend()
+    set_backend("triton")
+    yield
+    set_backend(before)
 
 
 @torch.no_grad()
