@@ -9,6 +9,9 @@ batch-1 prefill and decode at each `--lengths`, and decode output tok/s at each
 does the timing, so both sides measure the same way.
 
     python -m sparrow.bench.ab --old /tmp/old --new . --lengths 4096,131072 --concurrency 8
+
+`--profile` adds one profiled eager prefill step per side and shape: per-kernel CUDA time
+and count, host launch time against wall time (where two checkouts differ, and why).
 """
 
 from __future__ import annotations
@@ -53,8 +56,35 @@ model = random_model(args, 0, device, torch.bfloat16 if device == "cuda" else to
                      quantize=quant)
 llm = LLM(model, **settings(most, max_len, -(-max_len // 128) + 8 * most))
 print(json.dumps({"ready": True}), flush=True)
+
+def profile(batch, length):  # one eager prefill step of batch x length tokens, profiled
+    import time
+    from sparrow.bench.timing import kernel_profile
+    from sparrow.worker.cache import build_metadata
+    runner, tables = llm.runner, []
+    for b in range(batch):
+        tables.append(list(range(b * -(-length // 128), (b + 1) * -(-length // 128))))
+    meta = build_metadata([[1] * length] * batch, [0] * batch, tables, list(range(batch)),
+                          runner.cache.block_size, "cuda")
+    def step():
+        with torch.inference_mode():
+            return runner.model.logits(runner.model(meta, runner.cache)[-1:]).argmax(-1)
+    report = kernel_profile(step, top=30)
+    walls, launches = [], []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        launches.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+    return report | {"launch_ms": sorted(launches)[2] * 1e3, "wall_ms": sorted(walls)[2] * 1e3}
+
 for line in sys.stdin:
     job = json.loads(line)
+    if "profile" in job:
+        print(json.dumps(profile(job["profile"], job["length"])), flush=True)
+        continue
     gen = torch.Generator().manual_seed(job["seed"])
     prompts = [torch.randint(0, VOCAB, (job["length"],), generator=gen).tolist()
                for _ in range(job["batch"])]
@@ -115,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--preset", default="qwen3.6-35b-a3b", help="qwen3.6-tiny: a smoke test")
     p.add_argument("--device", default="cuda", help="cpu: the float model, a smoke test")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one eager prefill step per length <= 16K and per "
+                        "concurrency on each side (per-kernel CUDA time, host launch time)")
     p.add_argument("--out", default="bench-out/ab.json")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -136,11 +169,32 @@ def main(argv: list[str] | None = None) -> dict:
         runs = _alternate(sides, job, args.rounds, warm=1)
         report["concurrency"][c] = {n: _medians(r, 512, c) for n, r in runs.items()}
         _print_row(f"concurrency {c}, 512 tokens", report["concurrency"][c])
+    if args.profile:
+        shapes = [(1, n) for n in lengths if n <= 16384] + [(c, 512) for c in concurrency]
+        report["profile"] = {f"{b}x{n}": {name: side.run({"profile": b, "length": n})
+                                          for name, side in sides.items()}
+                             for b, n in shapes}  # fmt: skip
+        for shape, row in report["profile"].items():
+            _print_profile(shape, row)
     for side in sides.values():
         side.proc.stdin.close()
         side.proc.wait(timeout=60)
     write_report(args.out, report)
     return report
+
+
+def _print_profile(shape: str, row: dict[str, dict]) -> None:
+    old, new = row["old"], row["new"]
+    print(f"[ab] profile {shape}: wall {old['wall_ms']:.1f} -> {new['wall_ms']:.1f} ms, host "
+          f"launch {old['launch_ms']:.1f} -> {new['launch_ms']:.1f} ms, kernels "
+          f"{old['kernels']} -> {new['kernels']} taking {old['kernel_time_us'] / 1e3:.1f} -> "
+          f"{new['kernel_time_us'] / 1e3:.1f} ms")  # fmt: skip
+    times = {side: {k["kernel"]: k for k in row[side]["top"]} for side in row}
+    for name in sorted(set(times["old"]) | set(times["new"]),
+                       key=lambda k: -max(times[s].get(k, {}).get("us", 0) for s in times)):
+        o, n = times["old"].get(name, {}), times["new"].get(name, {})
+        print(f"    {o.get('count', '-'):>5} {o.get('us', 0):9.1f} -> {n.get('count', '-'):>5} "
+              f"{n.get('us', 0):9.1f} us  {name[:70]}")  # fmt: skip
 
 
 def _print_row(what: str, row: dict[str, dict[str, float]]) -> None:

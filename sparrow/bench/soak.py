@@ -291,15 +291,23 @@ async def sample_rss(pid: int, every_s: float, t0: float, series: list) -> None:
         await asyncio.sleep(every_s)
 
 
-def rss_summary(series: list[tuple[float, float]], warmup_s: float) -> dict | None:
-    """The series, the first sample after warm-up against the max and the last."""
+def rss_summary(series: list[tuple[float, float]], warmup_s: float,
+                window_s: float = 60.0) -> dict | None:  # fmt: skip
+    """The series; the first sample after warm-up against the max and the last; and the
+    floor (lowest sample) of the first and the last `window_s` after warm-up: a step's
+    temporaries (logits and sampling over the vocabulary) swing single samples by hundreds
+    of MB, while what a request leaves behind raises the floor."""
     if not series:
         return None
     warm = next((mb for t, mb in series if t >= warmup_s), series[-1][1])
     peak, last = max(mb for _, mb in series), series[-1][1]
+    after = [(t, mb) for t, mb in series if t >= warmup_s] or series[-1:]
+    first = min(mb for t, mb in after if t < after[0][0] + window_s)
+    final = min(mb for t, mb in after if t > after[-1][0] - window_s)
     return {"series": series, "warmup_s": warmup_s, "after_warmup_mb": warm, "max_mb": peak,
             "last_mb": last, "growth_pct": 100 * (last - warm) / warm,
-            "max_growth_pct": 100 * (peak - warm) / warm}  # fmt: skip
+            "max_growth_pct": 100 * (peak - warm) / warm, "floor_first_mb": first,
+            "floor_last_mb": final, "floor_growth_pct": 100 * (final - first) / first}  # fmt: skip
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -382,7 +390,9 @@ def print_table(report: dict) -> None:
     if rss:
         print(f"RSS MB: after warm-up ({rss['warmup_s']:.0f} s) {rss['after_warmup_mb']:.1f}, "
               f"max {rss['max_mb']:.1f}, last {rss['last_mb']:.1f}, growth "
-              f"{rss['growth_pct']:+.1f}% (max {rss['max_growth_pct']:+.1f}%)")  # fmt: skip
+              f"{rss['growth_pct']:+.1f}% (max {rss['max_growth_pct']:+.1f}%); floor of the "
+              f"first / last minute {rss['floor_first_mb']:.1f} / {rss['floor_last_mb']:.1f} "
+              f"({rss['floor_growth_pct']:+.1f}%)")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -27,6 +27,7 @@ from torch import nn
 
 from sparrow.config import ConfigError, QuantConfig
 from sparrow.core.cache_spec import CacheSpec
+from sparrow.layers.decoder import DecoderStack
 from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.msa import M3Attention
 from sparrow.layers.norms import ZeroCenteredRMSNorm
@@ -292,7 +293,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class MiniMaxM3Model(nn.Module):
+class MiniMaxM3Model(DecoderStack):
     def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.config = cfg
@@ -309,32 +310,9 @@ class MiniMaxM3Model(nn.Module):
     # the routing on the host, and the MSA reference path has no CUDA-graph test.
     cuda_graphs = False
 
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The activation dtype (weights may be packed integers)."""
-        return self.norm.weight.dtype
-
     def cache_specs(self) -> list[CacheSpec | None]:
         """Paged K/V on every layer; sparse layers add the index keys (pages of one MSA block)."""
         return [layer.self_attn.cache_spec() for layer in self.layers]
-
-    def forward(self, meta: StepMetadata, cache) -> torch.Tensor:
-        """Run the step's new tokens (meta.input_ids [T]); reads and extends the cache
-        (`cache.layers[i]`: layer i's tensors). Returns final-norm hidden states [T, hidden]."""
-        x = self.embed_tokens(meta.input_ids)
-        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
-        residual = None
-        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x, residual = layer(x, residual, cos, sin, meta, layer_cache)
-        return self.norm.add(x, residual)[1]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
 
 
 # Checkpoint names -> parameter names.

@@ -23,6 +23,7 @@ from torch import nn
 from sparrow.config import ConfigError, QuantConfig
 from sparrow.core.cache_spec import CacheSpec
 from sparrow.layers.attention import GatedAttention
+from sparrow.layers.decoder import DecoderStack
 from sparrow.layers.gated_deltanet import GatedDeltaNet
 from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.moe import SparseMoE
@@ -276,7 +277,6 @@ def _validate(cfg: ModelArgs) -> None:
     # positions are equal on all three axes, so the split does not change text).
 
 
-
 def sparse_moe(cfg: ModelArgs) -> SparseMoE:
     """The MoE block of one layer (also built alone by benchmarks and tests)."""
     return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
@@ -319,7 +319,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class Qwen3_5MoeModel(nn.Module):
+class Qwen3_5MoeModel(DecoderStack):
     def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.config = cfg
@@ -331,33 +331,10 @@ class Qwen3_5MoeModel(nn.Module):
                                       cfg.rope_scaling)  # fmt: skip
         self.requires_grad_(False)
 
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The activation dtype (weights may be packed integers)."""
-        return self.norm.weight.dtype
-
     def cache_specs(self) -> list[CacheSpec | None]:
         """What each layer keeps between steps: paged K/V for attention, conv + recurrent
         state slots for Gated DeltaNet."""
         return [layer.mixer.cache_spec() for layer in self.layers]
-
-    def forward(self, meta: StepMetadata, cache) -> torch.Tensor:
-        """Run the step's new tokens (meta.input_ids [T]); reads and extends the cache
-        (`cache.layers[i]`: layer i's tensors). Returns final-norm hidden states [T, hidden]."""
-        x = self.embed_tokens(meta.input_ids)
-        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
-        residual = None
-        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x, residual = layer(x, residual, cos, sin, meta, layer_cache)
-        return self.norm.add(x, residual)[1]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
 
 
 # Checkpoint names -> parameter names. Vision tower and multi-token-prediction weights are

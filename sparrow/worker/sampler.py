@@ -112,17 +112,17 @@ def _bucketed_cut(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     rows = probs.shape[0]
     buckets = probs.view(torch.int32) >> 16
     offsets = torch.arange(rows, dtype=torch.int32)[:, None] * _BUCKETS
-    mass = torch.zeros(rows * _BUCKETS, dtype=torch.float64).index_add_(
-        0, (buckets + offsets).flatten(), probs.flatten().double()).view(rows, _BUCKETS)
+    mass = torch.zeros(rows * _BUCKETS, dtype=probs.dtype).index_add_(
+        0, (buckets + offsets).flatten(), probs.flatten()).view(rows, _BUCKETS)
     from_top = mass.flip(-1).cumsum(-1)
     # buckets wholly kept, and the empty ones above the row's largest value
-    full = ((from_top < top_p.double()) | (from_top == 0)).sum(-1, keepdim=True)
+    full = ((from_top < top_p) | (from_top == 0)).sum(-1, keepdim=True)
     crossing = _BUCKETS - 1 - full
     above = torch.where(full > 0, from_top.gather(1, (full - 1).clamp(min=0)), 0.0)
     inside = buckets == crossing
     width = int(inside.sum(-1).max())
     values = torch.where(inside, probs, 0.0).topk(width, dim=-1).values
-    within = ((above + values.double().cumsum(-1)) < top_p.double()).sum(-1, keepdim=True)
+    within = ((above + values.cumsum(-1)) < top_p).sum(-1, keepdim=True)
     cut_value = values.gather(1, within.clamp(max=width - 1))
     return probs.masked_fill(probs < cut_value, 0.0)
 
@@ -132,17 +132,17 @@ def _draw(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tens
     inverted at a uniform number drawn from the row's generator (rows sharing none from the
     default generator). A uniform that rounds onto a zero-probability tail takes the row's
     most likely token."""
-    uniform = torch.empty(probs.shape[0], device=probs.device, dtype=torch.float64)
+    uniform = torch.empty(probs.shape[0], device=probs.device, dtype=probs.dtype)
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for row, gen in enumerate(gens):
         groups.setdefault(id(gen), (gen, []))[1].append(row)
     for gen, rows in groups.values():
-        draw = torch.rand(len(rows), generator=gen, device=probs.device, dtype=torch.float64)
+        draw = torch.rand(len(rows), generator=gen, device=probs.device, dtype=probs.dtype)
         if len(groups) == 1:
             uniform = draw
         else:
             uniform[to_device(rows, torch.long, probs.device)] = draw
-    cdf = probs.double().cumsum(-1)
+    cdf = probs.cumsum(-1)
     target = (uniform * cdf[:, -1])[:, None]
     token = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
     empty = probs.gather(1, token[:, None])[:, 0] == 0

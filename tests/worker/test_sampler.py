@@ -145,8 +145,8 @@ def test_a_seeded_row_does_not_depend_on_the_other_rows():
 @pytest.mark.parametrize("top_p", [0.0, 1e-6, 0.3, 0.9, 0.999])
 def test_bucketed_top_p_keeps_what_sorting_keeps(shape, top_p):
     """The CPU's bucketed cut (large vocabularies) against the sort, on tie-free rows: the
-    same tokens, but for one at the boundary where the two sums (fp64 by bucket, fp32 in
-    sorted order) round to opposite sides of p."""
+    same tokens, but for one at the boundary where the two sums (by bucket, and in sorted
+    order) round to opposite sides of p."""
     from sparrow.worker.sampler import _bucketed_cut, _sorted_cut
 
     gen = torch.Generator().manual_seed(11)

@@ -1,0 +1,38 @@
+"""The decoder stack the architectures share: embedding, layers each returning (MLP output,
+residual stream), the final norm with the last residual add fused into it, the lm_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparrow.layers.metadata import StepMetadata
+
+
+class DecoderStack(nn.Module):
+    """A model's forward over `embed_tokens`, `rotary`, `layers`, `norm` and `lm_head`, which
+    the architecture's `__init__` sets; its layers take (x, residual, cos, sin, meta, their
+    cache) and return (MLP output, residual)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (weights may be packed integers)."""
+        return self.norm.weight.dtype
+
+    def forward(self, meta: StepMetadata, cache) -> torch.Tensor:
+        """Run the step's new tokens (meta.input_ids [T]); reads and extends the cache
+        (`cache.layers[i]`: layer i's tensors). Returns final-norm hidden states [T, hidden]."""
+        x = self.embed_tokens(meta.input_ids)
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        residual = None
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+            x, residual = layer(x, residual, cos, sin, meta, layer_cache)
+        return self.norm.add(x, residual)[1]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
