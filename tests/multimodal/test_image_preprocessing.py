@@ -36,41 +36,37 @@ def _encoded(image, fmt, **kwargs):
     return buf.getvalue()
 
 
-def _assert_matches_hf(hf, name, image):
-    from transformers.image_utils import load_image
-
+def _assert_matches_hf(oracle, name, image, source=None):
+    """Our output for decoded `image` equals HF's for `source` (default: the image itself)."""
     ours = preprocess_image(image, SPECS[name])
-    ref = hf[name](images=[load_image(image)], return_tensors="pt")
-    assert ours.pixel_values.dtype == ref["pixel_values"].dtype == torch.float32
-    assert ours.pixel_values.shape == ref["pixel_values"].shape
-    assert torch.equal(ours.pixel_values, ref["pixel_values"])
-    assert list(ours.grid_thw) == ref["image_grid_thw"][0].tolist()
-    merge = SPECS[name].merge_size
-    assert ours.num_tokens == int(ref["image_grid_thw"][0].prod()) // merge**2
-    patches = hf[name].get_number_of_image_patches(image.height, image.width)
-    assert ours.num_tokens == patches // merge**2
+    ref_pixels, ref_grid, ref_patches = oracle(name, image if source is None else source)
+    assert ours.pixel_values.dtype == ref_pixels.dtype == torch.float32
+    assert ours.pixel_values.shape == ref_pixels.shape
+    assert torch.equal(ours.pixel_values, ref_pixels)
+    assert list(ours.grid_thw) == ref_grid
+    assert ours.num_tokens == ref_patches // SPECS[name].merge_size ** 2
     return ours
 
 
 @pytest.mark.parametrize("name", ["qwen", "m3"])
 @pytest.mark.parametrize("size", [(17, 900), (900, 17), (33, 47), (999, 1001), (2, 2)])
-def test_rgb_bit_identical(hf_processors, name, size):
+def test_rgb_bit_identical(hf_oracle_run, name, size):
     image = Image.fromarray(_noise(*size, seed=size[0] * 7 + size[1]))
-    _assert_matches_hf(hf_processors, name, image)
+    _assert_matches_hf(hf_oracle_run, name, image)
 
 
 @pytest.mark.parametrize("name", ["qwen", "m3"])
-def test_large_photo_bit_identical(hf_processors, name):
+def test_large_photo_bit_identical(hf_oracle_run, name):
     # 4000x3000 landscape: Qwen keeps ~all pixels (under 16.7M), M3 downsizes 26x.
     image = Image.fromarray(_noise(3000, 4000, seed=4))
-    ours = _assert_matches_hf(hf_processors, name, image)
+    ours = _assert_matches_hf(hf_oracle_run, name, image)
     assert ours.pixel_values.shape[1] == SPECS[name].patch_dim
 
 
 @pytest.mark.parametrize("name", ["qwen", "m3"])
 @pytest.mark.parametrize("mode,fmt", [("RGBA", "PNG"), ("CMYK", "JPEG"), ("L", "PNG"),
                                       ("P", "PNG"), ("LA", "PNG")])
-def test_colour_modes_bit_identical(hf_processors, name, mode, fmt):
+def test_colour_modes_bit_identical(hf_oracle_run, name, mode, fmt):
     channels = {"RGBA": 4, "CMYK": 4, "L": 1, "P": 1, "LA": 2}[mode]
     array = _noise(61, 83, channels, seed=channels)
     image = Image.fromarray(array, mode={"P": "L"}.get(mode, mode))
@@ -79,29 +75,18 @@ def test_colour_modes_bit_identical(hf_processors, name, mode, fmt):
     data = _encoded(image, fmt)
     decoded = decode_image(data)
     assert decoded.mode == "RGB" and decoded.size == (83, 61)
-    ours = preprocess_image(decoded, SPECS[name])
-    from transformers.image_utils import load_image
-
-    ref = hf_processors[name](images=[load_image(Image.open(io.BytesIO(data)))],
-                              return_tensors="pt")
-    assert torch.equal(ours.pixel_values, ref["pixel_values"])
+    _assert_matches_hf(hf_oracle_run, name, decoded, source=data)
 
 
 @pytest.mark.parametrize("name", ["qwen", "m3"])
-def test_exif_rotation_applied_like_hf(hf_processors, name):
+def test_exif_rotation_applied_like_hf(hf_oracle_run, name):
     image = Image.fromarray(_noise(40, 120, seed=9))
     exif = Image.Exif()
     exif[0x0112] = 6  # Orientation: rotate 90 CW on display
     data = _encoded(image, "JPEG", exif=exif.tobytes(), quality=95)
     decoded = decode_image(data)
     assert decoded.size == (40, 120)
-    from transformers.image_utils import load_image
-
-    ref = hf_processors[name](images=[load_image(Image.open(io.BytesIO(data)))],
-                              return_tensors="pt")
-    ours = preprocess_image(decoded, SPECS[name])
-    assert torch.equal(ours.pixel_values, ref["pixel_values"])
-    assert list(ours.grid_thw) == ref["image_grid_thw"][0].tolist()
+    _assert_matches_hf(hf_oracle_run, name, decoded, source=data)
 
 
 def test_degenerate_images_rejected():
@@ -121,18 +106,13 @@ def test_degenerate_images_rejected():
         smart_resize(2, 500, QWEN3_5_MOE)
 
 
-def test_smart_resize_matches_hf_over_many_sizes():
-    from transformers.models.minimax_m3_vl.image_processing_minimax_m3_vl import (
-        smart_resize as m3_ref,
-    )
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as qwen_ref
-
+def test_smart_resize_matches_hf_over_many_sizes(hf_oracle_run):
     rng = np.random.default_rng(3)
     sizes = [(int(h), int(w)) for h, w in rng.integers(2, 6000, size=(400, 2))
              if max(h, w) / min(h, w) <= 200]
-    for h, w in sizes:
-        assert smart_resize(h, w, SPECS["qwen"]) == qwen_ref(h, w, 32, 65536, 16777216)
-        assert smart_resize(h, w, SPECS["m3"]) == m3_ref(h, w, 28, 3136, 451584)
+    for name in ("qwen", "m3"):
+        ours = [smart_resize(h, w, SPECS[name]) for h, w in sizes]
+        assert ours == [tuple(hw) for hw in hf_oracle_run.smart_resize(name, sizes)]
 
 
 def test_specs_and_overrides():
