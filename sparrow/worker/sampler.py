@@ -115,8 +115,10 @@ def _bucketed_cut(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     mass = torch.zeros(rows * _BUCKETS, dtype=probs.dtype).index_add_(
         0, (buckets + offsets).flatten(), probs.flatten()).view(rows, _BUCKETS)
     from_top = mass.flip(-1).cumsum(-1)
-    # buckets wholly kept, and the empty ones above the row's largest value
+    # buckets wholly kept, and the empty ones above the row's largest value; at most up to
+    # the row's lowest non-empty bucket (a p within rounding of 1 keeps every token)
     full = ((from_top < top_p) | (from_top == 0)).sum(-1, keepdim=True)
+    full = torch.minimum(full, (from_top < from_top[:, -1:]).sum(-1, keepdim=True))
     crossing = _BUCKETS - 1 - full
     above = torch.where(full > 0, from_top.gather(1, (full - 1).clamp(min=0)), 0.0)
     inside = buckets == crossing

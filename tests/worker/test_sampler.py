@@ -158,6 +158,19 @@ def test_bucketed_top_p_keeps_what_sorting_keeps(shape, top_p):
     assert torch.equal(bucketed[bucketed > 0], probs[bucketed > 0])
 
 
+@pytest.mark.parametrize("top_p", [0.9999999, 0.99999994])
+def test_bucketed_top_p_within_rounding_of_one_keeps_the_whole_nucleus(top_p):
+    """The buckets' fp32 mass may never reach such a p: then every token stays (the sort,
+    summing in another order, may drop a tail of tiny ones)."""
+    from sparrow.worker.sampler import _bucketed_cut, _sorted_cut
+
+    probs = torch.softmax(torch.randn(3, 70_000, generator=torch.Generator().manual_seed(13))
+                          * 6.0, -1)  # fmt: skip
+    column = torch.full((3, 1), top_p)
+    bucketed = _bucketed_cut(probs, column)
+    assert ((_sorted_cut(probs, column) > 0) <= (bucketed > 0)).all()
+
+
 def test_bucketed_top_p_keeps_every_token_tied_with_the_cut():
     from sparrow.worker.sampler import _bucketed_cut
 
