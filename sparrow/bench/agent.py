@@ -2,13 +2,13 @@
 in one run (`python -m sparrow.bench.serve --workload agent`).
 
 Two `sparrow serve` processes share the device (each with `--gpu-memory-utilization` of
-`--memory-share`): one with prefix caching, one with `--no-prefix-caching`. C sessions run
-at once against one of them, `--turns` turns each: turn 1 is a prefix every session shares
-(`--prefix-len` tokens: a system prompt and tool definitions) plus the session's own
+`--memory-share`): one with prefix caching, one with `--no-prefix-caching`. C conversations run
+at once against one of them, `--turns` turns each: turn 1 is a prefix every conversation shares
+(`--prefix-len` tokens: a system prompt and tool definitions) plus the conversation's own
 `--turn-len` tokens; turn k + 1 is turn k's prompt, the tokens it generated (sent back as
 generated: `return_token_ids`) and `--turn-len` new ones. Each turn streams `--output-len`
 tokens. Reported per server and concurrency: time to first token and inter-token latency
-(p50, p99), output tok/s of all sessions, and the server's prefix-cache hit rate.
+(p50, p99), output tok/s of all conversations, and the server's prefix-cache hit rate.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ async def _turn(client: httpx.AsyncClient, base: str, prompt: list[int], output_
     return stamps[0] - t0, gaps, ids
 
 
-async def _session(client, base: str, prefix: list[int], rng: random.Random, args) -> list:
+async def _conversation(client, base: str, prefix: list[int], rng: random.Random, args) -> list:
     prompt, turns = list(prefix), []
     for _ in range(args.turns):
         prompt += [rng.randrange(*VOCAB) for _ in range(args.turn_len)]
@@ -68,14 +68,14 @@ def hit_rate(base: str) -> float | None:
 
 
 async def run(base: str, concurrency: int, prefix: list[int], seed: int, args) -> dict:
-    """C sessions at once on one server; their turns' latencies and throughput."""
+    """C conversations at once on one server; their turns' latencies and throughput."""
     rngs = [random.Random(seed * 1000 + i) for i in range(concurrency)]
     async with httpx.AsyncClient(timeout=None) as client:
         t0 = time.perf_counter()
-        sessions = await asyncio.gather(*(_session(client, base, prefix, r, args)
+        chats = await asyncio.gather(*(_conversation(client, base, prefix, r, args)
                                           for r in rngs))  # fmt: skip
         wall = time.perf_counter() - t0
-    turns = [t for s in sessions for t in s]
+    turns = [t for c in chats for t in c]
     ttft = [t[0] for t in turns]
     gaps = [g for t in turns for g in t[1]]
     return {"concurrency": concurrency, "turns": len(turns),

@@ -13,7 +13,7 @@ it; per concurrency: output tok/s of all clients together.
 `--preset` serves random weights for a built-in config (`--load-format dummy` on a directory
 holding only its config.json; the tokenizer is the packaged Qwen3.5/3.6 vocabulary).
 
-`--workload agent`: sessions sharing a long prefix, several turns each, against a server with
+`--workload agent`: conversations sharing a long prefix, several turns each, against a server with
 prefix caching and one without, alternating (`sparrow.bench.agent`):
 
     python -m sparrow.bench.serve --workload agent --preset qwen3.6-35b-a3b --quantize 4bit \\
@@ -167,11 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--workload", choices=("repeat", "agent"), default="repeat",
-                   help="repeat: one prompt again and again; agent: sessions on a shared prefix")
+                   help="repeat: one prompt again and again; agent: chats on a shared prefix")
     p.add_argument("--prefix-len", type=int, default=60000, help="agent: the shared prefix")
     p.add_argument("--turn-len", type=int, default=500, help="agent: new tokens per turn")
     p.add_argument("--output-len", type=int, default=200, help="agent: tokens per turn")
-    p.add_argument("--turns", type=int, default=3, help="agent: turns per session")
+    p.add_argument("--turns", type=int, default=3, help="agent: turns per conversation")
     p.add_argument("--rounds", type=int, default=1, help="agent: rounds per concurrency")
     p.add_argument("--memory-share", type=float, default=0.45,
                    help="agent: --gpu-memory-utilization of each of the two servers")
