@@ -191,6 +191,8 @@ class Scheduler:
         """(cached blocks to start from, the snapshot to restore the recurrent state from,
         tokens the cached blocks match). The last token is always computed (its logits are
         needed); with recurrent state the hit ends where a snapshot exists."""
+        if not self.kv.prefix_caching:  # (no copy of the prompt to look up)
+            return [], None, 0
         bs = self.kv.block_size
         matched = self.kv.match(request.token_ids(0, request.num_tokens))
         matched = matched[: (request.num_tokens - 1) // bs]
