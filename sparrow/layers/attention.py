@@ -11,7 +11,7 @@ from torch import nn
 from sparrow.core.cache_spec import PagedKVSpec
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.attention import naive
-from sparrow.kernels.attention.chunked import chunk_attention
+from sparrow.kernels.attention.chunked import chunk_attention, flash_fits
 from sparrow.kernels.attention.paged import paged_attention, paged_decode_attention
 from sparrow.layers.linear import Projections
 from sparrow.layers.metadata import StepMetadata, to_device
@@ -111,11 +111,11 @@ def prefill_attention(q: torch.Tensor, gate: torch.Tensor, k: torch.Tensor, v: t
                       kv_cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata,
                       scale: float) -> torch.Tensor:  # fmt: skip
     """A step's gated attention over the paged cache (GPU): sequences of at least
-    CHUNK_TOKENS new tokens, when at most PROMPTS_PER_SDPA, one cuDNN `chunk_attention` each;
-    the rest in one paged-kernel launch over their rows. q, gate: [T, Hq, D]; k, v: the
-    step's [T, Hkv, D]. Returns [T, Hq, D]."""
+    CHUNK_TOKENS new tokens, when at most PROMPTS_PER_SDPA and cuDNN takes q (`flash_fits`),
+    one `chunk_attention` each; the rest in one paged-kernel launch over their rows.
+    q, gate: [T, Hq, D]; k, v: the step's [T, Hkv, D]. Returns [T, Hq, D]."""
     (k_cache, v_cache), lens, tables = kv_cache, meta.seq_lens, meta.block_tables
-    long = [b for b, n in enumerate(lens) if n >= CHUNK_TOKENS]
+    long = [b for b, n in enumerate(lens) if n >= CHUNK_TOKENS] if flash_fits(q) else []
     if not long or len(long) > PROMPTS_PER_SDPA:
         return paged_attention(q, k_cache, v_cache, tables, meta.cu_seqlens, meta.context_lens,
                                scale, gate=gate, max_q_len=meta.max_q_len)  # fmt: skip

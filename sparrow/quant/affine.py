@@ -73,6 +73,9 @@ def quantize(
     """w [..., N, K] float -> (packed int32 [..., N, K*bits/32], scales, biases [..., N, K/g]).
     Scales and biases are stored in `dtype`; codes are computed against the stored values."""
     spec.check_in_features(w.shape[-1])
+    if w.dim() > 2:  # slice by slice: a fused expert tensor's fp32 and int64 temporaries are
+        parts = [quantize(x, spec, dtype) for x in w]  # several times its size
+        return tuple(torch.stack(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
     levels = (1 << spec.bits) - 1
     g = w.float().unflatten(-1, (-1, spec.group_size))
     lo, hi = g.amin(-1), g.amax(-1)

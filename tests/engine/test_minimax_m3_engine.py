@@ -15,11 +15,6 @@ from sparrow.engine.async_engine import AsyncEngine
 from sparrow.engine.llm import LLM
 from sparrow.tokenizer import M3_SPECIAL_TOKENS, load_tokenizer
 
-pytest.importorskip("httpx")
-from fastapi.testclient import TestClient  # noqa: E402
-
-from sparrow.server.app import build_app  # noqa: E402
-
 USER = [{"role": "user", "content": "Hello there"}]
 
 
@@ -63,11 +58,15 @@ def test_llm_uses_the_checkpoints_chat_template(checkpoint, tmp_path):
 
 
 def test_http_app_over_the_engine(checkpoint):
+    pytest.importorskip("httpx")
+    testclient = pytest.importorskip("fastapi.testclient")
+    from sparrow.server.app import build_app
+
     llm = LLM(model=str(checkpoint), device="cpu", dtype=torch.float32, max_model_len=512)
     engine = AsyncEngine(llm, max_waiting=8)
     app = build_app(engine, llm.tokenizer, "m3")
     try:
-        with TestClient(app) as client:
+        with testclient.TestClient(app) as client:
             body = {"model": "m3", "messages": USER, "max_tokens": 4, "temperature": 0}
             reply = client.post("/v1/chat/completions", json=body)
             assert reply.status_code == 200, reply.text

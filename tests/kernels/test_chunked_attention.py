@@ -96,3 +96,16 @@ def test_prefill_step_mixes_chunks_short_sequences_and_decodes():
 def test_chunk_matches_reference_gpu(backend, hq, hkv, d, t, prefix):
     _check_chunk(t, prefix, hq, hkv, d, block=128, backend=backend, device="cuda",
                  dtype=torch.bfloat16, tol=2e-2)  # fmt: skip
+
+
+def test_flash_backends_refuse_what_they_would_get_wrong():
+    """cuDNN and FlashAttention take fp16/bf16 CUDA tensors only (fp32 comes back wrong, not
+    refused, from the kernels themselves): anything else is a ValueError, and the default
+    backend is then the plain definition."""
+    from sparrow.kernels.attention.chunked import flash_fits
+
+    assert not flash_fits(torch.zeros(4, 2, 16))
+    for backend in ("cudnn", "flash"):
+        with pytest.raises(ValueError, match="fp16/bf16 CUDA"):
+            _check_chunk(8, 8, 4, 2, 16, 16, backend, "cpu", torch.float32, 1e-5)
+    _check_chunk(8, 8, 4, 2, 16, 16, None, "cpu", torch.float32, 1e-5)

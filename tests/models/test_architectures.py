@@ -73,8 +73,7 @@ def test_graph_decode_matches_eager_gpu(name):
     tokens = {}
     for eager in (True, False):
         model = random_model(TINY[name], seed=3, device="cuda", dtype=torch.float32)
-        llm = LLM(model, enforce_eager=eager, max_num_seqs=4, max_model_len=128, block_size=16,
-                  num_blocks=64)  # fmt: skip
+        llm = LLM(model, enforce_eager=eager, max_num_seqs=4, max_model_len=128, num_blocks=64)
         assert (llm.runner.graphs is None) == (eager or not getattr(model, "cuda_graphs", True))
         tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
     assert tokens[False] == tokens[True]

@@ -19,6 +19,15 @@ from __future__ import annotations
 import torch
 
 BACKENDS = ("cudnn", "flash", "math")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_fits(q: torch.Tensor) -> bool:
+    """Whether cuDNN's (and FlashAttention's) kernels take q: a CUDA tensor in fp16 or bf16
+    with a head dim that is a multiple of 8 up to 256. They return wrong values, not an
+    error, for fp32."""
+    d = q.shape[-1]
+    return q.is_cuda and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -26,6 +35,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     """q, k, v: [1, H, L, D] (causal: Lq == Lk). Returns (out [1, H, Lq, D] in q's dtype,
     lse [1, H, Lq] fp32). "math" is the plain PyTorch definition (any device)."""
     aten = torch.ops.aten
+    if backend != "math" and not flash_fits(q):
+        raise ValueError(f"backend {backend!r} takes fp16/bf16 CUDA tensors with a head dim "
+                         f"that is a multiple of 8 up to 256, not {q.dtype} x {q.shape[-1]}")
     if backend == "cudnn":
         out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
                                                             False, scale=scale)[:2]  # fmt: skip
@@ -68,8 +80,8 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """One sequence's chunk. q: [T, Hq, D]; k, v: the chunk's own [T, Hkv, D] (in the cache
     too); k_cache, v_cache: [num_blocks, block_size, Hkv, D]; table: the sequence's block
     table; prefix: tokens cached before the chunk (host). backend: one of BACKENDS (default
-    cudnn on a GPU, math elsewhere). Returns [T, Hq, D] in q's dtype."""
-    backend = backend or ("cudnn" if q.is_cuda else "math")
+    cudnn where `flash_fits`, else math). Returns [T, Hq, D] in q's dtype."""
+    backend = backend or ("cudnn" if flash_fits(q) else "math")
     t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv

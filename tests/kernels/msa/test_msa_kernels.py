@@ -266,8 +266,10 @@ def test_real_sizes_gpu(ctx):
     hq, hkv, d, hi, di, bs, topk = REAL
     gen = torch.Generator().manual_seed(ctx)
     k, v, ik, tables = caches([ctx, ctx, max(1, ctx // 3)], bs, hkv, d, di, torch.bfloat16, gen)
-    iq = torch.randn(ctx, hi, di, generator=gen).to(device(), torch.bfloat16)
-    q = torch.randn(ctx, hq, d, generator=gen).to(device(), torch.bfloat16)
+    rows = max(ctx, 3)  # the decode step takes 3 query rows
+    iq_all = torch.randn(rows, hi, di, generator=gen).to(device(), torch.bfloat16)
+    q_all = torch.randn(rows, hq, d, generator=gen).to(device(), torch.bfloat16)
+    iq, q = iq_all[:ctx], q_all[:ctx]
     ref_sel = naive.select_blocks(iq, ik, tables[0], range(ctx), topk, 1)
     ours_sel = select_blocks(iq, ik, tables[0], range(ctx), topk, 1)
     same = (sorted_blocks(ours_sel, topk) == sorted_blocks(ref_sel, topk)).all(-1)
@@ -278,12 +280,12 @@ def test_real_sizes_gpu(ctx):
     ours = sparse_prefill_attention(q, k, v, token_tables, pos, ref_sel, d**-0.5)
     assert rel_err(ours, ref) < TOL[torch.bfloat16]
     lengths = torch.tensor([ctx, ctx, max(1, ctx // 3)], device=q.device)
-    blocks = naive.decode_select_blocks(iq[:3], ik, tables, lengths - 1, topk, 1)
+    blocks = naive.decode_select_blocks(iq_all[:3], ik, tables, lengths - 1, topk, 1)
     for select in (decode_select_blocks, fused_decode_select_blocks):
-        ours_sel = select(iq[:3], ik, tables, lengths - 1, topk, 1)
+        ours_sel = select(iq_all[:3], ik, tables, lengths - 1, topk, 1)
         assert torch.equal(sorted_blocks(ours_sel, topk), sorted_blocks(blocks, topk))
-    ref = naive.sparse_attention(q[:3], k, v, tables, lengths - 1, blocks, d**-0.5)
-    ours = sparse_decode_attention(q[:3], k, v, tables, lengths - 1, blocks, d**-0.5)
+    ref = naive.sparse_attention(q_all[:3], k, v, tables, lengths - 1, blocks, d**-0.5)
+    ours = sparse_decode_attention(q_all[:3], k, v, tables, lengths - 1, blocks, d**-0.5)
     assert rel_err(ours, ref) < TOL[torch.bfloat16]
 
 
