@@ -7,10 +7,11 @@ one GPU). Per prompt length: prefill tok/s (time to the first token) and decode 
 batch 1 through `sparrow.LLM` (chunked prefill, eager decode), medians over rounds; the
 full 60-layer figures are extrapolated per layer and marked so.
 
-Parity: a 4-layer bf16 model (one full dense layer, three sparse MoE ones) with HF's own
-init, HF's `MiniMaxM3VLForCausalLM` against ours on the same weights for one prompt of
-`--parity-len` tokens: logits of the last 512 positions, relative error and top-1
-agreement, with our reference path (plain PyTorch MSA) and with the kernels.
+Parity: a 4-layer model (one full-attention layer, three MSA ones; dense MLPs, then one
+MoE) with HF's own init. HF's `MiniMaxM3VLForCausalLM` in bf16 and ours on the same weights
+in bf16 (the reference path: plain PyTorch MSA; and the kernels) for one prompt of
+`--parity-len` tokens, each against ours in fp32 (the reference path) and against HF bf16:
+logits of the last 512 positions, relative error and top-1 agreement.
 
     python -m sparrow.bench.m3 --out bench-out/m3.json
 """
@@ -23,12 +24,12 @@ import statistics
 import torch
 
 from sparrow import kernels
-from sparrow.bench.e2e import engine_settings, run_engine
+from sparrow.bench.e2e import _sync_time, engine_settings, run_engine
 from sparrow.bench.report import write_report
 from sparrow.config import QuantConfig
 from sparrow.engine.llm import LLM
-from sparrow.eval.hf_compare import agreement, timed
-from sparrow.loader.random_checkpoint import random_model
+from sparrow.eval.hf_compare import agreement
+from sparrow.loader.random_checkpoint import PRESETS, random_model
 from sparrow.loader.weights import load_tensors
 from sparrow.models.minimax_m3 import ModelArgs
 from sparrow.worker.sequences import SequenceBatch
@@ -37,12 +38,20 @@ FULL_LAYERS = 60
 KEEP = 512  # logits compared per prompt
 
 
-def speed(args: argparse.Namespace, lengths: list[int]) -> dict:
-    cfg = ModelArgs().replace(num_layers=args.layers)
-    model = random_model(cfg, 0, "cuda", quantize=QuantConfig.from_name("4bit"))
-    gib = torch.cuda.memory_allocated() / 2**30
+def timed(fn) -> tuple[float, object]:
+    t0 = _sync_time()
+    result = fn()
+    return _sync_time() - t0, result
+
+
+def speed(args: argparse.Namespace, lengths: list[int], base: ModelArgs, device: str) -> dict:
+    cfg = base.replace(num_layers=args.layers)
+    model = random_model(cfg, 0, device, quantize=QuantConfig.from_name("4bit"))
+    gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     max_len = max(lengths) + args.decode + 1
-    llm = LLM(model, **engine_settings(max_len, 1, args.chunk))
+    bs = cfg.index_block_size  # a cache page is one MSA block
+    llm = LLM(model, **engine_settings(max_len, 1, args.chunk)
+              | {"block_size": bs, "num_blocks": -(-max_len // bs) + 8})  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     rows = {}
     for length in lengths:
@@ -61,39 +70,62 @@ def speed(args: argparse.Namespace, lengths: list[int]) -> dict:
               f"decode {dec:6.1f} tok/s (60 layers, extrapolated: {pre * scale:7.0f} / "
               f"{dec * scale:5.1f})", flush=True)  # fmt: skip
     del llm, model
-    torch.cuda.empty_cache()
+    _empty_cache()
     return {"layers": args.layers, "weights_gib": gib, "rows": rows}
 
 
+def _ours_logits(model, prompt: torch.Tensor, backend: str) -> tuple[float, torch.Tensor]:
+    """(prefill seconds, fp32 logits of the last KEEP positions) with the kernel `backend`."""
+    kernels.set_backend(backend)
+    try:
+        t, hidden = timed(lambda: SequenceBatch(model, 1, len(prompt)).forward([prompt]))
+        return t, model.logits(hidden[-KEEP:]).float()
+    finally:
+        kernels.set_backend("auto")
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @torch.inference_mode()
-def parity(length: int) -> dict:
+def parity(length: int, base: ModelArgs, device: str) -> dict:
+    """HF bf16 and ours bf16 (reference path and kernels) against ours in fp32 on HF's
+    weights (the reference path: the truth both bf16 runs round away from), and against
+    each other. With random weights the logits are nearly flat, so bf16 rounding alone
+    moves top-1 at some positions: the distances to fp32 say who rounds more."""
     from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
 
-    cfg = ModelArgs().replace(num_layers=4, layer_types=("full_attention",)
+    # three MSA layers after one full one; one MoE layer (the MSA path is under test)
+    cfg = base.replace(num_layers=4, layer_types=("full_attention",)
                               + ("minimax_m3_sparse",) * 3,
-                              mlp_layer_types=("dense",) + ("sparse",) * 3)  # fmt: skip
+                              mlp_layer_types=("dense",) * 3 + ("sparse",))  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         hf = MiniMaxM3VLForCausalLM._from_config(MiniMaxM3VLTextConfig(**cfg.to_hf_text_config()),
                                                  dtype=torch.bfloat16).eval()  # fmt: skip
-    ours = load_tensors(cfg, hf.state_dict(), "cuda", torch.bfloat16, where="HF state dict")
-    prompt = torch.randint(0, cfg.vocab_size, (length,), device="cuda")
+    prompt = torch.randint(0, cfg.vocab_size, (length,), device=device)
     t_hf, out = timed(lambda: hf(prompt[None], logits_to_keep=KEEP))
-    ref = out.logits[0].float()
+    logits = {"hf_bf16": out.logits[0].float()}
     del out
-    result = {"tokens": length, "hf_prefill_s": t_hf}
-    for backend in ("reference", "auto"):
-        kernels.set_backend(backend)
-        try:
-            t, hidden = timed(lambda: SequenceBatch(ours, 1, length).forward([prompt]))
-            logits = ours.logits(hidden[-KEEP:]).float()
-        finally:
-            kernels.set_backend("auto")
-        name = "reference" if backend == "reference" else "kernels"
-        result[name] = agreement(logits, ref) | {"prefill_s": t}
-        print(f"[m3] parity at {length} tokens, ours ({name}) vs HF bf16: "
-              f"rel err {result[name]['rel_err']:.4f}, top-1 {result[name]['top1_agree']:.2%}",
-              flush=True)  # fmt: skip
+    result = {"tokens": length, "positions": KEEP, "hf_prefill_s": t_hf}
+    runs = ((torch.bfloat16, ("reference", "auto")), (torch.float32, ("reference",)))
+    for dtype, backends in runs:
+        ours = load_tensors(cfg, hf.state_dict(), device, dtype, where="HF state dict")
+        for backend in backends:
+            name = f"ours_{'kernels' if backend == 'auto' else 'reference'}_{str(dtype)[6:]}"
+            result[f"{name}_prefill_s"], logits[name] = _ours_logits(ours, prompt, backend)
+        del ours
+        _empty_cache()
+    truth = logits.pop("ours_reference_float32")
+    for name, value in logits.items():
+        result[f"{name}_vs_fp32"] = agreement(value, truth)
+        result[f"{name}_vs_hf_bf16"] = agreement(value, logits["hf_bf16"])
+        print(f"[m3] parity at {length} tokens, {name}: vs fp32 rel err "
+              f"{result[f'{name}_vs_fp32']['rel_err']:.4f}, top-1 "
+              f"{result[f'{name}_vs_fp32']['top1_agree']:.2%}; vs HF bf16 top-1 "
+              f"{result[f'{name}_vs_hf_bf16']['top1_agree']:.2%}", flush=True)  # fmt: skip
     return result
 
 
@@ -105,16 +137,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
     p.add_argument("--parity-len", type=int, default=4096, help="0: skip the HF comparison")
+    p.add_argument("--preset", choices=("minimax-m3", "minimax-m3-tiny"), default="minimax-m3",
+                   help="minimax-m3-tiny: a smoke test (also on CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    base = ModelArgs() if args.preset == "minimax-m3" else PRESETS[args.preset]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "preset": args.preset, "torch": torch.__version__,
               "decode_tokens": args.decode, "rounds": args.rounds}  # fmt: skip
     if args.parity_len:
-        report["parity"] = parity(args.parity_len)
-        torch.cuda.empty_cache()
+        report["parity"] = parity(args.parity_len, base, device)
     if lengths:
-        report["speed"] = speed(args, lengths)
+        report["speed"] = speed(args, lengths, base, device)
     write_report(args.out, report)
     return report
 
