@@ -32,6 +32,7 @@ class MediaLimits:
     max_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 64 * 1024 * 1024  # decoded width * height, checked before pixel decode
     min_side: int = 2  # a 1-pixel side carries no usable image
+    max_video_frames: int = 108_000  # frames in one video's stream: an hour at 30 fps
     timeout_s: float = 10.0
     max_redirects: int = 3
     allowed_dir: Path | None = None  # local files are refused when None
