@@ -3,7 +3,9 @@ caching), and the pools of recurrent (GDN) state slots and state snapshots. Indi
 tensors live with the worker.
 
 Prefix caching: a full block is identified by its tokens and everything before it, as the key
-(id of the previous block's content, the block's token ids): exact, with no hash to collide.
+(id of the previous block's content, the block's token ids, where a media placeholder's
+tokens carry the media's digest: `Request.cache_key_ids`): exact, with no hash to collide
+over tokens.
 Blocks are reference-counted; a block no request holds keeps its content and waits, least
 recently used first, until a new block is needed (then it is evicted and its key dropped).
 A request admitted with a prefix that matches cached blocks takes them and computes only the

@@ -21,11 +21,22 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # cancelled (client gone, server stopping)
 
 
+@dataclass(frozen=True)
+class MediaSpan:
+    """A media item's placeholder tokens in the prompt, [start, start + length), and a
+    digest of its content (`sparrow.multimodal.media_digest`)."""
+
+    start: int
+    length: int
+    digest: str
+
+
 @dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    media: tuple[MediaSpan, ...] = ()  # images and videos, in prompt order
     arrival: int = 0  # order of arrival; earlier requests keep priority
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -48,6 +59,16 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : stop - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    def cache_key_ids(self, start: int, stop: int) -> list:
+        """`token_ids(start, stop)` as the prefix cache keys them: a media placeholder's
+        tokens (the same pad id for every image) become (digest, offset) pairs, so a block
+        matches only where the same media fill it."""
+        ids: list = self.token_ids(start, stop)
+        for span in self.media:
+            for p in range(max(start, span.start), min(stop, span.start + span.length)):
+                ids[p - start] = (span.digest, p - span.start)
+        return ids
 
     @property
     def num_tokens(self) -> int:

@@ -194,7 +194,7 @@ class Scheduler:
         if not self.kv.prefix_caching:  # (no copy of the prompt to look up)
             return [], None, 0
         bs = self.kv.block_size
-        matched = self.kv.match(request.token_ids(0, request.num_tokens))
+        matched = self.kv.match(request.cache_key_ids(0, request.num_tokens))
         matched = matched[: (request.num_tokens - 1) // bs]
         if not self.recurrent:
             return matched, None, len(matched) * bs
@@ -314,7 +314,7 @@ class Scheduler:
         rid = request.request_id
         known = min(request.num_computed_tokens,
                     len(request.prompt_token_ids) + len(request.output_token_ids))  # fmt: skip
-        self.kv.register(rid, known, request.token_ids)
+        self.kv.register(rid, known, request.cache_key_ids)
         pending = []
         for num_blocks, snapshot in self._unfiled.pop(rid, []):
             content = self.kv.content_id(rid, num_blocks)

@@ -7,7 +7,13 @@ can both run it in front of the model.
 """
 
 from sparrow.multimodal.image import ProcessedImage, preprocess_image, smart_resize
-from sparrow.multimodal.media import MediaError, MediaLimits, decode_image, load_image
+from sparrow.multimodal.media import (
+    MediaError,
+    MediaLimits,
+    decode_image,
+    load_image,
+    media_digest,
+)
 from sparrow.multimodal.specs import MINIMAX_M3, QWEN3_5_MOE, ImageSpec, spec_for_model_type
 from sparrow.multimodal.video import (
     MINIMAX_M3_VIDEO,
@@ -31,6 +37,7 @@ __all__ = [
     "VideoSpec",
     "decode_image",
     "load_image",
+    "media_digest",
     "placeholder_text",
     "preprocess_image",
     "preprocess_video",

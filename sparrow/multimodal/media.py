@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import os
 import warnings
@@ -36,6 +37,15 @@ class MediaLimits:
     timeout_s: float = 10.0
     max_redirects: int = 3
     allowed_dir: Path | None = None  # local files are refused when None
+
+
+def media_digest(data: bytes, preprocessing: object) -> str:
+    """A digest of a media item as the model sees it: its encoded bytes and the settings that
+    turn them into patches (a spec's repr). Equal digests mean equal patches, so the prefix
+    cache keys placeholder tokens by it."""
+    h = hashlib.blake2b(data, digest_size=16)
+    h.update(repr(preprocessing).encode())
+    return h.hexdigest()
 
 
 def load_image(source: str, limits: MediaLimits = MediaLimits(),

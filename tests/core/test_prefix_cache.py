@@ -108,3 +108,22 @@ def test_recurrent_hits_resume_from_snapshots_cut_where_the_prefix_forks():
     assert list(fork[0].save) == ["b"]
     again = _run(scheduler, _request("c", list(range(10)) + [60, 61]))
     assert again[0].num_scheduled_tokens == {"c": 4} and list(again[0].restore) == ["c"]
+
+
+def test_media_placeholders_match_only_the_same_media():
+    """Two prompts whose image placeholders are the same pad tokens share cached blocks only
+    where the images' digests agree: here the image starts in block 0, so a different image
+    matches nothing."""
+    from sparrow.core.request import MediaSpan
+
+    prompt = [1, 2, 3] + [9] * 8 + [4, 5, 6, 7, 8, 0]  # an image of 8 tokens at 3..10
+
+    def request(rid: str, digest: str) -> Request:
+        return Request(rid, list(prompt), SamplingParams(max_tokens=2, ignore_eos=True),
+                       media=(MediaSpan(3, 8, digest),))  # fmt: skip
+
+    assert request("x", "cat").cache_key_ids(2, 5) == [3, ("cat", 0), ("cat", 1)]
+    scheduler = _scheduler(recurrent=False)
+    _run(scheduler, request("a", "cat"))
+    assert _run(scheduler, request("b", "dog"))[0].num_scheduled_tokens == {"b": 17}
+    assert _run(scheduler, request("c", "cat"))[0].num_scheduled_tokens == {"c": 1}  # 4 blocks
