@@ -155,3 +155,31 @@ class RotaryEmbedding:
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+
+def mrope_positions(num_tokens: int, media: list[tuple[int, tuple[int, int, int]]],
+                    merge: int) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """Qwen3.5/3.6's (t, h, w) positions of a prompt of `num_tokens` whose media placeholder
+    runs start at the given offsets with the given grids (patches, before the merge), as HF
+    5.17 `get_rope_index` lays them out: text counts on from the last position on all three
+    axes; a run of t x (h/merge) x (w/merge) tokens takes t, h and w offsets from where it
+    starts, and the text after it resumes max(h, w) / merge later. A video's grid arrives
+    split into its frames (t = 1 each: its frames are separated by timestamps), so pass each
+    frame's run apart. Returns (positions [3, num_tokens] int64, delta): tokens after the
+    prompt take position index + delta on every axis."""
+    out = torch.empty(3, num_tokens, dtype=torch.long)
+    pos = cursor = 0
+    for start, (t, h, w) in sorted(media):
+        gh, gw = h // merge, w // merge
+        if start < cursor or start + t * gh * gw > num_tokens:
+            raise ValueError(f"media run at {start} ({t * gh * gw} tokens) overlaps another "
+                             f"or passes the prompt's {num_tokens} tokens")  # fmt: skip
+        out[:, cursor:start] = torch.arange(pos, pos + start - cursor)
+        pos += start - cursor
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw),
+                                          indexing="ij")).reshape(3, -1)  # fmt: skip
+        cursor = start + grid.shape[1]
+        out[:, start:cursor] = grid + pos
+        pos += max(gh, gw)
+    out[:, cursor:] = torch.arange(pos, pos + num_tokens - cursor)
+    return out, int(out.max()) + 1 - num_tokens if num_tokens else 0
