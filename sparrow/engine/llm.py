@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from sparrow.loader.weights import load_checkpoint
 from sparrow.models import load_model_args
 from sparrow.tokenizer import load_tokenizer
 from sparrow.worker.model_runner import LaunchedStep, ModelRunner
+from sparrow.worker.multimodal import MediaItem
 
 _InFlight = tuple[list[str], LaunchedStep]  # the requests sampling in a step, its tokens
 
@@ -127,8 +129,14 @@ class LLM:
         return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:  # fmt: skip
+                    request_id: str | None = None,
+                    media: Sequence[MediaItem] = ()) -> Request:  # fmt: skip
+        """Queue a request; `media`: its images and videos, whose placeholder runs the prompt
+        holds (ValueError for a model without a vision tower)."""
         request = self.make_request(prompt, params, request_id)
+        if media:
+            self.runner.media.add(request.request_id, list(media), len(request.prompt_token_ids))
+            request.media = tuple(item.span(self.runner.media.merge) for item in media)
         self.scheduler.add_request(request)
         return request
 

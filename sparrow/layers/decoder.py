@@ -24,10 +24,14 @@ class DecoderStack(nn.Module):
         return self.norm.weight.dtype
 
     def forward(self, meta: StepMetadata, cache) -> torch.Tensor:
-        """Run the step's new tokens (meta.input_ids [T]); reads and extends the cache
-        (`cache.layers[i]`: layer i's tensors). Returns final-norm hidden states [T, hidden]."""
+        """Run the step's new tokens (meta.input_ids [T], media placeholders' rows replaced by
+        meta.media_embeds); reads and extends the cache (`cache.layers[i]`: layer i's
+        tensors). Returns final-norm hidden states [T, hidden]."""
         x = self.embed_tokens(meta.input_ids)
-        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        if meta.media_rows is not None:  # image and video placeholders
+            x[meta.media_rows] = meta.media_embeds.to(x.dtype)
+        rope = meta.rope_positions if meta.rope_positions is not None else meta.positions
+        cos, sin = self.rotary.cos_sin(rope, x.dtype)
         residual = None
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x, residual = layer(x, residual, cos, sin, meta, layer_cache)

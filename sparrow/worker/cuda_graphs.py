@@ -25,6 +25,7 @@ class DecodeGraphs:
         n, dev = max_batch, model.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.rope_positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((n, max_blocks_per_seq), cache.pad_block,
@@ -37,6 +38,7 @@ class DecodeGraphs:
     def _meta(self, b: int) -> StepMetadata:
         return StepMetadata(
             input_ids=self.input_ids[:b], positions=self.positions[:b], seq_lens=[1] * b,
+            rope_positions=self.rope_positions[:b],
             cu_seqlens=self.cu_seqlens[: b + 1], context_lens=self.context_lens[:b],
             block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
             state_slots=self.state_slots[:b], max_q_len=1,
@@ -65,9 +67,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, tokens: list[int], positions: list[int], block_tables: list[list[int]],
-            state_slots: list[int], device_tokens: torch.Tensor) -> torch.Tensor:  # fmt: skip
+            state_slots: list[int], device_tokens: torch.Tensor,
+            rope_offsets: list[int] | None = None) -> torch.Tensor:  # fmt: skip
         """One decode step for len(tokens) sequences: token b sits at positions[b] of the
-        sequence with that block table and slot; a token < 0 is still on the device, in
+        sequence with that block table and slot, its rotary position that plus
+        rope_offsets[b] (mRoPE after media; default 0); a token < 0 is still on the device, in
         device_tokens[slot]. Returns fp32 logits [B, V] (a view of the graph's output: read
         it before the next replay)."""
         b = len(tokens)
@@ -81,7 +85,9 @@ class DecodeGraphs:
              positions + [0] * pad,
              [p + 1 for p in positions] + [1] * pad,
              rows + [self.cache.pad_block * bs] * pad,
-             state_slots + [self.cache.pad_slot] * pad],
+             state_slots + [self.cache.pad_slot] * pad,
+             [p + o for p, o in zip(positions, rope_offsets or [0] * b, strict=True)]
+             + [0] * pad],
             torch.long, self.input_ids.device,
         )  # fmt: skip
         self.input_ids[:size].copy_(dev[0])
@@ -89,6 +95,7 @@ class DecodeGraphs:
         self.context_lens[:size].copy_(dev[2])
         self.slot_mapping[:size].copy_(dev[3])
         self.state_slots[:size].copy_(dev[4])
+        self.rope_positions[:size].copy_(dev[5])
         if min(tokens) < 0:
             ids = self.input_ids[:size]
             ids.copy_(torch.where(ids < 0, device_tokens[self.state_slots[:size]], ids))

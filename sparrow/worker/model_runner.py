@@ -26,6 +26,7 @@ from sparrow.core.sampling_params import TokenLogprob
 from sparrow.core.scheduler import SchedulerOutput
 from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs
+from sparrow.worker.multimodal import MediaInputs
 from sparrow.worker.sampler import sample_rows, token_logprob
 
 PENDING = -1  # input token still on the device
@@ -70,6 +71,7 @@ class ModelRunner:
                                 cache.num_state_slots, model.device, model.dtype,
                                 cache.num_state_snapshots or 0)  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
+        self.media = MediaInputs(model)
         # the last token sampled for each state slot (and the padding slot)
         self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
                                        device=model.device)  # fmt: skip
@@ -99,6 +101,7 @@ class ModelRunner:
 
     def free(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.media.free(request_id)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, requests: dict[str, Request]) -> LaunchedStep | None:
@@ -120,11 +123,14 @@ class ModelRunner:
         tables, slots = [plan.block_tables[r] for r in rids], [plan.state_slots[r] for r in rids]
         is_decode = len(done) == len(rids) and all(len(t) == 1 for t in tokens)
         if is_decode and self.graphs is not None and self.graphs.padded_size(len(rids)):
+            offsets = [self.media.rope_offset(r) for r in rids] if self.media.requests else None
             logits = self.graphs.run([t[0] for t in tokens], computed, tables, slots,
-                                     self.next_tokens)  # fmt: skip
+                                     self.next_tokens, offsets)  # fmt: skip
             self._save_states(plan)
         else:
             meta = build_metadata(tokens, computed, tables, slots, self.cache.block_size, device)
+            if self.media.requests:
+                self.media.apply(meta, rids, computed)
             ends = list(itertools.accumulate(meta.seq_lens))  # host side: no device sync
             pending = [i for i, t in enumerate(tokens) if t[-1] == PENDING]
             if pending:  # only a request's last token can be pending
