@@ -19,6 +19,22 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter: matrices N(0, 1 / fan_in), norm weights 1 + N(0, 0.2^2), biases
+    N(0, 0.2^2); HF's init (LayerNorm 1 / 0, zero biases, std 0.02) would hide a wrong bias,
+    norm or near-uniform attention."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() >= 2:
+                p.copy_(noise / p[0].numel() ** 0.5)
+            elif name.endswith("weight"):
+                p.copy_(1 + 0.2 * noise)
+            else:
+                p.copy_(0.2 * noise)
+
+
 # Without a GPU, Triton kernels run on CPU tensors under the interpreter (how CI tests them).
 # Triton reads the variable when a kernel is defined, so it is set before tests import them.
 if not torch.cuda.is_available():

@@ -1,0 +1,106 @@
+"""Load a vision tower from HF tensors: an in-memory state dict or a checkpoint directory.
+
+Only the tower's tensors are read (the text model's are skipped by name); every one must map
+onto a parameter with the same shape, and every parameter must be filled. Errors name the
+source, the tensor and the expected shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from sparrow.config import ConfigError
+from sparrow.loader.weights import CheckpointError, checkpoint_files
+from sparrow.models.vision import vision_architecture
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def load_vision_tensors(
+    config: dict[str, Any],
+    tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    where: str = "state dict",
+) -> torch.nn.Module:
+    """The tower for HF config dict `config`, filled from (HF name, tensor) pairs such as an
+    HF model's `state_dict()`, on `device` in `dtype`, in eval mode. Tensors already on
+    `device` in `dtype` are used as they are (no copy)."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    return _assemble(config, ((name, t, where) for name, t in items), device, dtype, where)
+
+
+def _assemble(config: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor, str]],
+              device: torch.device | str, dtype: torch.dtype, where: str) -> torch.nn.Module:
+    """Build the tower on the meta device and fill it from (name, tensor, source) triples."""
+    arch = vision_architecture(config)
+    with torch.device("meta"):
+        model = arch.VisionModel(arch.VisionArgs.from_hf(config))
+    params = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    loaded: dict[str, torch.Tensor] = {}
+    for name, tensor, source in tensors:
+        param = arch.checkpoint_name(name)
+        if param is None:
+            continue
+        if param not in params:
+            raise CheckpointError(f"{source}: tensor {name!r} (as {param}) does not belong to "
+                                  f"this {type(model).__name__}")  # fmt: skip
+        if param in loaded:
+            raise CheckpointError(f"{source}: tensor {name!r} fills {param}, which another "
+                                  f"tensor already filled")  # fmt: skip
+        _check(name, tensor, params[param], source)
+        loaded[param] = tensor.to(device=device, dtype=dtype)
+    missing = [f"{n} (expected shape {list(s)})" for n, s in params.items() if n not in loaded]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"{where}: missing vision tensors: {', '.join(missing[:5])}{more}")
+    model.load_state_dict(loaded, strict=True, assign=True)
+    return model.eval()
+
+
+def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...], source: str) -> None:
+    if tuple(tensor.shape) != shape:
+        raise CheckpointError(f"{source}: tensor {name!r} has shape {list(tensor.shape)}, "
+                              f"expected {list(shape)}")  # fmt: skip
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a "
+                              f"float dtype with shape {list(shape)}")  # fmt: skip
+
+
+def load_vision_checkpoint(
+    model_dir: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """The tower of the checkpoint in `model_dir` (config.json + safetensors, one file or
+    shards), reading only the tower's tensors."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config ({e})") from e
+    try:
+        arch = vision_architecture(config)
+        arch.VisionArgs.from_hf(config)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    files = checkpoint_files(model_dir).values()
+    return _assemble(config, _vision_tensors(files, arch), device, dtype, str(model_dir))
+
+
+def _vision_tensors(files: Iterable[Path],
+                    arch: ModuleType) -> Iterator[tuple[str, torch.Tensor, str]]:  # fmt: skip
+    """(name, tensor, file) for the tower's tensors, read one at a time."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if arch.checkpoint_name(name) is not None:
+                    yield name, f.get_tensor(name), str(path)
