@@ -25,6 +25,7 @@ from sparrow.engine.client import EngineInfo, EngineStats
 from sparrow.engine.output_processor import OutputProcessor
 from sparrow.engine.resolve import resolve, resolve_device
 from sparrow.loader.random_checkpoint import default_checkpoint, random_model
+from sparrow.loader.vision import attach_vision
 from sparrow.loader.weights import load_checkpoint
 from sparrow.models import load_model_args
 from sparrow.tokenizer import load_tokenizer
@@ -95,6 +96,7 @@ class LLM:
         else:
             model = load_checkpoint(model_dir, device, dtype, quantize=config.quantization,
                                     progress=progress)  # fmt: skip
+            attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
         return model, load_tokenizer(model_dir)
 
     def warmup(self, lengths: tuple[int, ...] = (256, 1024, 4096), batch: int = 5) -> None:

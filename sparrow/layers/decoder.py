@@ -12,7 +12,12 @@ from sparrow.layers.metadata import StepMetadata
 class DecoderStack(nn.Module):
     """A model's forward over `embed_tokens`, `rotary`, `layers`, `norm` and `lm_head`, which
     the architecture's `__init__` sets; its layers take (x, residual, cos, sin, meta, their
-    cache) and return (MLP output, residual)."""
+    cache) and return (MLP output, residual). `visual`: the vision tower, when the
+    checkpoint has one (`loader.vision.attach_vision`); `uses_mrope`: rotary positions are
+    (t, h, w) around media (Qwen3.5/3.6), else one index per token."""
+
+    uses_mrope = False
+    media_merge = 2  # the tower's spatial merge: 2 x 2 patches per placeholder token
 
     @property
     def device(self) -> torch.device:
@@ -36,6 +41,17 @@ class DecoderStack(nn.Module):
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x, residual = layer(x, residual, cos, sin, meta, layer_cache)
         return self.norm.add(x, residual)[1]
+
+    def embed_media(self, pixel_values: torch.Tensor,
+                    grid_thw: tuple[int, int, int]) -> torch.Tensor:  # fmt: skip
+        """One image's or video's patches [N, patch_dim] -> its placeholder embeddings
+        [N / merge^2, hidden] in the model's dtype."""
+        visual = getattr(self, "visual", None)
+        if visual is None:
+            raise ValueError("this model has no vision tower: it takes text only")
+        dtype = next(visual.parameters()).dtype
+        grid = torch.tensor([grid_thw], device=pixel_values.device)
+        return visual(pixel_values.to(dtype), grid).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""

@@ -104,3 +104,27 @@ def _vision_tensors(files: Iterable[Path],
             for name in f.keys():
                 if arch.checkpoint_name(name) is not None:
                     yield name, f.get_tensor(name), str(path)
+
+
+def has_vision_tensors(model_dir: str | Path) -> bool:
+    """Whether the checkpoint in `model_dir` names a vision tower in its config and holds
+    any of the tower's tensors (text-only exports of a multimodal model hold none)."""
+    model_dir = Path(model_dir)
+    try:
+        arch = vision_architecture(json.loads((model_dir / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError, ConfigError):
+        return False
+    for path in checkpoint_files(model_dir).values():
+        with safe_open(str(path), framework="pt") as f:
+            if any(arch.checkpoint_name(name) is not None for name in f.keys()):
+                return True
+    return False
+
+
+def attach_vision(model: torch.nn.Module, model_dir: str | Path) -> bool:
+    """Load the checkpoint's vision tower onto `model` (as `model.visual`, on its device,
+    in its dtype) if it has one; returns whether it did."""
+    if not has_vision_tensors(model_dir):
+        return False
+    model.visual = load_vision_checkpoint(model_dir, model.device, model.dtype)
+    return True

@@ -320,6 +320,8 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3_5MoeModel(DecoderStack):
+    uses_mrope = True
+
     def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.config = cfg

@@ -3,9 +3,9 @@ computed when a step first reaches its placeholder tokens and dropped once the p
 passed them, and, for models with mRoPE (Qwen3.5/3.6), every prompt token's (t, h, w)
 position and the offset the tokens after the prompt take.
 
-A model that sees media has `embed_media(pixel_values, grid_thw) -> [tokens, hidden]` (its
-vision tower and merger) and `media_merge` (the tower's spatial merge, 2 by default), and
-`uses_mrope` true when its positions are (t, h, w); the step's metadata then carries the
+A model sees media when it has a `visual` tower (`DecoderStack.embed_media`: patches ->
+placeholder embeddings; `media_merge`: the tower's spatial merge; `uses_mrope`: (t, h, w)
+positions); the step's metadata then carries the
 rows to overwrite and their embeddings (`StepMetadata.media_rows`, `media_embeds`) and, for
 mRoPE, `rope_positions` [3, T].
 """
@@ -67,7 +67,7 @@ class MediaInputs:
 
     def add(self, request_id: str, items: list[MediaItem], prompt_len: int) -> None:
         """Register a request's media (ValueError if the model sees none, or runs overlap)."""
-        if not hasattr(self.model, "embed_media"):
+        if getattr(self.model, "visual", None) is None:
             raise ValueError("this model has no vision tower: it takes text only")
         entry = _RequestMedia(list(items), prompt_len)
         if getattr(self.model, "uses_mrope", False):

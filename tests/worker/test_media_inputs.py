@@ -45,6 +45,17 @@ def media_prompt():
     return prompt, [image, video]
 
 
+class FakeTower(torch.nn.Module):
+    """`fake_tower` as a module: where the engine expects `model.visual`."""
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # its dtype
+
+    def forward(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        return fake_tower(pixels.cpu(), grid).to(pixels.device)
+
+
 @torch.no_grad()
 def hf_greedy(hf, prompt, items, steps):
     embeds = hf.model.embed_tokens(torch.tensor([prompt]))
@@ -73,8 +84,7 @@ def test_media_embeddings_and_positions_match_hf(device):
     prompt, items = media_prompt()
     expected = hf_greedy(hf, prompt, items, STEPS)
     model = load_tensors(CFG, hf.state_dict(), device, torch.float32, where="HF state dict")
-    model.embed_media = lambda pixels, grid: fake_tower(pixels.cpu(), grid).to(pixels.device)
-    model.uses_mrope = True
+    model.visual = FakeTower()
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     for chunk in (64, 8):  # whole prompt; chunks that split the image and the video
         llm = LLM(model, max_model_len=128, block_size=16, num_blocks=32,
