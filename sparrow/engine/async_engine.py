@@ -22,7 +22,7 @@ import queue
 import sys
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
@@ -37,8 +37,10 @@ from sparrow.engine.client import (
 )
 from sparrow.engine.llm import LLM, StepFailed
 from sparrow.engine.output_processor import OutputDelta
+from sparrow.multimodal.items import MediaItem
 
-_Message = tuple[str, Request | str]  # ("add", request) or ("abort", request_id)
+# ("add", (request, its media)) or ("abort", request_id)
+_Message = tuple[str, tuple[Request, tuple[MediaItem, ...]] | str]
 MAX_FAILED_STEPS = 3  # in a row: the engine is broken, not a request
 
 
@@ -66,13 +68,13 @@ class AsyncEngine(EngineClient):
     def info(self) -> EngineInfo:
         return self._info
 
-    async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams) -> AsyncIterator[OutputDelta]:  # fmt: skip
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  media: Sequence[MediaItem] = ()) -> AsyncIterator[OutputDelta]:  # fmt: skip
         self._check_accepting()
         if request_id in self._outputs:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
         try:
-            request = self._llm.make_request(list(prompt_token_ids), params, request_id)
+            request = self._llm.make_request(list(prompt_token_ids), params, request_id, media)
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
         if self.stats().waiting >= self.max_waiting:
@@ -83,7 +85,7 @@ class AsyncEngine(EngineClient):
             self._outputs.pop(request_id, None)
             self._check_accepting()
         self._added += 1
-        self._inbox.put(("add", request))
+        self._inbox.put(("add", (request, tuple(media))))
         self._work.set()
         return self._stream(request_id, out)
 
@@ -145,14 +147,14 @@ class AsyncEngine(EngineClient):
             kind, payload = self._inbox.get()
             if kind == "add":
                 self._taken += 1
-                self._admit(payload)
+                self._admit(*payload)
             elif self._processor.abort(payload) is not None:
                 self._llm.abort(payload)
                 self._post(payload, OutputDelta(payload, [], "", FinishReason.ABORT))
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, media: tuple[MediaItem, ...]) -> None:
         try:
-            self._llm.scheduler.add_request(request)
+            self._llm.admit(request, media)
         except ValueError:  # validated before; only a duplicate id lands here
             self._post(request.request_id, OutputDelta(request.request_id, [], "",
                                                        FinishReason.ABORT))  # fmt: skip

@@ -10,11 +10,12 @@ so does the gateway's gRPC client. Tokenising and chat templates stay with the c
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.output_processor import OutputDelta
+from sparrow.multimodal.items import MediaItem
 
 
 class InvalidRequest(ValueError):
@@ -39,6 +40,7 @@ class EngineInfo:
     vocab_size: int  # prompt token ids are in [0, vocab_size)
     default_stop_token_ids: tuple[int, ...]  # used when a request gives none (no ignore_eos)
     kv_cache_tokens: int | None = None  # tokens the whole KV cache holds (None: no bound)
+    media: bool = False  # the model takes images and videos (it has a vision tower)
 
     @property
     def request_limit(self) -> int:
@@ -69,9 +71,10 @@ class EngineClient(abc.ABC):
     def info(self) -> EngineInfo: ...
 
     @abc.abstractmethod
-    async def add(self, request_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams) -> AsyncIterator[OutputDelta]:  # fmt: skip
-        """Queue a request; returns the stream of its outputs, the last one with a finish
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  media: Sequence[MediaItem] = ()) -> AsyncIterator[OutputDelta]:  # fmt: skip
+        """Queue a request (with its preprocessed images and videos, whose placeholder runs
+        the prompt holds); returns the stream of its outputs, the last one with a finish
         reason. Raises before anything is queued: InvalidRequest (with the reason),
         EngineFull, EngineError. Stop token ids default to `info.default_stop_token_ids`
         unless `params` gives some or ignores EOS. Leaving the stream early aborts the

@@ -18,7 +18,7 @@ import torch
 
 from sparrow.config import EngineConfig
 from sparrow.core.cache_spec import slot_bytes
-from sparrow.core.request import FinishReason, Request
+from sparrow.core.request import FinishReason, MediaSpan, Request
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler
 from sparrow.engine.client import EngineInfo, EngineStats
@@ -28,9 +28,9 @@ from sparrow.loader.random_checkpoint import default_checkpoint, random_model
 from sparrow.loader.vision import attach_vision
 from sparrow.loader.weights import load_checkpoint
 from sparrow.models import load_model_args
+from sparrow.multimodal.items import MediaItem
 from sparrow.tokenizer import load_tokenizer
 from sparrow.worker.model_runner import LaunchedStep, ModelRunner
-from sparrow.worker.multimodal import MediaItem
 
 _InFlight = tuple[list[str], LaunchedStep]  # the requests sampling in a step, its tokens
 
@@ -111,10 +111,13 @@ class LLM:
             self.generate(prompts, params)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> Request:  # fmt: skip
+                     request_id: str | None = None,
+                     media: Sequence[MediaItem] = ()) -> Request:  # fmt: skip
         """A validated request (not queued yet): ValueError if it can never run. Stop token
         ids default to the model's end tokens unless `params` gives some or ignores EOS.
-        Reads only settings: safe to call from another thread than the one stepping."""
+        `media`: its images and videos, whose placeholder runs the prompt holds (a model
+        without a vision tower refuses them). Reads only settings: safe to call from another
+        thread than the one stepping."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
@@ -127,20 +130,33 @@ class LLM:
         if not params.stop_token_ids and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=self.default_stop_ids)
         request = Request(request_id or f"req-{next(self._ids)}", ids, params)
+        if media:
+            if getattr(self.model, "visual", None) is None:
+                raise ValueError("this model has no vision tower: it takes text only")
+            merge = self.runner.media.merge
+            request.media = tuple(MediaSpan(*item.span(merge), item.digest) for item in media)
+            if any(s.start < 0 or s.start + s.length > len(ids) for s in request.media):
+                raise ValueError("a media item's placeholder runs pass the prompt's end")
         self.scheduler.validate(request)
         return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None,
                     media: Sequence[MediaItem] = ()) -> Request:  # fmt: skip
-        """Queue a request; `media`: its images and videos, whose placeholder runs the prompt
-        holds (ValueError for a model without a vision tower)."""
-        request = self.make_request(prompt, params, request_id)
+        """Make (`make_request`) and queue a request."""
+        request = self.make_request(prompt, params, request_id, media)
+        self.admit(request, media)
+        return request
+
+    def admit(self, request: Request, media: Sequence[MediaItem] = ()) -> None:
+        """Queue a request from `make_request` with the media it was made with."""
         if media:
             self.runner.media.add(request.request_id, list(media), len(request.prompt_token_ids))
-            request.media = tuple(item.span(self.runner.media.merge) for item in media)
-        self.scheduler.add_request(request)
-        return request
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.runner.media.free(request.request_id)
+            raise
 
     def step(self) -> list[RequestOutput]:
         """Plan and launch a step, then take the tokens of the step before it (one step in
@@ -215,7 +231,8 @@ class LLM:
     def info(self) -> EngineInfo:
         cache = self.cache_config
         return EngineInfo(self.scheduler.config.max_model_len, self.model.config.vocab_size,
-                          self.default_stop_ids, cache.num_blocks * cache.block_size)  # fmt: skip
+                          self.default_stop_ids, cache.num_blocks * cache.block_size,
+                          media=getattr(self.model, "visual", None) is not None)  # fmt: skip
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler

@@ -15,7 +15,7 @@ from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
 from sparrow.multimodal import QWEN3_5_MOE, preprocess_image
-from sparrow.worker.multimodal import MediaItem
+from sparrow.multimodal.items import MediaItem
 from tests.conftest import randomize
 
 pytestmark = pytest.mark.usefixtures("hf_gdn_in_pytorch")

@@ -13,7 +13,7 @@ from sparrow.layers.rotary import mrope_positions
 from sparrow.loader.random_checkpoint import random_model
 from sparrow.loader.weights import load_tensors
 from sparrow.models.qwen3_5_moe import ModelArgs
-from sparrow.worker.multimodal import MediaItem
+from sparrow.multimodal.items import MediaItem
 
 pytestmark = pytest.mark.usefixtures("hf_gdn_in_pytorch")
 
