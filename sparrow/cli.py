@@ -124,8 +124,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm.warmup()  # first requests do not wait for kernels to compile
     name = args.served_model_name or (Path(args.model).name if args.model else "default")
     engine = AsyncEngine(llm, max_waiting=args.max_waiting)
-    app = build_app(engine, llm.tokenizer, name, args.api_key, args.max_body_bytes,
-                    max_waiting=args.max_waiting)  # fmt: skip
+    media = None
+    if llm.info().media:  # the checkpoint has a vision tower
+        from sparrow.multimodal import MediaLimits
+        from sparrow.multimodal.pipeline import MediaPipeline
+
+        media = MediaPipeline.for_checkpoint(
+            args.model, MediaLimits(allowed_dir=Path(args.allowed_media_dir).resolve()
+                                    if args.allowed_media_dir else None))  # fmt: skip
+    body_limit = args.max_body_bytes or ((64 << 20) if media else (1 << 20))
+    app = build_app(engine, llm.tokenizer, name, args.api_key, body_limit,
+                    max_waiting=args.max_waiting, media=media)  # fmt: skip
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30)  # fmt: skip
     server = uvicorn.Server(config)
@@ -209,7 +218,12 @@ def _add_serve(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    srv.add_argument("--max-body-bytes", type=int, default=None,
+                     help="request body limit (default: 64 MiB for a model that takes images "
+                          "and videos as data URLs, else 1 MiB)")
+    srv.add_argument("--allowed-media-dir", default=None,
+                     help="local image and video files are read only under this directory "
+                          "(default: none are)")  # fmt: skip
     srv.add_argument("--max-waiting", type=int, default=256,
                      help="queued requests before new ones get 503 + Retry-After")  # fmt: skip
     _add_engine_args(srv)

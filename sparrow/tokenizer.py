@@ -62,8 +62,17 @@ MINIMAX_TEMPLATE = """\
 {%- for message in messages -%}
 {%- set role = 'ai' if message['role'] == 'assistant' else message['role'] -%}
 {%- if message['content'] is string -%}{%- set content = message['content'] -%}
-{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')
-| map(attribute='text') | join('') -%}
+{%- else -%}
+{%- set content = namespace(text='') -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'text' -%}{%- set content.text = content.text + part['text'] -%}
+{%- elif part['type'] in ('image', 'image_url') -%}
+{%- set content.text = content.text + ']<]image[>[' -%}
+{%- elif part['type'] in ('video', 'video_url') -%}
+{%- set content.text = content.text + ']<]video[>[' -%}
+{%- endif -%}
+{%- endfor -%}
+{%- set content = content.text -%}
 {%- endif -%}
 {{- ']~b]' + role + '\\n' + content + '[e~[\\n' -}}
 {%- endfor -%}

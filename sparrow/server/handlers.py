@@ -19,6 +19,7 @@ from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.client import EngineClient, EngineError, EngineFull, InvalidRequest
 from sparrow.engine.output_processor import LogprobEntry, OutputDelta
+from sparrow.multimodal.pipeline import MediaPipeline
 from sparrow.server import protocol
 from sparrow.server.drain import DRAINED, Drain, ShuttingDown
 from sparrow.server.metrics import Metrics
@@ -34,6 +35,8 @@ from sparrow.tokenizer import Tokenizer
 DEFAULT_MAX_TOKENS = 256
 DISCONNECT_POLL_S = 0.25  # a whole-response request checks its client this often
 
+
+MEDIA_PARTS = ("image_url", "video_url")  # as vLLM accepts them
 
 @dataclass
 class Choice:
@@ -74,26 +77,57 @@ class Job:
 
 class Handlers:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-                 metrics: Metrics, drain: Drain, max_waiting: int | None = None):  # fmt: skip
+                 metrics: Metrics, drain: Drain, max_waiting: int | None = None,
+                 media: MediaPipeline | None = None):  # fmt: skip
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics, self.drain, self.max_waiting = metrics, drain, max_waiting
+        self.media = media
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check(body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        for m in messages:
-            for part in m.get("content") if isinstance(m.get("content"), list) else ():
-                if part["type"] != "text":
-                    raise ApiError(400, f"content part type {part['type']!r} is not supported: "
-                                        "this model takes text only", "invalid_request_error",
-                                   param="messages")  # fmt: skip
+        sources = self._media_sources(messages)
         try:
             ids = self.tokenizer.encode_chat(messages)
-        except ValueError as e:
-            raise ApiError(400, str(e), "invalid_request_error") from e
+            media = []
+            if sources:  # fetch, decode and preprocess off the event loop
+                prepared = await asyncio.to_thread(self._prepare, sources)
+                video_id = self.tokenizer.token_id(self.media.video.video_token)
+                ids, media = self.media.expand(ids, prepared, video_id)
+        except ValueError as e:  # MediaError is one
+            raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = await self._start(body, ids, max_tokens, chat=True)
+        job = await self._start(body, ids, max_tokens, chat=True, media=media)
+        self.metrics.media_items.inc(len(media))
         return await self._respond(job, request)
+
+    def _media_sources(self, messages: list[dict]) -> list[tuple[bool, str]]:
+        """(is video, URL) of each image_url / video_url part, in order; 400 for other
+        non-text parts, and for media when the model takes text only."""
+        sources = []
+        for m in messages:
+            for part in m.get("content") if isinstance(m.get("content"), list) else ():
+                kind = part["type"]
+                if kind == "text":
+                    continue
+                if kind not in MEDIA_PARTS:
+                    raise ApiError(400, f"content part type {kind!r} is not supported",
+                                   "invalid_request_error", param="messages")  # fmt: skip
+                if self.media is None:
+                    raise ApiError(400, f"content part type {kind!r} is not supported: this "
+                                        "model takes text only", "invalid_request_error",
+                                   param="messages")  # fmt: skip
+                url = part.get(kind)
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ApiError(400, f"a {kind} part needs {{'{kind}': {{'url': ...}}}}",
+                                   "invalid_request_error", param="messages")  # fmt: skip
+                sources.append((kind == "video_url", url))
+        return sources
+
+    def _prepare(self, sources: list[tuple[bool, str]]) -> list:
+        encode = self.tokenizer.encode
+        return [self.media.prepare(video, url, encode) for video, url in sources]
 
     async def completions(self, body: CompletionRequest, request: Request):
         self._check(body)
@@ -133,7 +167,7 @@ class Handlers:
             raise ApiError(400, str(e), "invalid_request_error") from e
 
     async def _start(self, body: SamplingFields, ids: list[int], max_tokens: int | None,
-                     chat: bool) -> Job:  # fmt: skip
+                     chat: bool, media: list | None = None) -> Job:  # fmt: skip
         """Add the n choices (seeds seed, seed + 1, ... so they differ reproducibly); on any
         refusal the ones added are aborted and the error becomes the response."""
         params = self._params(body, len(ids), max_tokens)
@@ -142,7 +176,8 @@ class Handlers:
             for i in range(body.n):
                 rid = f"{job.response_id}-{i}"
                 seed = None if body.seed is None else body.seed + i
-                stream = await self.engine.add(rid, ids, dataclasses.replace(params, seed=seed))
+                stream = await self.engine.add(rid, ids, dataclasses.replace(params, seed=seed),
+                                               media or ())  # fmt: skip
                 job.choices.append(Choice(i, rid, stream))
         except (InvalidRequest, EngineFull, EngineError) as e:
             for c in job.choices:

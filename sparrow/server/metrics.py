@@ -19,6 +19,8 @@ class Metrics:
         self.generation_tokens = Counter("sparrow_generation_tokens", "generated tokens",
                                          registry=r)  # fmt: skip
         self.aborted = Counter("sparrow_aborted_requests", "requests aborted", registry=r)
+        self.media_items = Counter("sparrow_media_items", "images and videos in prompts",
+                                   registry=r)  # fmt: skip
         self.ttft = Histogram("sparrow_time_to_first_token_seconds", "time to first token",
                               registry=r)  # fmt: skip
         self.itl = Histogram("sparrow_inter_token_latency_seconds", "inter-token latency",

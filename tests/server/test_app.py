@@ -54,7 +54,7 @@ class ScriptedEngine(EngineClient):
     def info(self) -> EngineInfo:
         return EngineInfo(max_model_len=64, vocab_size=50, default_stop_token_ids=())
 
-    async def add(self, request_id, prompt_token_ids, params):
+    async def add(self, request_id, prompt_token_ids, params, media=()):
         if self.refusal is not None:
             raise self.refusal
         self.added.append((request_id, prompt_token_ids, params))

@@ -1,0 +1,115 @@
+"""From a chat request's media parts to what the engine takes: fetch, decode and preprocess
+each image and video (`prepare`, blocking: servers run it off their event loop), then expand
+the one placeholder token per item that the chat template renders into the item's full
+placeholder (`expand`), as the HF 5.17 processors replace theirs:
+- an image token becomes one token per merged patch (Qwen: the template wraps it in
+  vision start/end already; M3: the replacement carries its own start/end);
+- a video token becomes, per temporal group, its timestamp text, start, one token per merged
+  patch and end (HF's `replace_video_token`; with Qwen's template this nests inside the
+  template's own vision start/end, as HF 5.17 writes it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparrow.multimodal.image import preprocess_image
+from sparrow.multimodal.items import MediaItem
+from sparrow.multimodal.media import (
+    MediaError,
+    MediaLimits,
+    decode_image,
+    fetch_bytes,
+    media_digest,
+)
+from sparrow.multimodal.specs import ImageSpec, spec_for_model_type
+from sparrow.multimodal.video import (
+    MINIMAX_M3_VIDEO,
+    QWEN3_5_MOE_VIDEO,
+    VideoSpec,
+    placeholder_text,
+    preprocess_video,
+)
+
+_VIDEO_BY_MODEL_TYPE = {"qwen3_5_moe": QWEN3_5_MOE_VIDEO, "qwen3_5": QWEN3_5_MOE_VIDEO,
+                        "minimax_m3_vl": MINIMAX_M3_VIDEO}  # fmt: skip
+_WRAPPED_IMAGES = {"minimax_m3_vl"}  # the image replacement carries start/end itself
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One preprocessed media item and the token ids that replace its placeholder token."""
+
+    video: bool
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    digest: str
+    replacement: list[int]
+
+
+class MediaPipeline:
+    """Images and videos for one model: its specs, the byte and size limits."""
+
+    def __init__(self, image: ImageSpec, video: VideoSpec, limits: MediaLimits,
+                 wrap_images: bool = False):  # fmt: skip
+        self.image, self.video, self.limits, self.wrap_images = image, video, limits, wrap_images
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: str | Path, limits: MediaLimits) -> MediaPipeline:
+        """The pipeline of the checkpoint's `model_type`, its `preprocessor_config.json`
+        applied to the image spec. KeyError for a model type without one."""
+        model_dir = Path(model_dir)
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+        image = spec_for_model_type(model_type)
+        pre = model_dir / "preprocessor_config.json"
+        if pre.is_file():
+            image = image.from_preprocessor_config(json.loads(pre.read_text()))
+        video = _VIDEO_BY_MODEL_TYPE[model_type]
+        return cls(image, video, limits, wrap_images=model_type in _WRAPPED_IMAGES)
+
+    def prepare(self, video: bool, source: str, encode: Callable[[str], list[int]]) -> Prepared:
+        """Fetch, decode and preprocess one item (MediaError for anything wrong with it);
+        `encode` tokenises placeholder text (special tokens included)."""
+        data = fetch_bytes(source, self.limits)
+        if video:
+            out = preprocess_video(data, self.video, self.limits)
+            text = placeholder_text(out, self.video)
+            return Prepared(True, out.pixel_values, out.grid_thw,
+                            media_digest(data, self.video), encode(text))  # fmt: skip
+        out = preprocess_image(decode_image(data, self.limits), self.image)
+        pads = [self.image.image_token_id] * out.num_tokens
+        if self.wrap_images:
+            pads = [self.image.start_token_id, *pads, self.image.end_token_id]
+        return Prepared(False, out.pixel_values, out.grid_thw, media_digest(data, self.image),
+                        pads)  # fmt: skip
+
+    def expand(self, ids: list[int], prepared: list[Prepared],
+               video_token_id: int) -> tuple[list[int], list[MediaItem]]:  # fmt: skip
+        """Replace the template's placeholder tokens (one per item, in order: the image
+        token id or `video_token_id`) by the items' replacements. Returns the prompt and
+        each item's MediaItem (its runs: where its placeholder tokens start)."""
+        out, items, queue = [], [], list(prepared)
+        for token in ids:
+            is_image, is_video = token == self.image.image_token_id, token == video_token_id
+            if not (is_image or is_video):
+                out.append(token)
+                continue
+            if not queue or queue[0].video != is_video:
+                raise MediaError("the prompt's image and video placeholders do not match the "
+                                 "request's media parts")  # fmt: skip
+            item = queue.pop(0)
+            pad = video_token_id if item.video else self.image.image_token_id
+            runs = [len(out) + i for i, t in enumerate(item.replacement)
+                    if t == pad and (i == 0 or item.replacement[i - 1] != pad)]  # fmt: skip
+            out.extend(item.replacement)
+            items.append(MediaItem(tuple(runs), item.pixel_values, item.grid_thw, item.digest,
+                                   item.video))  # fmt: skip
+        if queue:
+            raise MediaError(f"{len(queue)} media part(s) have no placeholder in the prompt "
+                             "(does the chat template render images and videos?)")  # fmt: skip
+        return out, items
