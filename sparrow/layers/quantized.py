@@ -14,7 +14,8 @@ Quantised parameters sit beside each other: `<module>.weight` (packed int32 word
 Forward passes: the reference path dequantises, then runs a float matmul; with the Triton
 backend, linear layers on up to 16 rows (decode) run the fused-dequant GEMV instead (one row:
 the row GEMV; 2-16: tensor cores), on more rows a one-pass dequantisation kernel then the
-matmul, and the routed experts run GPU routing + grouped fused-dequant GEMMs.
+matmul, and the routed experts run GPU routing + fused-dequant expert GEMVs or grouped GEMMs
+(`QuantizedExperts.route_and_run`; MiniMax M3's own routing: `sigmoid_moe`).
 """
 
 from __future__ import annotations
@@ -131,12 +132,12 @@ class QuantizedExperts(Experts):
         if shared is not None:
             weights = self._like_an_expert(shared)
             side = Shared(shared_gate, output=None if weights else shared(x), weights=weights)
-        return moe_experts(
-            rows, router_logits, top_k,
-            (self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
-            (self.down_proj, self.down_proj_scales, self.down_proj_biases), self.spec,
-            shared=side,
-        )  # fmt: skip
+        return moe_experts(rows, router_logits, top_k, *self.packed(), self.spec, shared=side)
+
+    def packed(self) -> tuple[tuple, tuple]:
+        """(gate_up, down) as the expert kernels take them: (packed words, scales, biases)."""
+        return ((self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
+                (self.down_proj, self.down_proj_scales, self.down_proj_biases))  # fmt: skip
 
     def _like_an_expert(self, shared: nn.Module) -> tuple[tuple, tuple] | None:
         """The shared expert's packed (gate_up, down) if they match one routed expert's

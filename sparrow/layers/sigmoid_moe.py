@@ -1,6 +1,10 @@
 """MiniMax M3's MLPs: the SwiGLU-OAI activation, the dense MLP, and the sigmoid-routed MoE
 (correction bias for the choice only, renormalised weights, routed sum scaled, one shared
-expert), with the exact dtype handling of transformers 5.17's `MiniMaxM3VL*` modules."""
+expert), with the exact dtype handling of transformers 5.17's `MiniMaxM3VL*` modules on the
+reference path. With the Triton backend the 4-bit routed experts run the fused expert
+kernels (`kernels.moe.experts.moe_experts_routed`): the router's torch ops feed them its
+routing, SwiGLU-OAI runs in the gate_up kernels' epilogue, and the combine kernel applies
+the routed scale and adds the shared expert's output; no host sync."""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparrow.kernels import use_triton
+from sparrow.kernels.activations import Glu
 from sparrow.kernels.moe import naive
+from sparrow.kernels.moe.experts import moe_experts_routed
 from sparrow.layers.moe import Experts
 from sparrow.layers.quantized import QuantizedExperts
 
@@ -47,14 +54,26 @@ class OAIExperts(Experts):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         return swiglu_oai(gate_up, self.alpha, self.limit)
 
+    def glu(self) -> Glu:
+        """The activation as the fused kernels take it."""
+        return Glu.swiglu_oai(self.alpha, self.limit)
+
+    def scaled_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   scale: float, shared: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The MoE layer's output [T, H]: scale * the routed sum (rounded to x's dtype) +
+        shared, the shared expert's output [T, H] (HF's `MiniMaxM3VLSparseMoeBlock`)."""
+        return self(x, weights, ids).to(x.dtype) * scale + shared
+
     def quantized(self, spec, dtype: torch.dtype) -> nn.Module:
         e, two_i, hidden = self.gate_up_proj.shape
         return QuantizedOAIExperts(e, hidden, two_i // 2, spec, dtype, self.alpha, self.limit)
 
 
 class QuantizedOAIExperts(QuantizedExperts):
-    """4-bit `OAIExperts`: each expert that receives rows is dequantised, then runs as the
-    float reference (reads the routing on the host; the fused kernels compute SwiGLU)."""
+    """4-bit `OAIExperts`. With the Triton backend the fused expert kernels (expert GEMVs up
+    to 48 tokens, else grouped GEMMs; SwiGLU-OAI in their epilogue, no host sync); otherwise
+    each expert that receives rows is dequantised and runs as the float reference (reads the
+    routing on the host)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, spec, dtype,
                  alpha: float, limit: float):  # fmt: skip
@@ -62,9 +81,25 @@ class QuantizedOAIExperts(QuantizedExperts):
         self.alpha, self.limit = alpha, limit
 
     activation = OAIExperts.activation
+    glu = OAIExperts.glu
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """x: [T, H]; weights, ids: [T, k]. sum_j w_tj * expert_{ids_tj}(x_t), [T, H]."""
+        if use_triton(x):
+            return self._fused(x, weights, ids)
         return naive.experts(x, weights, ids, self.expert_weights, self.activation)
+
+    def scaled_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   scale: float, shared: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """`OAIExperts.scaled_sum`. With the Triton backend the combine kernel scales each
+        token's routed sum (fp32) and adds shared, rounding once to x's dtype."""
+        if use_triton(x):
+            return self._fused(x, weights, ids, scale, shared)
+        return OAIExperts.scaled_sum(self, x, weights, ids, scale, shared)
+
+    def _fused(self, x, weights, ids, scale: float = 1.0, shared=None) -> torch.Tensor:
+        return moe_experts_routed(x, weights, ids, *self.packed(), self.spec, self.glu(),
+                                  scale, shared)  # fmt: skip
 
 
 class SigmoidRouter(nn.Module):
@@ -100,7 +135,8 @@ class SigmoidMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]. Each expert's output is weighted in fp32; the routed sum
         accumulates in x's dtype on the reference path (HF's eager experts), in fp32 on the
-        GPU's grouped path (HF's `grouped_mm`)."""
+        GPU's grouped path (HF's `grouped_mm`) and in the fused 4-bit kernels, which also
+        add the shared expert's output before rounding (`QuantizedOAIExperts.scaled_sum`)."""
         weights, ids = self.gate(x, self.top_k)
-        routed = self.experts(x, weights, ids).to(x.dtype)
-        return routed * self.routed_scale + self.shared_experts(x)
+        return self.experts.scaled_sum(x, weights, ids, self.routed_scale,
+                                       self.shared_experts(x))  # fmt: skip

@@ -1,10 +1,10 @@
 """The routed experts at decode sizes (up to `experts.GEMV_TOKENS` tokens): each assignment
 a = t * top_k + slot runs as one row of a row GEMV over its expert's weights
-(`quant_gemv.rows.gemv_rows`), gate_up with silu(gate) * up in its epilogue, down with the
-routing weight applied:
+(`quant_gemv.rows.gemv_rows`), gate_up with the gated activation in its epilogue
+(`activations.glu`: silu(gate) * up, or SwiGLU-OAI), down with the routing weight applied:
 
-    h[a]       = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T)      e = ids[a]
-    partial[a] = w[a] * (h[a] @ Wd[e]^T)                       fp32, summed by the combine
+    h[a]       = glu(x[t] @ Wg[e]^T, x[t] @ Wu[e]^T)      e = ids[a]
+    partial[a] = w[a] * (h[a] @ Wd[e]^T)                   fp32, summed by the combine
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.activations import SILU, Glu
 from sparrow.kernels.launch import fast
 from sparrow.kernels.moe.shared import shared_expert_args
 from sparrow.kernels.quant_gemv.gemv import GemvTiles, row_meta
@@ -31,11 +32,13 @@ def _expert_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr,
     LATE_TRIGGER: tl.constexpr, X_IN_PLACE: tl.constexpr, ONE_STEP: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N outputs of assignment row i_m = t * TOP_K + slot, over the
     weights of expert ids[i_m] (W a stack of experts [E, ...]). SHARED: the last slot of
     each token reads the shared expert's weights (sw, ss, sb: one expert's shape) instead.
-    GATED: y = silu(x W[:N]^T) * (x W[N:]^T) with x read by token i_m // TOP_K;
+    GATED: y = glu(x W[:N]^T, x W[N:]^T) (ACT, ALPHA, LIMIT: `activations.glu`) with x read
+    by token i_m // TOP_K;
     APPLY_WEIGHT: y scaled by the routing weight rw[i_m]. PREFETCH: see `gemv_rows`; the ids
     are read before the wait too, so they must come from a kernel that finished before the
     previous one let this one launch (the previous one launched with LATE_TRIGGER: the next
@@ -54,7 +57,7 @@ def _expert_gemv_kernel(
         p_x = x_ptr + (i_m // TOP_K) * stride_xm
         b_y = gated_rows(p_x, w_ptr, s_ptr, b_ptr, i_n, N, K, stride_wn, stride_sn, BITS, GROUP,
                          BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT, X_IN_PLACE,
-                         ONE_STEP)  # fmt: skip
+                         ONE_STEP, ACT, ALPHA, LIMIT)  # fmt: skip
     else:
         p_x = x_ptr + i_m * stride_xm
         b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
@@ -113,12 +116,12 @@ class ExpertGemvTiles:
 
 def expert_gemv(x: torch.Tensor, w: tuple, y: torch.Tensor, spec: QuantSpec, tiles: GemvTiles,
                 ids: torch.Tensor, top_k: int, gated: bool = False, rw=None, shared_w=None,
-                chained: bool = False) -> torch.Tensor:  # fmt: skip
+                chained: bool = False, act: Glu = SILU) -> torch.Tensor:  # fmt: skip
     """Rows of y [R, N] (R = T * top_k assignments) from x ([T, K] if gated else [R, K]) and
     w = (packed [E, N (2N if gated), K * bits / 32], scales, biases [E, N (2N), K / group]),
-    row a over expert ids[a] (ids [R]). rw [R]: routing weights to apply. shared_w: one
-    expert's weights for the last of each token's top_k slots. chained: see
-    `ExpertGemvTiles.chained`."""
+    row a over expert ids[a] (ids [R], int32 or int64). gated: y = act(gate, up). rw [R]:
+    routing weights to apply. shared_w: one expert's weights for the last of each token's
+    top_k slots. chained: see `ExpertGemvTiles.chained`."""
     packed, scales, biases = w
     grid = (triton.cdiv(y.shape[1], tiles.block_n), y.shape[0])
     fast(_expert_gemv_kernel)[grid](
@@ -126,23 +129,24 @@ def expert_gemv(x: torch.Tensor, w: tuple, y: torch.Tensor, spec: QuantSpec, til
         *shared_expert_args(shared_w, packed, scales), y.shape[1], x.shape[1], x.stride(0),
         packed.stride(0), packed.stride(-2), scales.stride(0), scales.stride(-2), y.stride(0),
         TOP_K=top_k, SHARED=shared_w is not None, GATED=gated, APPLY_WEIGHT=rw is not None,
-        LATE_TRIGGER=chained and gated, **row_meta(x, y, spec, tiles, grid, chained),
+        LATE_TRIGGER=chained and gated, **act.meta(),
+        **row_meta(x, y, spec, tiles, grid, chained),
     )  # fmt: skip
     return y
 
 
 def expert_gemvs(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.Tensor,
                  ids: torch.Tensor, spec: QuantSpec, tiles: ExpertGemvTiles,
-                 shared_w: tuple = (None, None)) -> torch.Tensor:  # fmt: skip
+                 shared_w: tuple = (None, None), act: Glu = SILU) -> torch.Tensor:  # fmt: skip
     """The experts' weighted rows partial [T * k, D] fp32 for x [T, D] and the assignments'
     weights, ids [T, k] (k slots per token, the last one the shared expert's if shared_w =
-    (gate_up, down) is given)."""
+    (gate_up, down) is given); act: the gated activation between the two GEMVs."""
     slots = ids.shape[1]
     h = torch.empty(x.shape[0] * slots, gate_up[0].shape[1] // 2, device=x.device,
                     dtype=x.dtype)  # fmt: skip
     partial = torch.empty(x.shape[0] * slots, x.shape[1], device=x.device, dtype=torch.float32)
     expert_gemv(x, gate_up, h, spec, tiles.gate_up, ids, slots, gated=True,
-                shared_w=shared_w[0], chained=tiles.chained)  # fmt: skip
+                shared_w=shared_w[0], chained=tiles.chained, act=act)  # fmt: skip
     expert_gemv(h, down, partial, spec, tiles.down, ids, slots, rw=weights, shared_w=shared_w[1],
                 chained=tiles.chained)  # fmt: skip
     return partial

@@ -1,6 +1,10 @@
 """The routed experts of one MoE layer on the GPU, with no host sync (capturable in a CUDA
 graph): top-k routing (`routing.topk_route`), then the expert GEMVs (`expert_gemv`: decode
 sizes) or align + the grouped GEMMs (`grouped_gemm`), then the combine (`combine`).
+
+`moe_experts` routes from router logits (softmax top-k: Qwen) and runs SwiGLU experts;
+`moe_experts_routed` takes a routing the model computed itself (MiniMax M3's sigmoid router)
+and the experts' gated activation (`activations.Glu`: SwiGLU-OAI for M3).
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from sparrow.kernels import pdl
+from sparrow.kernels.activations import SILU, Glu
 from sparrow.kernels.moe.combine import combine
 from sparrow.kernels.moe.expert_gemv import ExpertGemvTiles, expert_gemvs
 from sparrow.kernels.moe.grouped_gemm import GemmTiles, grouped_gemms
@@ -59,10 +64,51 @@ def moe_experts(
     # its slot), E for the grouped GEMM's routing (its own group of rows)
     weights, ids = topk_route(router_logits, top_k, shared.gate if fold else None,
                               shared_id=0 if gemv else e)  # fmt: skip
-    if gemv:  # weighted rows in fp32 for a few decode tokens
-        partial = expert_gemvs(x, gate_up, down, weights, ids, spec, tiles, shared_w)
-    else:
-        partial = grouped_gemms(x, gate_up, down, weights, ids, e + fold, spec, tiles, shared_w)
+    partial = _weighted_rows(x, weights, ids, gate_up, down, spec, tiles, e + fold, shared_w)
     apart = shared is not None and not fold
     return combine(partial, top_k + fold, x.dtype, *((shared.output, shared.gate) if apart
                                                      else ()))  # fmt: skip
+
+
+def moe_experts_routed(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    spec: QuantSpec,
+    act: Glu = SILU,
+    scale: float = 1.0,
+    shared_output: torch.Tensor | None = None,
+    tiles: ExpertGemvTiles | GemmTiles | None = None,
+) -> torch.Tensor:
+    """Routed experts of one MoE layer from a routing computed elsewhere, all on the GPU with
+    no host sync. x: [T, D]; weights: [T, k] fp32; ids: [T, k] int32 or int64, each < E (not
+    checked: that would read them on the host); gate_up, down and tiles as in `moe_experts`;
+    act: the gated activation between the projections. Returns [T, D] in x's dtype:
+    scale * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) (+ shared_output [T, D], an
+    ungated shared expert's output). The scale multiplies each token's summed rows in the
+    combine kernel (a constexpr there: no kernel of its own, and exact for a power of two
+    such as MiniMax M3's routed_scaling_factor 2.0)."""
+    t, k = ids.shape
+    if weights.shape != ids.shape or x.shape[0] != t:
+        raise ValueError(f"routing weights {list(weights.shape)} and ids {list(ids.shape)} "
+                         f"do not fit x {list(x.shape)}")  # fmt: skip
+    if weights.dtype != torch.float32 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"routing weights must be fp32 and ids int32/int64, got "
+                         f"{weights.dtype} and {ids.dtype}")  # fmt: skip
+    e = gate_up[0].shape[0]
+    x = x.contiguous()
+    tiles = tiles or default_tiles(t, k, e, x.device)
+    partial = _weighted_rows(x, weights.contiguous(), ids.contiguous(), gate_up, down, spec,
+                             tiles, e, (None, None), act)  # fmt: skip
+    return combine(partial, k, x.dtype, shared_output, scale=scale)
+
+
+def _weighted_rows(x, weights, ids, gate_up, down, spec, tiles, num_groups, shared_w,
+                   act: Glu = SILU) -> torch.Tensor:  # fmt: skip
+    """The assignments' weighted rows [T * k, D]: the expert GEMVs (fp32 rows, for a few
+    decode tokens) or the grouped GEMMs (rows in x's dtype), as tiles say."""
+    if isinstance(tiles, ExpertGemvTiles):
+        return expert_gemvs(x, gate_up, down, weights, ids, spec, tiles, shared_w, act)
+    return grouped_gemms(x, gate_up, down, weights, ids, num_groups, spec, tiles, shared_w, act)

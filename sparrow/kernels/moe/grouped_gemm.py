@@ -6,11 +6,12 @@ one such block and BLOCK_N output columns; its weight tile is read as packed cod
 to the activation dtype in registers, and fed to `tl.dot` (tensor cores, fp32 accumulation).
 The bf16 weight is never written to memory. Two uses:
 
-    gate_up:  h[a]   = silu(x[t] @ Wg[e]^T) * (x[t] @ Wu[e]^T)      (GATED, rows by token)
-    down:     out[a] = w[a] * (h[a] @ Wd[e]^T)                       (APPLY_WEIGHT)
+    gate_up:  h[a]   = glu(x[t] @ Wg[e]^T, x[t] @ Wu[e]^T)      (GATED, rows by token)
+    down:     out[a] = w[a] * (h[a] @ Wd[e]^T)                   (APPLY_WEIGHT)
 
-with a = t * top_k + slot the flat assignment index; out [T * k, D] is then summed over slots
-(`combine`).
+with a = t * top_k + slot the flat assignment index and glu the gated activation
+(`activations.glu`: silu(gate) * up, or SwiGLU-OAI); out [T * k, D] is then summed over
+slots (`combine`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.activations import silu
+from sparrow.kernels.activations import SILU, Glu, glu
 from sparrow.kernels.dequant.unpack import group_scales, packed_unpack, unpack_codes
 from sparrow.kernels.launch import fast
 from sparrow.kernels.moe.naive import Routing
@@ -44,13 +45,14 @@ def _dequant_tile(w_ptr, b_s, b_b, o_n, m_n, k0, stride_wn,
 
 
 @triton.jit
-def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, HALVES * BLOCK_N] -> [BLOCK_M, BLOCK_N]: silu(gate) * up of the two halves
-    (HALVES = 2), or the tile as it is."""
+def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):  # fmt: skip
+    """[BLOCK_M, HALVES * BLOCK_N] -> [BLOCK_M, BLOCK_N]: glu(gate, up) of the two halves
+    (HALVES = 2; `activations.glu`), or the tile as it is."""
     if HALVES == 2:
         b_3 = tl.permute(tl.reshape(b_acc, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1])
         b_g, b_u = tl.split(b_3)
-        return silu(b_g) * b_u
+        return glu(b_g, b_u, ACT, ALPHA, LIMIT)
     else:
         return b_acc
 
@@ -64,8 +66,10 @@ def _moe_gemm_kernel(
     TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, SHARED: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):  # fmt: skip
-    """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0.
+    """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0. GATED:
+    the gated activation ACT (ALPHA, LIMIT) of the two halves, `activations.glu`.
     SHARED: blocks of expert id num_experts read the shared expert's weights (sw, ss, sb: one
     expert's shape) instead."""
     # the N blocks of one row block are neighbours in launch order: they run together and
@@ -109,7 +113,7 @@ def _moe_gemm_kernel(
         b_w = _dequant_tile(w_e, b_s, b_b, o_w, m_w, k0, stride_wn, BITS, GROUP, PACKED)
         b_acc += tl.dot(b_a, b_w.to(b_a.dtype), input_precision=PRECISION)
         b_s, b_b = b_s_next, b_b_next
-    b_acc = _gate(b_acc, HALVES, BLOCK_M, BLOCK_N)
+    b_acc = _gate(b_acc, HALVES, BLOCK_M, BLOCK_N, ACT, ALPHA, LIMIT)
     if APPLY_WEIGHT:
         b_acc *= tl.load(rw_ptr + rows, mask=m_rows, other=0.0)[:, None]
     p_c = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + o_n[None, :]
@@ -176,11 +180,11 @@ class GemmTiles:
 
 def grouped_gemm(a: torch.Tensor, w: tuple, c: torch.Tensor, rw, routing: Routing, n: int,
                  top_k: int, gated: bool, spec: QuantSpec, tiles: GemmTiles,
-                 shared_w=None) -> None:  # fmt: skip
+                 shared_w=None, act: Glu = SILU) -> None:  # fmt: skip
     """c [T * top_k, n] from a ([T, K] if gated else [T * top_k, K]) and w = (packed [E, n
-    (2n if gated), K * bits / 32], scales, biases), rows grouped by `routing`; rw [T * top_k]:
-    routing weights to apply. One launch over the blocks of tiles.block_m rows, one over the
-    small blocks if any."""
+    (2n if gated), K * bits / 32], scales, biases), rows grouped by `routing`; gated: c =
+    act(gate, up); rw [T * top_k]: routing weights to apply. One launch over the blocks of
+    tiles.block_m rows, one over the small blocks if any."""
     packed, scales, biases = w
     k = a.shape[1]
     if k % spec.group_size:
@@ -202,17 +206,17 @@ def grouped_gemm(a: torch.Tensor, w: tuple, c: torch.Tensor, rw, routing: Routin
             BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n,
             PACKED=packed_unpack(scales.dtype, spec.bits, a.device) and scales.dtype == a.dtype,
-            num_warps=t.num_warps, num_stages=t.num_stages,
+            **act.meta(), num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
 
 
 def grouped_gemms(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.Tensor,
                   ids: torch.Tensor, num_groups: int, spec: QuantSpec, tiles: GemmTiles,
-                  shared_w: tuple = (None, None)) -> torch.Tensor:  # fmt: skip
+                  shared_w: tuple = (None, None), act: Glu = SILU) -> torch.Tensor:  # fmt: skip
     """The experts' weighted rows [T * k, D] in x's dtype for x [T, D] and the assignments'
     weights, ids [T, k] (ids < num_groups; the shared expert's rows, if shared_w = (gate_up,
-    down) is given, are the group of id E = gate_up's expert count): align, then gate_up and
-    down."""
+    down) is given, are the group of id E = gate_up's expert count): align, then gate_up
+    (with the gated activation act) and down."""
     t, d = x.shape
     slots = ids.shape[1]
     inter = gate_up[0].shape[1] // 2
@@ -220,7 +224,8 @@ def grouped_gemms(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.T
     # the activation dtype (t * k rows of D: at 4K tokens 268 MB each way in fp32)
     partial = torch.empty(t * slots, d, device=x.device, dtype=x.dtype)
     routing = align(ids, num_groups, tiles.block_m, tiles.small and tiles.small.block_m or 0)
-    grouped_gemm(x, gate_up, h, None, routing, inter, slots, True, spec, tiles, shared_w[0])
+    grouped_gemm(x, gate_up, h, None, routing, inter, slots, True, spec, tiles, shared_w[0],
+                 act)  # fmt: skip
     grouped_gemm(h, down, partial, weights.reshape(-1), routing, d, slots, False, spec,
                  tiles.down(), shared_w[1])  # fmt: skip
     return partial

@@ -6,8 +6,8 @@ index t * k + slot) grouped by expert, each expert's group cut into blocks of `b
 and for each block its first row and the expert it belongs to. With `small_m`, an expert's
 last rows, when at most `small_m` of them remain after its full blocks, take one block of
 `small_m` rows instead (a second list of blocks, run with smaller tiles). `experts` is the
-experts' SwiGLU over float weights (the model's reference path), `moe_experts` the same over
-group-affine quantised weights with the kernels' precision, `combine` the layer's output.
+experts' gated MLPs over float weights (the model's reference path), `moe_experts` the same
+over group-affine quantised weights with the kernels' precision, `combine` the layer's output.
 """
 
 from __future__ import annotations
@@ -119,25 +119,28 @@ def moe_experts(
     gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     spec: QuantSpec,
+    act: Callable[[torch.Tensor], torch.Tensor] = swiglu,
 ) -> torch.Tensor:
     """The spec of the expert kernels. x: [T, D]; weights, ids: [T, k]; gate_up: (packed [E,
     2I, D/8], scales, biases); down: (packed [E, D, I/8], scales, biases). Returns sum_j w_tj
-    * expert_{ids_tj}(x_t), [T, D] in x's dtype: down(silu(gate) * up) with fp32
-    accumulation."""
+    * expert_{ids_tj}(x_t), [T, D] in x's dtype: down(act(gate_up)) with fp32 accumulation,
+    act (`swiglu` by default) on the fp32 gate_up output."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
         w_gu = dequantize(*(t[e] for t in gate_up), spec)
         w_d = dequantize(*(t[e] for t in down), spec)
-        gate, up = (x[token].float() @ w_gu.t()).chunk(2, dim=-1)
-        h = (F.silu(gate) * up).to(x.dtype).float()  # the kernel stores h in x's dtype
+        h = act(x[token].float() @ w_gu.t()).to(x.dtype).float()  # the kernel stores h so
         out.index_add_(0, token, (h @ w_d.t()) * weights[token, slot, None].float())
     return out.to(x.dtype)
 
 
-def combine(partial: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
+def combine(partial: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor | None = None,
+            scale: float = 1.0) -> torch.Tensor:  # fmt: skip
     """The MoE layer's output: partial [T, k, D] fp32 (weighted expert outputs), shared
-    [T, D] (the shared expert's output), shared_gate [T, 1] (its gate logit).
-    sum_j partial[:, j] + sigmoid(shared_gate) * shared, in shared's dtype."""
-    routed = partial.sum(1).to(shared.dtype)
-    return routed + torch.sigmoid(shared_gate) * shared
+    [T, D] (the shared expert's output), shared_gate [T, 1] (its gate logit; None: ungated).
+    scale * sum_j partial[:, j] + sigmoid(shared_gate) * shared (or + shared), in shared's
+    dtype."""
+    routed = partial.sum(1) * scale
+    gate = 1.0 if shared_gate is None else torch.sigmoid(shared_gate.float())
+    return (routed + gate * shared.float()).to(shared.dtype)

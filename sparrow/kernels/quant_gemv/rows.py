@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparrow.kernels.activations import silu
+from sparrow.kernels.activations import glu
 from sparrow.kernels.pdl import after_wait, let_next_launch, wait_for_previous, wait_previous
 from sparrow.kernels.quant_gemv.products import (
     codes_dot_x,
@@ -147,10 +147,12 @@ def gated_rows(p_x, w_ptr, s_ptr, b_ptr, i_n, N, K, stride_wn, stride_sn,
                BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
                USE_PDL: tl.constexpr, F16_DOT: tl.constexpr, X_IN_PLACE: tl.constexpr,
-               ONE_STEP: tl.constexpr):  # fmt: skip
-    """silu(x W[n]^T) * (x W[N + n]^T) for the BLOCK_N outputs n of block i_n of a fused
-    gate_up W [2N, K]: the gate rows and the up rows N below them in one walk over K, as one
-    tile of 2 BLOCK_N rows (`gemv_rows`). fp32 [BLOCK_N]."""
+               ONE_STEP: tl.constexpr, ACT: tl.constexpr = "silu", ALPHA: tl.constexpr = 0.0,
+               LIMIT: tl.constexpr = 0.0):  # fmt: skip
+    """glu(x W[n]^T, x W[N + n]^T) (`activations.glu`: silu(gate) * up by default) for the
+    BLOCK_N outputs n of block i_n of a fused gate_up W [2N, K]: the gate rows and the up
+    rows N below them in one walk over K, as one tile of 2 BLOCK_N rows (`gemv_rows`). fp32
+    [BLOCK_N]."""
     o_gu = tl.arange(0, 2 * BLOCK_N)
     o_rows = i_n * BLOCK_N + o_gu % BLOCK_N + (o_gu // BLOCK_N) * N
     m_rows = i_n * BLOCK_N + o_gu % BLOCK_N < N
@@ -158,7 +160,7 @@ def gated_rows(p_x, w_ptr, s_ptr, b_ptr, i_n, N, K, stride_wn, stride_sn,
                      BITS, GROUP, 2 * BLOCK_N, BLOCK_K, PACKED, PREFETCH,
                      USE_PDL, F16_DOT, X_IN_PLACE=X_IN_PLACE, ONE_STEP=ONE_STEP)  # fmt: skip
     b_y, b_u = tl.split(tl.permute(tl.reshape(b_gu, [2, BLOCK_N]), [1, 0]))
-    return silu(b_y) * b_u
+    return glu(b_y, b_u, ACT, ALPHA, LIMIT)
 
 
 @triton.jit
