@@ -306,8 +306,8 @@ class MiniMaxM3Model(DecoderStack):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, (cfg.rotary_dim // 2, 0, 0))
         self.requires_grad_(False)
 
-    # Decode steps run eagerly on a GPU (ModelRunner reads this): the 4-bit experts read
-    # the routing on the host, and the MSA reference path has no CUDA-graph test.
+    # Decode steps run eagerly on a GPU (ModelRunner reads this) until graph decode of the
+    # whole model (MSA decode kernels, fused experts) is checked against eager there.
     cuda_graphs = False
 
     def cache_specs(self) -> list[CacheSpec | None]:
