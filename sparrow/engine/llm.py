@@ -134,7 +134,12 @@ class LLM:
             if getattr(self.model, "visual", None) is None:
                 raise ValueError("this model has no vision tower: it takes text only")
             merge = self.runner.media.merge
-            request.media = tuple(MediaSpan(*item.span(merge), item.digest) for item in media)
+            digests = [item.digest for item in media]
+            if getattr(self.model, "joint_media", False) and len(media) > 1:
+                # each item's embeddings depend on every item: so do the cached blocks
+                digests = ["+".join(digests)] * len(media)
+            request.media = tuple(MediaSpan(*item.span(merge), d)
+                                  for item, d in zip(media, digests, strict=True))  # fmt: skip
             if any(s.start < 0 or s.start + s.length > len(ids) for s in request.media):
                 raise ValueError("a media item's placeholder runs pass the prompt's end")
         self.scheduler.validate(request)

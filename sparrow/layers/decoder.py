@@ -17,6 +17,7 @@ class DecoderStack(nn.Module):
     (t, h, w) around media (Qwen3.5/3.6), else one index per token."""
 
     uses_mrope = False
+    joint_media = False  # the tower attends across all of a prompt's media (HF 5.17's M3)
     media_merge = 2  # the tower's spatial merge: 2 x 2 patches per placeholder token
 
     @property
@@ -43,14 +44,15 @@ class DecoderStack(nn.Module):
         return self.norm.add(x, residual)[1]
 
     def embed_media(self, pixel_values: torch.Tensor,
-                    grid_thw: tuple[int, int, int]) -> torch.Tensor:  # fmt: skip
-        """One image's or video's patches [N, patch_dim] -> its placeholder embeddings
-        [N / merge^2, hidden] in the model's dtype."""
+                    grids: list[tuple[int, int, int]]) -> torch.Tensor:  # fmt: skip
+        """The patches [N, patch_dim] of images and videos with these grids, back to back ->
+        their placeholder embeddings [N / merge^2, hidden] in the model's dtype (one tower
+        call: with `joint_media`, the tower attends across them)."""
         visual = getattr(self, "visual", None)
         if visual is None:
             raise ValueError("this model has no vision tower: it takes text only")
         dtype = next(visual.parameters()).dtype
-        grid = torch.tensor([grid_thw], device=pixel_values.device)
+        grid = torch.tensor(grids, device=pixel_values.device)
         return visual(pixel_values.to(dtype), grid).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

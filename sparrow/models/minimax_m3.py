@@ -309,6 +309,9 @@ class MiniMaxM3Model(DecoderStack):
     # Decode steps run eagerly on a GPU (ModelRunner reads this) until graph decode of the
     # whole model (MSA decode kernels, fused experts) is checked against eager there.
     cuda_graphs = False
+    # HF 5.17's tower attends across all the images of a call (MiniMax's reference attends
+    # within each): the engine encodes a prompt's media together to match it.
+    joint_media = True
 
     def cache_specs(self) -> list[CacheSpec | None]:
         """Paged K/V on every layer; sparse layers add the index keys (pages of one MSA block)."""

@@ -86,6 +86,16 @@ class MediaInputs:
         after = index[inside.shape[1]:] + entry.delta
         return torch.cat([inside, after.expand(3, -1)], dim=1)
 
+    def _encode(self, entry: _RequestMedia, i: int) -> None:
+        """Item i's embeddings; for a model whose tower attends across a prompt's media
+        (`joint_media`), every item's, in one call."""
+        which = range(len(entry.items)) if getattr(self.model, "joint_media", False) else [i]
+        items = [entry.items[j] for j in which]
+        pixels = torch.cat([item.pixel_values for item in items]).to(self.model.device)
+        out = self.model.embed_media(pixels, [item.grid_thw for item in items])
+        sizes = [item.tokens_per_run(self.merge) * len(item.runs) for item in items]
+        entry.embeds.update(zip(which, out.split(sizes), strict=True))
+
     def _embeddings(self, entry: _RequestMedia, start: int, stop: int):
         """(offset from `start`, embedding rows) of the placeholder tokens in [start, stop);
         encodes an item the first time a step reaches it, drops it once passed."""
@@ -96,8 +106,7 @@ class MediaInputs:
                 if lo >= hi:
                     continue
                 if i not in entry.embeds:
-                    entry.embeds[i] = self.model.embed_media(
-                        item.pixel_values.to(self.model.device), item.grid_thw)
+                    self._encode(entry, i)
                 yield lo - start, entry.embeds[i][r * per_run + lo - run: r * per_run + hi - run]
             if i in entry.embeds and stop >= item.runs[-1] + per_run:
                 del entry.embeds[i]

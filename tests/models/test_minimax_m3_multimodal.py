@@ -1,8 +1,8 @@
 """MiniMax M3 with an image through `LLM` on a checkpoint written by HF's
 `MiniMaxM3SparseForConditionalGeneration.save_pretrained` (tower and projector attached on
 load): greedy tokens equal HF's `generate` on the same pixels, grid and token ids (fp32,
-CPU). One image per prompt: HF's tower attends across all images of a call, the engine
-encodes each item on its own."""
+CPU), for one image and for two (HF's tower attends across all the images of a call: the
+engine encodes a prompt's media together for M3)."""
 
 from __future__ import annotations
 
@@ -43,23 +43,38 @@ def checkpoint(tmp_path_factory):
     return path, hf
 
 
-def test_image_prompt_equals_hf(checkpoint):
+def run_both(checkpoint, prompt, pixels, grids, runs):
     path, hf = checkpoint
-    grid = (1, 6, 8)
-    pixels = torch.randn(6 * 8, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(3))
-    n = 6 * 8 // 4
-    prompt = [5, 9, START] + [IMAGE_ID] * n + [END] + list(range(20, 40))
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), pixel_values=pixels,
-                          image_grid_thw=torch.tensor([grid]), max_new_tokens=STEPS,
+        ref = hf.generate(torch.tensor([prompt]), pixel_values=torch.cat(pixels),
+                          image_grid_thw=torch.tensor(grids), max_new_tokens=STEPS,
                           do_sample=False)[0, len(prompt):].tolist()  # fmt: skip
-    llm = LLM(model=str(path), device="cpu", dtype=torch.float32, max_model_len=128,
-              num_blocks=64)  # fmt: skip
+    llm = LLM(model=str(path), device="cpu", dtype=torch.float32, max_model_len=256,
+              num_blocks=128, max_num_batched_tokens=16)  # fmt: skip
     assert llm.info().media
+    media = [MediaItem((r,), p, g, f"img{r}")
+             for r, p, g in zip(runs, pixels, grids, strict=True)]  # fmt: skip
     request = llm.add_request(prompt, SamplingParams(max_tokens=STEPS, ignore_eos=True),
-                              media=[MediaItem((3,), pixels, grid, "img")])  # fmt: skip
+                              media=media)  # fmt: skip
+    # every cached block of the prompt depends on all its images: one key for all of them
+    assert {s.digest for s in request.media} == {"+".join(m.digest for m in media)}
     out = []
     while llm.has_unfinished():
         out += [t for o in llm.step() if o.request_id == request.request_id
                 for t in o.new_token_ids]  # fmt: skip
-    assert out == ref
+    return out, ref
+
+
+def patches(grid, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(grid[1] * grid[2], 3 * 2 * 4 * 4, generator=gen)
+
+
+def test_image_prompts_equal_hf(checkpoint):
+    a, b = (1, 6, 8), (1, 4, 4)
+    one = [5, 9, START] + [IMAGE_ID] * 12 + [END] + list(range(20, 40))
+    ours, ref = run_both(checkpoint, one, [patches(a, 3)], [a], [3])
+    assert ours == ref
+    two = one[:16] + [7, START] + [IMAGE_ID] * 4 + [END] + one[16:]
+    ours, ref = run_both(checkpoint, two, [patches(a, 3), patches(b, 4)], [a, b], [3, 18])
+    assert ours == ref
