@@ -1,4 +1,5 @@
-"""Images and videos in chat completions (`image_url` / `video_url` parts, data URLs), over
+"""Images and videos in chat completions (`image_url` / `video_url` parts, data URLs; through
+TestClient and through the official openai client on a socket), over
 the real engine on the tiny Qwen model with a stand-in tower: the prompt grows by each item's
 placeholder tokens, the tower sees the preprocessed patches, usage and metrics count them;
 bad media, unknown parts and text-only models get a 400 with an OpenAI-style error body."""
@@ -51,8 +52,8 @@ def png(width: int, height: int) -> bytes:
     return out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def served():
+def media_app():
+    """(app, engine, tower): the tiny Qwen model seeing through `Tower`."""
     model = random_model(CFG, 0, "cpu", torch.float32)
     model.visual = Tower()
     llm = LLM(model, max_model_len=2048, block_size=16, num_blocks=160)
@@ -60,8 +61,14 @@ def served():
     engine = AsyncEngine(llm, max_waiting=8)
     pipeline = MediaPipeline(QWEN3_5_MOE, QWEN3_5_MOE_VIDEO, MediaLimits())
     app = build_app(engine, llm.tokenizer, "m", max_body_bytes=8 << 20, media=pipeline)
+    return app, engine, model.visual
+
+
+@pytest.fixture(scope="module")
+def served():
+    app, engine, tower = media_app()
     with TestClient(app) as client:
-        yield client, model.visual
+        yield client, tower
     asyncio.run(engine.shutdown(timeout=30))
 
 
@@ -119,3 +126,47 @@ def test_text_only_models_refuse_media():
         reply = chat(client, [image])
     asyncio.run(engine.shutdown(timeout=30))
     assert reply.status_code == 400 and "text only" in reply.json()["error"]["message"]
+
+
+def test_through_the_openai_client():
+    """The official client against the app on a real socket: an image (whole and streamed)
+    and a video part."""
+    openai = pytest.importorskip("openai")
+    import socket
+    import threading
+
+    import uvicorn
+
+    app, _, tower = media_app()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        image = {"type": "image_url", "image_url": {"url": data_url(png(64, 48), "image/png")}}
+        messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=3)
+        assert reply.usage.completion_tokens == 3 and reply.usage.prompt_tokens > 64
+        stream = client.chat.completions.create(model="m", messages=messages, max_tokens=3,
+                                                stream=True)  # fmt: skip
+        assert sum(bool(c.choices and c.choices[0].delta.content is not None) for c in stream)
+        pytest.importorskip("av")
+        from tests.multimodal.test_video_preprocessing import encode
+
+        clip = data_url(encode(6, 32, 48), "video/mp4")
+        video = {"type": "video_url", "video_url": {"url": clip}}
+        reply = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": [video]}], max_tokens=2)
+        assert reply.usage.completion_tokens == 2 and tower.grids[-1][0][0] == 2
+        with pytest.raises(openai.BadRequestError):
+            bad = {"type": "image_url", "image_url": {"url": data_url(b"nope", "image/png")}}
+            client.chat.completions.create(
+                model="m", max_tokens=2, messages=[{"role": "user", "content": [bad]}])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
