@@ -1,8 +1,8 @@
-"""Images and videos in chat completions (`image_url` / `video_url` parts, data URLs; through
-TestClient and through the official openai client on a socket), over
-the real engine on the tiny Qwen model with a stand-in tower: the prompt grows by each item's
-placeholder tokens, the tower sees the preprocessed patches, usage and metrics count them;
-bad media, unknown parts and text-only models get a 400 with an OpenAI-style error body."""
+"""Images and videos in chat completions (`image_url` / `video_url` parts, data URLs), through
+TestClient and through the official openai client on a socket, over the real engine on the
+tiny Qwen model with a stand-in tower: the prompt grows by each item's placeholder tokens,
+the tower sees the preprocessed patches, usage and metrics count them; bad media, unknown
+parts and text-only models get a 400 with an OpenAI-style error body."""
 
 import asyncio
 import base64
