@@ -62,7 +62,8 @@ class MediaPipeline:
     @classmethod
     def for_checkpoint(cls, model_dir: str | Path, limits: MediaLimits) -> MediaPipeline:
         """The pipeline of the checkpoint's `model_type`, its `preprocessor_config.json`
-        applied to the image spec. KeyError for a model type without one."""
+        applied to the image spec and `video_preprocessor_config.json` to the video one.
+        KeyError for a model type without one."""
         model_dir = Path(model_dir)
         model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
         image = spec_for_model_type(model_type)
@@ -70,6 +71,9 @@ class MediaPipeline:
         if pre.is_file():
             image = image.from_preprocessor_config(json.loads(pre.read_text()))
         video = _VIDEO_BY_MODEL_TYPE[model_type]
+        pre = model_dir / "video_preprocessor_config.json"
+        if pre.is_file():
+            video = video.from_preprocessor_config(json.loads(pre.read_text()))
         return cls(image, video, limits, wrap_images=model_type in _WRAPPED_IMAGES)
 
     def prepare(self, video: bool, source: str, encode: Callable[[str], list[int]]) -> Prepared:

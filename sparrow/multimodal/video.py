@@ -49,6 +49,24 @@ class VideoSpec:
     timestamp: str  # "<{t:.1f} seconds>" style template of each group's time
     mean_timestamp: bool  # a group's time: the mean of its frames' (Qwen) or its first's
 
+    def from_preprocessor_config(self, config: dict) -> VideoSpec:
+        """This spec with a checkpoint's `video_preprocessor_config.json` applied: `size`
+        ({shortest_edge, longest_edge}) or `min_pixels` / `max_pixels` (which win), `fps`,
+        `min_frames`, `max_frames`; patch sizes and normalisation as the image spec reads
+        them (`ImageSpec.from_preprocessor_config`, which also refuses what this pipeline
+        does not implement)."""
+        pixels = {k: config[k] for k in ("min_pixels", "max_pixels") if config.get(k)}
+        size = config.get("size")
+        if isinstance(size, dict):
+            pixels.setdefault("min_pixels", size.get("shortest_edge") or self.min_pixels)
+            pixels.setdefault("max_pixels", size.get("longest_edge") or self.max_pixels)
+        image_keys = {k: v for k, v in config.items() if k not in
+                      ("size", "min_pixels", "max_pixels")}  # fmt: skip
+        changes = {k: type(getattr(self, k))(config[k]) for k in
+                   ("fps", "min_frames", "max_frames") if config.get(k) is not None}  # fmt: skip
+        return replace(self, image=self.image.from_preprocessor_config(image_keys),
+                       **{k: int(v) for k, v in pixels.items()}, **changes)  # fmt: skip
+
 
 QWEN3_5_MOE_VIDEO = VideoSpec(
     image=QWEN3_5_MOE, video_token="<|video_pad|>", start_token="<|vision_start|>",

@@ -112,3 +112,16 @@ def test_bad_videos_are_media_errors():
         preprocess_video(clip, QWEN3_5_MOE_VIDEO, MediaLimits(max_pixels=1000))
     with pytest.raises(MediaError, match="at most 5"):
         preprocess_video(clip, MINIMAX_M3_VIDEO, MediaLimits(max_video_frames=5))
+
+
+def test_video_preprocessor_config_overrides():
+    """The published Qwen3.6 file's values, and a file that asks for another resample mode."""
+    spec = QWEN3_5_MOE_VIDEO.from_preprocessor_config({
+        "size": {"longest_edge": 1000000, "shortest_edge": 8192}, "fps": 1, "max_frames": 64,
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]})  # fmt: skip
+    assert (spec.min_pixels, spec.max_pixels, spec.fps, spec.max_frames) == (8192, 1000000, 1, 64)
+    assert spec.image == QWEN3_5_MOE_VIDEO.image
+    assert QWEN3_5_MOE_VIDEO.from_preprocessor_config({"max_pixels": 5000}).max_pixels == 5000
+    with pytest.raises(ValueError, match="resample"):
+        QWEN3_5_MOE_VIDEO.from_preprocessor_config({"resample": 2})
