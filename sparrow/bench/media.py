@@ -37,7 +37,7 @@ def sample_media(width: int = 1280, height: int = 720, seconds: int = 10,
     y, x = np.mgrid[:height, :width]
 
     def frame(i: int) -> np.ndarray:
-        noise = rng.integers(0, 40, (height, width), dtype=np.int64)
+        noise = rng.integers(0, 8, (height, width), dtype=np.int64)  # camera-like grain
         return np.stack([(x + 4 * i) % 256, (y + 2 * i) % 256, (x + y + noise) % 256],
                         -1).astype(np.uint8)  # fmt: skip
 

@@ -230,6 +230,7 @@ def _video_stream(container, limits: MediaLimits):
 
 def _decode_at(container, wanted: set[int], last: int) -> list[np.ndarray]:
     frames = []
+    container.streams.video[0].thread_type = "AUTO"  # frame and slice threads: every core
     for i, frame in enumerate(container.decode(video=0)):
         if i > last:
             break
