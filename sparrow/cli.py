@@ -18,6 +18,7 @@ from sparrow.config import (
     SchedulerConfig,
 )
 from sparrow.engine.resolve import TORCH_DTYPES, resolve_device
+from sparrow.server.reasoning import PARSERS
 
 _QUANT = ["4bit", "8bit"]
 # Engine flags: (flag, sub-config field, its config class, type, help). Defaults are the
@@ -134,7 +135,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                     if args.allowed_media_dir else None))  # fmt: skip
     body_limit = args.max_body_bytes or ((64 << 20) if media else (1 << 20))
     app = build_app(engine, llm.tokenizer, name, args.api_key, body_limit,
-                    max_waiting=args.max_waiting, media=media)  # fmt: skip
+                    max_waiting=args.max_waiting, media=media,
+                    reasoning=PARSERS[args.reasoning_parser] if args.reasoning_parser
+                    else None)  # fmt: skip
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30)  # fmt: skip
     server = uvicorn.Server(config)
@@ -221,6 +224,9 @@ def _add_serve(sub) -> None:
     srv.add_argument("--max-body-bytes", type=int, default=None,
                      help="request body limit (default: 64 MiB for a model that takes images "
                           "and videos as data URLs, else 1 MiB)")
+    srv.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
+                     help="split chat completions into reasoning_content and content at the "
+                          "model's think markers (default: all text is content)")
     srv.add_argument("--allowed-media-dir", default=None,
                      help="local image and video files are read only under this directory "
                           "(default: none are)")  # fmt: skip

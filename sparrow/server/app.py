@@ -20,6 +20,7 @@ from sparrow.server.handlers import Handlers
 from sparrow.server.metrics import Metrics
 from sparrow.server.middleware import ApiKey, BodyLimit, CountResponses
 from sparrow.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from sparrow.server.reasoning import ReasoningFormat
 from sparrow.tokenizer import Tokenizer
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -29,13 +30,15 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_f
 def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
               api_key: str | None = None, max_body_bytes: int = 1 << 20,
               max_waiting: int | None = None, drain_s: float = 10.0,
-              media: MediaPipeline | None = None) -> FastAPI:  # fmt: skip
+              media: MediaPipeline | None = None,
+              reasoning: ReasoningFormat | None = None) -> FastAPI:  # fmt: skip
     """The app serving `model_name` from `engine`; `tokenizer` encodes prompts and applies
     the chat template. `api_key`: required as a bearer token on /v1/ routes. `max_waiting`:
     the engine's queue limit (a request of more choices can never be admitted). On SIGTERM /
     SIGINT requests in flight get `drain_s` seconds, then end with an error; shutting the
     app down then shuts the engine down. `media`: image and video parts of chat messages
-    (None: the model takes text only)."""
+    (None: the model takes text only). `reasoning`: the think markers that split chat
+    completions into `reasoning_content` and `content` (None: all text is content)."""
     drain = Drain(drain_s)
 
     @contextlib.asynccontextmanager
@@ -55,7 +58,8 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
         app.add_middleware(ApiKey, api_key=api_key)
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: sees every answer
     _add_error_handlers(app)
-    handlers = Handlers(engine, tokenizer, model_name, metrics, drain, max_waiting, media)
+    handlers = Handlers(engine, tokenizer, model_name, metrics, drain, max_waiting, media,
+                        reasoning)  # fmt: skip
     _add_routes(app, engine, handlers, metrics, model_name)
     return app
 

@@ -29,6 +29,7 @@ from sparrow.server.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from sparrow.server.reasoning import ReasoningFormat, ReasoningSplitter, prompt_opens
 from sparrow.server.sse import sse_events
 from sparrow.tokenizer import Tokenizer
 
@@ -50,9 +51,21 @@ class Choice:
     finish_reason: FinishReason | None = None
     logprobs: list[LogprobEntry] | None = None  # None: not asked for
     token_ids: list[int] = field(default_factory=list)
+    splitter: ReasoningSplitter | None = None  # reasoning apart from content
+    reasoning: str | None = None
+    last: tuple[str, str] = ("", "")  # the last delta's (reasoning, content)
 
     def take(self, delta: OutputDelta) -> None:
-        self.text += delta.text
+        if self.splitter is None:
+            self.last = ("", delta.text)
+        else:
+            r, c = self.splitter.feed(delta.text)
+            if delta.finish_reason is not None:
+                fr, fc = self.splitter.flush()
+                r, c = r + fr, c + fc
+            self.last = (r, c)
+            self.reasoning = (self.reasoning or "") + r
+        self.text += self.last[1]
         self.num_tokens += len(delta.token_ids)
         self.token_ids += delta.token_ids
         self.finish_reason = delta.finish_reason
@@ -78,17 +91,25 @@ class Job:
 class Handlers:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
                  metrics: Metrics, drain: Drain, max_waiting: int | None = None,
-                 media: MediaPipeline | None = None):  # fmt: skip
+                 media: MediaPipeline | None = None,
+                 reasoning: ReasoningFormat | None = None):  # fmt: skip
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics, self.drain, self.max_waiting = metrics, drain, max_waiting
-        self.media = media
+        self.media, self.reasoning = media, reasoning
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check(body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         sources = self._media_sources(messages)
+        kwargs = body.chat_template_kwargs or {}
+        if kwargs.keys() & {"messages", "add_generation_prompt"}:
+            raise ApiError(400, "chat_template_kwargs may not set messages or "
+                                "add_generation_prompt", "invalid_request_error",
+                           param="chat_template_kwargs")  # fmt: skip
         try:
-            ids = self.tokenizer.encode_chat(messages)
+            ids = self.tokenizer.encode_chat(messages, **kwargs)
+            inside = self.reasoning is not None and prompt_opens(
+                self.reasoning, self.tokenizer.apply_chat_template(messages, **kwargs))
             media = []
             if sources:  # fetch, decode and preprocess off the event loop
                 prepared = await asyncio.to_thread(self._prepare, sources)
@@ -98,6 +119,9 @@ class Handlers:
             raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = await self._start(body, ids, max_tokens, chat=True, media=media)
+        if self.reasoning is not None:
+            for c in job.choices:
+                c.splitter, c.reasoning = ReasoningSplitter(self.reasoning, inside), ""
         self.metrics.media_items.inc(len(media))
         return await self._respond(job, request)
 
@@ -208,7 +232,8 @@ class Handlers:
         ids = job.body.return_token_ids
         choices = [protocol.choice_body(c.index, c.text, protocol.finish_reason(c.finish_reason),
                                         protocol.logprobs_body(c.logprobs, chat), chat,
-                                        token_ids=c.token_ids if ids else None)
+                                        token_ids=c.token_ids if ids else None,
+                                        reasoning=c.reasoning)
                    for c in job.choices]  # fmt: skip
         return protocol.response_body(job.response_id, job.created, self.model_name, choices,
                                       chat, usage=job.usage())  # fmt: skip

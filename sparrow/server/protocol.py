@@ -103,6 +103,7 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -173,12 +174,15 @@ def logprobs_body(entries: list[LogprobEntry] | None, chat: bool) -> dict[str, A
 
 
 def choice_body(index: int, text: str, reason: str | None, logprobs: dict | None,
-                chat: bool, delta: bool = False,
-                token_ids: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
-    """One choice of a response (`delta`: of a stream chunk); `token_ids` when asked for."""
+                chat: bool, delta: bool = False, token_ids: list[int] | None = None,
+                reasoning: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """One choice of a response (`delta`: of a stream chunk); `token_ids` when asked for;
+    `reasoning` (None: no reasoning parser) as `reasoning_content`."""
     if chat:
-        content = {"delta" if delta else "message": {"content": text} if delta
-                   else {"role": "assistant", "content": text}}  # fmt: skip
+        message = {"content": text} if delta else {"role": "assistant", "content": text}
+        if reasoning is not None and (reasoning or not delta):
+            message["reasoning_content"] = reasoning
+        content = {"delta" if delta else "message": message}
     else:
         content = {"text": text}
     ids = {} if token_ids is None else {"token_ids": token_ids}

@@ -42,12 +42,15 @@ async def sse_events(job: Job, events: AsyncIterator[tuple[Choice, OutputDelta]]
             ids = job.body.return_token_ids
             async for c, delta in events:
                 reason = protocol.finish_reason(delta.finish_reason)
-                if not (delta.text or reason or delta.logprobs or ids and delta.token_ids):
+                reasoning, text = c.last  # the delta's text, split when a parser is on
+                if not (text or reasoning or reason or delta.logprobs
+                        or ids and delta.token_ids):  # fmt: skip
                     continue
                 logprobs = protocol.logprobs_body(delta.logprobs, job.chat)
-                yield chunk([protocol.choice_body(c.index, delta.text, reason, logprobs,
-                                                  job.chat, delta=True,
-                                                  token_ids=delta.token_ids if ids else None)])
+                yield chunk([protocol.choice_body(
+                    c.index, text, reason, logprobs, job.chat, delta=True,
+                    token_ids=delta.token_ids if ids else None,
+                    reasoning=reasoning if c.splitter is not None else None)])
         except EngineError as e:
             yield event(protocol.error_body(str(e), "server_error", 500))
             return
