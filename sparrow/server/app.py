@@ -19,7 +19,14 @@ from sparrow.server.drain import Drain
 from sparrow.server.handlers import Handlers
 from sparrow.server.metrics import Metrics
 from sparrow.server.middleware import ApiKey, BodyLimit, CountResponses
-from sparrow.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from sparrow.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 from sparrow.server.reasoning import ReasoningFormat
 from sparrow.tokenizer import Tokenizer
 
@@ -121,3 +128,11 @@ def _add_routes(app: FastAPI, engine: EngineClient, handlers: Handlers, metrics:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await handlers.completions(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return handlers.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return handlers.detokenize(body)

@@ -27,7 +27,9 @@ from sparrow.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
 )
 from sparrow.server.reasoning import ReasoningFormat, ReasoningSplitter, prompt_opens
 from sparrow.server.sse import sse_events
@@ -160,13 +162,39 @@ class Handlers:
         job = await self._start(body, ids, body.max_tokens, chat=False)
         return await self._respond(job, request)
 
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: {count, max_model_len, tokens}."""
+        self._check_model(body.model)
+        try:
+            if body.messages is None:
+                ids = self.tokenizer.encode(body.prompt)
+            else:
+                messages = [m.model_dump(exclude_none=True) for m in body.messages]
+                ids = self.tokenizer.encode_chat(messages, **(body.chat_template_kwargs or {}))
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e), "invalid_request_error") from e
+        return {"count": len(ids), "max_model_len": self.engine.info.max_model_len,
+                "tokens": ids}  # fmt: skip
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: {prompt}."""
+        self._check_model(body.model)
+        vocab = self.engine.info.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", "invalid_request_error",
+                           param="tokens")  # fmt: skip
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "not_found_error",
+                           param="model")  # fmt: skip
+
     def _check(self, body: SamplingFields) -> None:
         if self.drain.draining:
             raise ApiError(503, "the server is shutting down", "server_overloaded")
-        if body.model != self.model_name:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "not_found_error",
-                           param="model")  # fmt: skip
+        self._check_model(body.model)
         if self.max_waiting is not None and body.n > self.max_waiting:
             raise ApiError(400, f"n = {body.n} exceeds the server's queue limit of "
                                 f"{self.max_waiting} requests", "invalid_request_error",

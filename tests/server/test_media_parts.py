@@ -2,7 +2,8 @@
 TestClient and through the official openai client on a socket, over the real engine on the
 tiny Qwen model with a stand-in tower: the prompt grows by each item's placeholder tokens,
 the tower sees the preprocessed patches, usage and metrics count them; bad media, unknown
-parts and text-only models get a 400 with an OpenAI-style error body."""
+parts and text-only models get a 400 with an OpenAI-style error body. Also /tokenize and
+/detokenize on the same app."""
 
 import asyncio
 import base64
@@ -170,3 +171,20 @@ def test_through_the_openai_client():
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+
+
+def test_tokenize_and_detokenize(served):
+    client = served[0]
+    out = client.post("/tokenize", json={"model": "m", "prompt": "hello world"}).json()
+    assert out["count"] == len(out["tokens"]) > 0 and out["max_model_len"] == 2048
+    text = client.post("/detokenize", json={"model": "m", "tokens": out["tokens"]}).json()
+    assert text == {"prompt": "hello world"}
+    chat = client.post("/tokenize", json={"model": "m", "messages": [
+        {"role": "user", "content": "hi"}]}).json()  # fmt: skip
+    assert chat["count"] > 3
+    for path, body, status in (("/tokenize", {"model": "m"}, 400),
+                               ("/tokenize", {"model": "x", "prompt": "a"}, 404),
+                               ("/detokenize", {"model": "m", "tokens": [10**9]}, 400),
+                               ("/detokenize", {"model": "m", "tokens": [-1]}, 400)):  # fmt: skip
+        reply = client.post(path, json=body)
+        assert reply.status_code == status and "error" in reply.json(), (path, body)
