@@ -29,6 +29,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded output
     logprobs: int | None = None  # report each sampled token's logprob and this many top ones
     ignore_eos: bool = False  # do not stop at the model's end tokens (benchmarks)
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
+    min_tokens: int = 0  # stop token ids (end tokens included) are barred before this many
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalised values are set once, here
@@ -51,6 +54,14 @@ class SamplingParams:
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a sequence of strings, got {self.stop!r}")
         put(self, "stop", tuple(self.stop))
+        min_p = _float("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        put(self, "min_p", min_p)
+        put(self, "min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens))
+        bias = dict(self.logit_bias)
+        put(self, "logit_bias", tuple(sorted(
+            (_int("logit_bias token", t, 0, None), _bias(b)) for t, b in bias.items())))
 
 
 def _int(name: str, value: object, lo: int | None, hi: int | None) -> int:
@@ -64,6 +75,13 @@ def _int(name: str, value: object, lo: int | None, hi: int | None) -> int:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value}")
+    return value
+
+
+def _bias(value: object) -> float:
+    value = _float("logit_bias value", value)
+    if not -100 <= value <= 100:
+        raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
     return value
 
 

@@ -127,6 +127,8 @@ class LLM:
         vocab = self.model.config.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if not params.stop_token_ids and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=self.default_stop_ids)
         request = Request(request_id or f"req-{next(self._ids)}", ids, params)

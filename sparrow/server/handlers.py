@@ -213,7 +213,8 @@ class Handlers:
                 max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, limit - prompt_len),
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                 seed=body.seed, stop=body.stop_strings(), logprobs=body.logprobs_count(),
-                ignore_eos=body.ignore_eos,
+                ignore_eos=body.ignore_eos, min_p=body.min_p, min_tokens=body.min_tokens,
+                logit_bias=_logit_bias(body.logit_bias),
             )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e
@@ -315,6 +316,15 @@ class Handlers:
                 if c.finish_reason is None:
                     self.metrics.aborted.inc()
                     self.engine.abort(c.request_id)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} -> SamplingParams' pairs; ValueError for a key that is not
+    a token id (the caller's 400)."""
+    try:
+        return tuple((int(k), v) for k, v in (bias or {}).items())
+    except ValueError:
+        raise ValueError("logit_bias keys must be token ids") from None
 
 
 def _refusal(e: Exception) -> ApiError:

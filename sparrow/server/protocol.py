@@ -14,7 +14,7 @@ from sparrow.engine.output_processor import LogprobEntry, TokenText
 # giving another value (null aside) is refused rather than served as if the field were absent.
 UNSUPPORTED = {
     "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-    "response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0,
+    "response_format": {"type": "text"}, "presence_penalty": 0,
     "frequency_penalty": 0, "repetition_penalty": 1, "suffix": "", "best_of": 1,
     "echo": False,
 }  # fmt: skip
@@ -89,6 +89,9 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)

@@ -146,7 +146,9 @@ class ModelRunner:
             logits = self.model.logits(hidden[to_device(last, torch.long, device)])
         params = [requests[rid].params for rid in done]
         gens = [self._generator(rid, p.seed) for rid, p in zip(done, params, strict=True)]
-        picked = sample_rows(logits, params, gens)
+        generated = [requests[rid].num_tokens - len(requests[rid].prompt_token_ids)
+                     for rid in done]  # output tokens before this one (pending ones count)
+        picked = sample_rows(logits, params, gens, generated)
         done_slots = to_device([plan.state_slots[r] for r in done], torch.long, device)
         self.next_tokens[done_slots] = picked
         logprobs = {}

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Token sampling: logit biases and min_tokens' barred stop ids, greedy, temperature, top-k,
+top-p, min-p, per-request seeded generators.
 
 All sampled rows of a step are filtered together (one top-k, one softmax, one top-p pass
 over the rows that ask for it), then drawn by inverting each row's cumulative distribution
@@ -29,10 +30,14 @@ def sample(
 
 
 def sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
+    generated: list[int] | None = None,
 ) -> torch.Tensor:
     """logits: [B, V] fp32, row b sampled with params[b] and gens[b] -> token ids [B] (long,
-    on the logits' device: nothing waits for them). Greedy rows take the argmax."""
+    on the logits' device: nothing waits for them). Greedy rows take the argmax, after the
+    logit biases and, for rows that have `generated[b]` < min_tokens output tokens so far,
+    with their stop token ids barred."""
+    logits = _adjust(logits, params, generated or [0] * len(params))
     picked = logits.argmax(dim=-1)
     hot = [b for b, p in enumerate(params) if p.temperature != 0]
     if not hot:
@@ -44,11 +49,43 @@ def sample_rows(
     x = x / _column([p.temperature for p in chosen], x)
     x = _top_k(x, [p.top_k for p in chosen])
     probs = _top_p(torch.softmax(x, dim=-1), [p.top_p for p in chosen])
+    probs = _min_p(probs, [p.min_p for p in chosen])
     drawn = _draw(probs, [gens[b] for b in hot])
     if every:
         return drawn
     picked[rows] = drawn
     return picked
+
+
+def _adjust(logits: torch.Tensor, params: list[SamplingParams],
+            generated: list[int]) -> torch.Tensor:  # fmt: skip
+    """The logits with each row's biases added and, before min_tokens, its stop ids at -inf
+    (a copy; the logits themselves where no row asks)."""
+    rows, cols, values = [], [], []
+    for b, (p, n) in enumerate(zip(params, generated, strict=True)):
+        for token, bias in p.logit_bias:
+            rows.append(b), cols.append(token), values.append(bias)
+        if n < p.min_tokens:
+            for token in p.stop_token_ids:
+                rows.append(b), cols.append(token), values.append(float("-inf"))
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    keep = [i for i, c in enumerate(cols) if c < vocab]  # ids past the vocabulary: no logit
+    index = to_device([[rows[i] for i in keep], [cols[i] for i in keep]], torch.long,
+                      logits.device)  # fmt: skip
+    out = logits.clone()
+    out.index_put_((index[0], index[1]), to_device([values[i] for i in keep], logits.dtype,
+                                                   logits.device), accumulate=True)  # fmt: skip
+    return out
+
+
+def _min_p(probs: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Probabilities below min_p x the row's largest set to 0 (min_p 0: no filter)."""
+    if not any(ps):
+        return probs
+    floor = probs.amax(-1, keepdim=True) * _column(ps, probs)
+    return probs.masked_fill(probs < floor, 0.0)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:

@@ -189,3 +189,40 @@ def test_large_vocabulary_rows_sample_inside_their_nucleus():
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(70_000).expand(64, -1))
     last = ((ordered.cumsum(-1) - ordered) < 0.5).sum(-1)  # the nucleus' size per row
     assert (rank.gather(1, picked[:, None])[:, 0] < last).all()
+
+
+def test_min_p_keeps_tokens_within_its_share_of_the_best():
+    """probs 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps those >= 0.25, renormalised."""
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3], dtype=torch.float64)
+    freq = _frequencies(probs.log().float(), SamplingParams(temperature=1.0, min_p=0.5), 40_000)
+    expected = torch.tensor([0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8], dtype=torch.float64)
+    assert (freq - expected).abs().max() < 0.012 and freq[expected == 0].sum() == 0
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices():
+    logits = _logits(2)
+    best = logits.argmax(-1)
+    ban = SamplingParams(logit_bias=((int(best[0]), -100.0),))
+    force = SamplingParams(temperature=1.0, logit_bias=((7, 100.0),))
+    picked = sample_rows(logits, [ban, force], [None, _gen(1)])
+    assert int(picked[0]) == int(logits[0].topk(2).indices[1]) and int(picked[1]) == 7
+    assert torch.equal(logits, _logits(2))  # the caller's logits are not changed
+
+
+def test_min_tokens_bars_stop_ids_until_reached():
+    logits = _logits(3)
+    stops = tuple(int(t) for t in logits[0].topk(3).indices)  # the three best of row 0
+    p = SamplingParams(min_tokens=2, stop_token_ids=stops)
+    picked = sample_rows(logits[[0, 0, 0]], [p] * 3, [None] * 3, generated=[0, 1, 2])
+    assert int(picked[0]) == int(picked[1]) == int(logits[0].topk(4).indices[3])
+    assert int(picked[2]) == stops[0]  # two generated: stop ids are allowed again
+
+
+def test_sampling_controls_are_validated():
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((3, 101.0),))
+    assert SamplingParams(logit_bias=((3, 1.0), (1, -2.0))).logit_bias == ((1, -2.0), (3, 1.0))
