@@ -32,6 +32,14 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
     min_tokens: int = 0  # stop token ids (end tokens included) are barred before this many
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    presence_penalty: float = 0.0  # subtracted once from each generated token's logit
+    frequency_penalty: float = 0.0  # subtracted per time a token has been generated
+    repetition_penalty: float = 1.0  # prompt and generated tokens' logits: / if > 0, * if < 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)  # fmt: skip
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalised values are set once, here
@@ -59,6 +67,15 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         put(self, "min_p", min_p)
         put(self, "min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            put(self, name, value)
+        repetition = _float("repetition_penalty", self.repetition_penalty)
+        if repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition}")
+        put(self, "repetition_penalty", repetition)
         bias = dict(self.logit_bias)
         put(self, "logit_bias", tuple(sorted(
             (_int("logit_bias token", t, 0, None), _bias(b)) for t, b in bias.items())))

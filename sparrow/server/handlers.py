@@ -215,6 +215,8 @@ class Handlers:
                 seed=body.seed, stop=body.stop_strings(), logprobs=body.logprobs_count(),
                 ignore_eos=body.ignore_eos, min_p=body.min_p, min_tokens=body.min_tokens,
                 logit_bias=_logit_bias(body.logit_bias),
+                presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
+                frequency_penalty=body.frequency_penalty,
             )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e

@@ -14,8 +14,7 @@ from sparrow.engine.output_processor import LogprobEntry, TokenText
 # giving another value (null aside) is refused rather than served as if the field were absent.
 UNSUPPORTED = {
     "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-    "response_format": {"type": "text"}, "presence_penalty": 0,
-    "frequency_penalty": 0, "repetition_penalty": 1, "suffix": "", "best_of": 1,
+    "response_format": {"type": "text"}, "suffix": "", "best_of": 1,
     "echo": False,
 }  # fmt: skip
 
@@ -92,6 +91,9 @@ class SamplingFields(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)

@@ -27,7 +27,7 @@ from sparrow.core.scheduler import SchedulerOutput
 from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs
 from sparrow.worker.multimodal import MediaInputs
-from sparrow.worker.sampler import sample_rows, token_logprob
+from sparrow.worker.sampler import penalize, sample_rows, token_logprob
 
 PENDING = -1  # input token still on the device
 
@@ -148,6 +148,7 @@ class ModelRunner:
         gens = [self._generator(rid, p.seed) for rid, p in zip(done, params, strict=True)]
         generated = [requests[rid].num_tokens - len(requests[rid].prompt_token_ids)
                      for rid in done]  # output tokens before this one (pending ones count)
+        logits = self._penalized(logits, done, params, requests, plan)
         picked = sample_rows(logits, params, gens, generated)
         done_slots = to_device([plan.state_slots[r] for r in done], torch.long, device)
         self.next_tokens[done_slots] = picked
@@ -158,6 +159,19 @@ class ModelRunner:
                         for row, (rid, p) in enumerate(zip(done, params, strict=True))
                         if p.logprobs is not None}  # fmt: skip
         return LaunchedStep.start(done, picked, logprobs)
+
+    def _penalized(self, logits: torch.Tensor, done: list[str], params: list,
+                   requests: dict[str, Request],
+                   plan: SchedulerOutput) -> torch.Tensor:  # fmt: skip
+        """Presence / frequency / repetition penalties over each request's tokens so far,
+        its token still on the device (sampled by the step before) included."""
+        if not any(p.penalized for p in params):
+            return logits
+        reqs = [requests[rid] for rid in done]
+        pending = {b: self.next_tokens[plan.state_slots[r.request_id]]
+                   for b, r in enumerate(reqs) if r.num_pending}  # fmt: skip
+        return penalize(logits, params, [r.output_token_ids for r in reqs],
+                        [r.prompt_token_ids for r in reqs], pending)  # fmt: skip
 
     def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

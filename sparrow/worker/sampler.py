@@ -57,6 +57,46 @@ def sample_rows(
     return picked
 
 
+def penalize(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+             prompts: list[list[int]],
+             pending: dict[int, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """The logits with presence, frequency and repetition penalties applied to the rows that
+    ask (vLLM's definitions): outputs[b] the row's generated tokens known on the host,
+    pending[b] (a 0-d device tensor) one more still on the device, prompts[b] its prompt
+    (repetition counts both). A copy; the logits themselves where no row asks."""
+    rows = [b for b, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    out = logits.clone()
+    sub = out[to_device(rows, torch.long, device)]
+    counts = _counts([outputs[b] for b in rows], vocab, device)
+    late = [(r, pending[b]) for r, b in enumerate(rows) if pending and b in pending]
+    if late:
+        counts.index_put_((to_device([r for r, _ in late], torch.long, device),
+                           torch.stack([t for _, t in late]).long()),
+                          torch.ones(len(late), device=device), accumulate=True)  # fmt: skip
+    seen = (counts + _counts([prompts[b] for b in rows], vocab, device)) > 0
+    chosen = [params[b] for b in rows]
+    rep = _column([p.repetition_penalty for p in chosen], sub)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - _column([p.frequency_penalty for p in chosen], sub) * counts
+    sub = sub - _column([p.presence_penalty for p in chosen], sub) * (counts > 0)
+    out[to_device(rows, torch.long, device)] = sub
+    return out
+
+
+def _counts(histories: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[R, V] fp32: how often each token occurs in each row's history."""
+    counts = torch.zeros(len(histories), vocab, device=device)
+    rows = [r for r, h in enumerate(histories) for _ in h]
+    if rows:
+        ids = to_device([t for h in histories for t in h], torch.long, device)
+        counts.index_put_((to_device(rows, torch.long, device), ids.clamp(max=vocab - 1)),
+                          torch.ones(len(rows), device=device), accumulate=True)  # fmt: skip
+    return counts
+
+
 def _adjust(logits: torch.Tensor, params: list[SamplingParams],
             generated: list[int]) -> torch.Tensor:  # fmt: skip
     """The logits with each row's biases added and, before min_tokens, its stop ids at -inf

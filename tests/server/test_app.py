@@ -200,11 +200,15 @@ def test_token_ids_come_back_when_asked_for(client):
 
 
 def test_sampling_controls_reach_the_engine(client, engine):
-    reply = chat(client, min_p=0.1, min_tokens=2, logit_bias={"3": 5, "4": -100})
+    reply = chat(client, min_p=0.1, min_tokens=2, logit_bias={"3": 5, "4": -100},
+                 presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2)
     assert reply.status_code == 200, reply.text
     params = engine.added[-1][2]
     assert (params.min_p, params.min_tokens) == (0.1, 2)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert params.repetition_penalty == 1.2
     assert params.logit_bias == ((3, 5.0), (4, -100.0))
-    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"3": 500}}, {"min_p": 2}):
+    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"3": 500}}, {"min_p": 2},
+                {"presence_penalty": 3}, {"repetition_penalty": 0}):
         reply = chat(client, **bad)
         assert reply.status_code == 400 and "error" in reply.json(), bad

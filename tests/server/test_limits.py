@@ -160,7 +160,6 @@ def test_protocol_errors_have_the_openai_body(client, method, path, raw, headers
 @pytest.mark.parametrize("field, value", [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}),
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2),
     ("functions", [{"name": "f"}]), ("suffix", "end"), ("best_of", 2), ("echo", True),
 ])  # fmt: skip
 def test_unsupported_fields_are_refused(client, engine, field, value):
