@@ -185,6 +185,14 @@ class Handlers:
                            param="tokens")  # fmt: skip
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
+    def _stop_ids(self, body: SamplingFields) -> tuple[int, ...]:
+        """The request's stop token ids and, unless it ignores EOS, the model's end tokens
+        (vLLM's meaning); () leaves the engine's default."""
+        if not body.stop_token_ids:
+            return ()
+        ends = () if body.ignore_eos else self.engine.info.default_stop_token_ids
+        return tuple(dict.fromkeys([*body.stop_token_ids, *ends]))
+
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves "
@@ -217,6 +225,7 @@ class Handlers:
                 logit_bias=_logit_bias(body.logit_bias),
                 presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
                 frequency_penalty=body.frequency_penalty,
+                stop_token_ids=self._stop_ids(body),
             )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e

@@ -94,6 +94,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # as well as end tokens
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)

@@ -207,6 +207,8 @@ def test_sampling_controls_reach_the_engine(client, engine):
     assert (params.min_p, params.min_tokens) == (0.1, 2)
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
     assert params.repetition_penalty == 1.2
+    chat(client, stop_token_ids=[7, 9])
+    assert engine.added[-1][2].stop_token_ids == (7, 9)  # the scripted model has no end ids
     assert params.logit_bias == ((3, 5.0), (4, -100.0))
     for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"3": 500}}, {"min_p": 2},
                 {"presence_penalty": 3}, {"repetition_penalty": 0}):
