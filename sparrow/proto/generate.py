@@ -16,11 +16,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]  # imports in the stubs read `from sparrow.proto import worker_pb2`
 
 
-def main() -> int:
+def main(out: Path = ROOT) -> int:
+    """Write the modules under `out` (the repository root: in place); protoc's status."""
     from grpc_tools import protoc
 
     proto = HERE / "worker.proto"
-    args = ["protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--grpc_python_out={ROOT}",
+    args = ["protoc", f"-I{ROOT}", f"--python_out={out}", f"--grpc_python_out={out}",
             str(proto.relative_to(ROOT))]  # fmt: skip
     return protoc.main(args)
 

@@ -5,6 +5,7 @@ worker."""
 
 import asyncio
 import contextlib
+import dataclasses
 
 import grpc
 import pytest
@@ -157,3 +158,28 @@ def test_leaving_a_stream_aborts_on_the_worker(worker):
     assert rest[-1].finish_reason is FinishReason.ABORT
     assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) < 2000
     assert settled(thread.engine)
+
+
+def test_a_stop_string_only_the_caller_sees_is_aborted_on_the_worker(worker):
+    """The caller decodes in upper case: the worker never meets the stop string, the caller's
+    output processor does and aborts the request there."""
+    thread, llm = worker
+    params = SamplingParams(max_tokens=2000, ignore_eos=True)
+    text = llm.tokenizer.decode(
+        [t for d in thread.call(collect(thread.call(thread.engine.add("plain", PROMPT, GREEDY))))
+         for t in d.token_ids])  # fmt: skip
+    at = next(i for i in range(2, len(text) - 1) if text[i : i + 2].upper() != text[i : i + 2])
+    stop = text[at : at + 2].upper()
+    assert stop not in text
+
+    async def run():
+        engine = RemoteEngine(thread.target, lambda ids: llm.tokenizer.decode(ids).upper())
+        stopped = dataclasses.replace(params, stop=(stop,))
+        deltas = await collect(await engine.add("caller-stop", PROMPT, stopped))
+        assert await asyncio.to_thread(settled, thread.engine), "the worker still runs it"
+        await engine.shutdown()
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert deltas[-1].finish_reason is FinishReason.STOP
+    assert "".join(d.text for d in deltas) == text[:at].upper()
