@@ -13,6 +13,7 @@ import torch
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
 from sparrow.engine.client import EngineHealth, EngineInfo, EngineStats
+from sparrow.engine.output_processor import LogprobEntry
 from sparrow.multimodal.items import MediaItem
 from sparrow.proto import worker_pb2 as pb
 
@@ -68,13 +69,16 @@ def media_from_pb(msg: pb.MediaItem) -> MediaItem:
     return MediaItem(tuple(msg.runs), pixels, grid, msg.digest, msg.video)
 
 
-def logprobs_to_pb(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-            for lp in logprobs]  # fmt: skip
+def logprobs_to_pb(entries: list[LogprobEntry] | None) -> list[pb.TokenLogprob]:
+    """The sampled tokens' logprobs and top alternatives of a delta, their text left out."""
+    return [pb.TokenLogprob(token_id=e.token.token_id, logprob=e.token.logprob,
+                            top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob)
+                                 for t in e.top])
+            for e in entries or ()]  # fmt: skip
 
 
 def logprobs_from_pb(msgs) -> list[TokenLogprob]:
+    """Logprobs as the output processor takes them (it gives them text again)."""
     return [TokenLogprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
             for m in msgs]  # fmt: skip
 

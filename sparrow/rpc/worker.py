@@ -84,14 +84,9 @@ class WorkerService(pb_grpc.WorkerServicer):
 
 
 def _chunk(delta: OutputDelta, prompt_tokens: int, completion_tokens: int) -> pb.GenerateChunk:
-    logprobs = []
-    if delta.logprobs is not None:
-        logprobs = [pb.TokenLogprob(token_id=e.token.token_id, logprob=e.token.logprob,
-                                    top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob)
-                                         for t in e.top])
-                    for e in delta.logprobs]  # fmt: skip
     return pb.GenerateChunk(token_ids=delta.token_ids, prompt_tokens=prompt_tokens,
-                            completion_tokens=completion_tokens, logprobs=logprobs,
+                            completion_tokens=completion_tokens,
+                            logprobs=convert.logprobs_to_pb(delta.logprobs),
                             finish_reason=convert.FINISH_TO_PB[delta.finish_reason])  # fmt: skip
 
 

@@ -3,6 +3,7 @@ over the tiny Qwen model (packaged tokenizer) seeing through a stand-in tower.""
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -80,8 +81,6 @@ def worker():
 
 def settled(engine, timeout: float = 10.0) -> bool:
     """Whether the engine comes to hold no request (waiting or running) within `timeout`."""
-    import time
-
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         stats = engine.stats()

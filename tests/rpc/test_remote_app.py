@@ -2,11 +2,11 @@
 in-process engine: chat and completions, whole and streamed, n > 1, stop strings, media,
 and the same HTTP status for each kind of engine refusal."""
 
-import asyncio
 import base64
 import dataclasses
 import io
 import json
+import time
 
 import pytest
 from PIL import Image
@@ -20,6 +20,7 @@ from sparrow.engine.client import (
     EngineStats,
     InvalidRequest,
 )
+from sparrow.engine.output_processor import OutputDelta
 from sparrow.multimodal import QWEN3_5_MOE, MediaLimits
 from sparrow.multimodal.pipeline import MediaPipeline
 from sparrow.multimodal.video import QWEN3_5_MOE_VIDEO
@@ -141,15 +142,23 @@ def test_a_bad_tensor_is_a_400(worker):
 
 
 class Refusing(EngineClient):
-    """Refuses every request with `error`."""
+    """Refuses every request with `error`, or with `fail` set takes it and fails its stream
+    after one token."""
 
     def __init__(self):
         self.error: Exception = InvalidRequest("no")
+        self.fail = False
 
     info = EngineInfo(max_model_len=64, vocab_size=1000, default_stop_token_ids=(2,))
 
     async def add(self, request_id, prompt_token_ids, params, media=()):
-        raise self.error
+        if not self.fail:
+            raise self.error
+        return self._failing(request_id)
+
+    async def _failing(self, request_id):
+        yield OutputDelta(request_id, [7], "x")
+        raise EngineError("the request failed in the engine: device lost")
 
     def abort(self, request_id):
         pass
@@ -172,21 +181,25 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-def test_refusals_get_the_in_process_status():
+def test_refusals_and_failures_get_the_in_process_status():
+    """Each refusal, and a request failing mid-stream, answer as in process; a worker that
+    stops makes the app's /health a 503."""
     refusing = Refusing()
     thread = WorkerThread(refusing)
-    try:
-        remote = RemoteEngine(thread.target, CharTokenizer().decode)
-        with TestClient(build_app(remote, CharTokenizer(), "m")) as client:
-            local = TestClient(build_app(refusing, CharTokenizer(), "m"))
-            for error in (InvalidRequest("too long"), EngineFull("queue full"),
-                          EngineError("the engine stopped")):  # fmt: skip
-                refusing.error = error
-                body = {"model": "m", "prompt": "hi", "max_tokens": 4}
-                got = client.post("/v1/completions", json=body)
-                want = local.post("/v1/completions", json=body)
-                assert got.status_code == want.status_code, (error, got.text)
-                assert got.json()["error"]["type"] == want.json()["error"]["type"]
-    finally:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+    remote = RemoteEngine(thread.target, CharTokenizer().decode, poll_s=0.05)
+    with TestClient(build_app(remote, CharTokenizer(), "m")) as client:
+        local = TestClient(build_app(refusing, CharTokenizer(), "m"))
+        for error in (InvalidRequest("too long"), EngineFull("queue full"),
+                      EngineError("the engine stopped"), None):  # fmt: skip
+            refusing.error, refusing.fail = error, error is None
+            got = client.post("/v1/completions", json=body)
+            want = local.post("/v1/completions", json=body)
+            assert got.status_code == want.status_code, (error, got.text)
+            assert got.json()["error"]["type"] == want.json()["error"]["type"]
+        assert client.get("/health").status_code == 200
         thread.stop()
-    asyncio.run(refusing.shutdown())
+        deadline = time.monotonic() + 10
+        while remote.health().alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.get("/health").status_code == 503

@@ -1,4 +1,4 @@
-"""`sparrow worker` in process: it serves a checkpoint over gRPC on the port it is given,
+"""`sparrow worker` in process: it serves the built-in model over gRPC on the port it is given,
 answers a request through `RemoteEngine`, and exits 0 on SIGTERM."""
 
 import asyncio
@@ -10,12 +10,10 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from sparrow import cli
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.client import EngineError
-from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
 from sparrow.rpc.client import RemoteEngine
 
 
@@ -36,10 +34,7 @@ def connect(target: str, timeout: float = 120.0) -> RemoteEngine:
             time.sleep(0.1)
 
 
-def test_worker_serves_then_exits_0_on_sigterm(tmp_path):
-    cfg = PRESETS["qwen3.6-tiny"].replace(vocab_size=512)
-    model_dir = write_random_checkpoint(tmp_path, cfg, seed=1, dtype=torch.float32,
-                                        progress=False)  # fmt: skip
+def test_worker_serves_then_exits_0_on_sigterm():
     port = free_port()
     seen = {}
 
@@ -59,8 +54,8 @@ def test_worker_serves_then_exits_0_on_sigterm(tmp_path):
 
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
-    code = cli.main(["worker", "--model", str(model_dir), "--device", "cpu", "--port",
-                     str(port), "--max-model-len", "128", "--num-blocks", "16"])  # fmt: skip
+    code = cli.main(["worker", "--device", "cpu", "--port", str(port), "--max-model-len", "128",
+                     "--num-blocks", "16"])  # fmt: skip
     thread.join(30)
     assert code == 0 and len(seen["tokens"]) == 3
     # the port is closed: nothing answers there
