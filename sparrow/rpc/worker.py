@@ -44,10 +44,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             stream = await self.engine.add(rid, list(request.prompt_token_ids), params, media)
         except (InvalidRequest, EngineFull, EngineError) as e:
             await context.abort(self._code(e), str(e))
-        yield pb.GenerateChunk(prompt_tokens=len(request.prompt_token_ids))
         finished = False
         try:
             async with contextlib.aclosing(stream):
+                yield pb.GenerateChunk(prompt_tokens=len(request.prompt_token_ids))
                 completion = 0
                 async for delta in stream:
                     completion += len(delta.token_ids)
