@@ -156,6 +156,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    """The engine behind the gRPC `Worker` service (`sparrow/proto/worker.proto`) for a
+    gateway. Exits 1 if the engine fails beyond repair; 0 on SIGTERM / SIGINT, once the
+    requests in flight are done."""
+    import asyncio
+
+    from sparrow.engine.async_engine import AsyncEngine
+    from sparrow.engine.llm import LLM
+    from sparrow.rpc.worker import serve
+
+    llm = LLM(config=engine_config(args), progress=True)
+    if llm.model.device.type == "cuda":
+        llm.warmup()
+    engine = AsyncEngine(llm, max_waiting=args.max_waiting)
+    asyncio.run(serve(engine, f"{args.host}:{args.port}"))
+    if engine.dead.is_set():
+        print("[sparrow] the engine failed: exiting with status 1", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_checkpoint_quantize(args: argparse.Namespace) -> int:
     from sparrow.config import QuantConfig
     from sparrow.loader.weights import load_checkpoint
@@ -195,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_worker(sub)
     ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
     _add_checkpoint(ckpt.add_subparsers(dest="checkpoint_command", required=True))
     return parser
@@ -234,6 +256,17 @@ def _add_serve(sub) -> None:
                      help="queued requests before new ones get 503 + Retry-After")  # fmt: skip
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+
+def _add_worker(sub) -> None:
+    wrk = sub.add_parser("worker", help="serve the engine over gRPC for a gateway",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    wrk.add_argument("--host", default="127.0.0.1")
+    wrk.add_argument("--port", type=int, default=50051)
+    wrk.add_argument("--max-waiting", type=int, default=256,
+                     help="queued requests before new ones get RESOURCE_EXHAUSTED")
+    _add_engine_args(wrk)
+    wrk.set_defaults(func=cmd_worker)
 
 
 def _add_checkpoint(sub) -> None:

@@ -1,0 +1,8 @@
+"""The gRPC contract between a gateway and a worker (`worker.proto`) and its generated
+modules, which are checked in: `python -m sparrow.proto.generate` rewrites them."""
+
+MAX_MESSAGE_BYTES = 256 << 20  # a prompt's media travel inline in one GenerateRequest
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
