@@ -15,6 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sparrow.kernels.activations import SILU, Glu
 from sparrow.kernels.attention import paged
 from sparrow.kernels.causal_conv1d import conv
 from sparrow.kernels.dequant import dequant
@@ -36,8 +37,12 @@ ROW = {"BITS": 4, "GROUP": 64, "BLOCK_K": 1024, "PACKED": False, "PREFETCH": Fal
        "F16_DOT": False, "X_IN_PLACE": False, "ONE_STEP": False}  # every row GEMV's
 GEMV = ROW | {"GATED": False}
 EXPERT = ROW | {"TOP_K": 9, "SHARED": True, "GATED": False, "APPLY_WEIGHT": False,
-                "LATE_TRIGGER": False}
+                "LATE_TRIGGER": False} | SILU.meta()
+OAI = Glu.swiglu_oai(1.702, 7.0).meta()  # MiniMax M3's experts
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
+MOE_GEMM = {"TOP_K": 9, "GATED": True, "APPLY_WEIGHT": False, "SHARED": True, "BITS": 4,
+            "GROUP": 64, "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64,
+            "PACKED": True} | SILU.meta()
 TF32 = {"PRECISION": "tf32"}
 CASES = {
     "add_rms_norm": (norm._add_norm_kernel, {"*": "bf16"},
@@ -143,10 +148,18 @@ CASES = {
                                                  "sw_ptr": "i32", "sorted_ptr": "i32",
                                                  "block_expert_ptr": "i32",
                                                  "block_start_ptr": "i32"},
-                 {"TOP_K": 9, "GATED": True, "APPLY_WEIGHT": False, "SHARED": True, "BITS": 4,
-                  "GROUP": 64,
-                  "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "PACKED": True},
-                 {"num_warps": 4, "num_stages": 3}),
+                 MOE_GEMM, {"num_warps": 4, "num_stages": 3}),
+    "moe_gemm_m3": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32",
+                                                    "rw_ptr": "fp32", "sw_ptr": "i32",
+                                                    "sorted_ptr": "i32",
+                                                    "block_expert_ptr": "i32",
+                                                    "block_start_ptr": "i32"},
+                    MOE_GEMM | {"TOP_K": 4, "SHARED": False} | OAI,
+                    {"num_warps": 4, "num_stages": 3}),
+    "moe_gemv_gated_m3": (expert_gemv._expert_gemv_kernel, GEMV_PTRS,
+                          EXPERT | {"TOP_K": 4, "SHARED": False, "GATED": True, "BLOCK_N": 16,
+                                    "PACKED": True, "F16_DOT": True} | OAI,
+                          {"num_warps": 4}),
     "moe_combine": (combine._combine_kernel, {"*": "bf16"},
                     {"TOP_K": 8, "HAS_SHARED": True, "BLOCK": 1024}, {"num_warps": 4}),
     "topk_route": (routing._topk_kernel, {"*": "bf16", "w_ptr": "fp32", "ids_ptr": "i32"},
