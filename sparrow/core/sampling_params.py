@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -35,6 +36,13 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from each generated token's logit
     frequency_penalty: float = 0.0  # subtracted per time a token has been generated
     repetition_penalty: float = 1.0  # prompt and generated tokens' logits: / if > 0, * if < 0
+
+    def stopping_at(self, end_ids: tuple[int, ...]) -> SamplingParams:
+        """These params, stopping at `end_ids` (the model's end tokens) unless they give
+        stop token ids of their own or ignore EOS."""
+        if self.stop_token_ids or self.ignore_eos:
+            return self
+        return dataclasses.replace(self, stop_token_ids=tuple(end_ids))
 
     @property
     def penalized(self) -> bool:

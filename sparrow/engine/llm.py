@@ -7,7 +7,6 @@ preemption) and the model runner, step by step, until all finish. `add_request` 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,8 +128,7 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if not params.stop_token_ids and not params.ignore_eos:
-            params = dataclasses.replace(params, stop_token_ids=self.default_stop_ids)
+        params = params.stopping_at(self.default_stop_ids)
         request = Request(request_id or f"req-{next(self._ids)}", ids, params)
         if media:
             if getattr(self.model, "visual", None) is None:

@@ -33,11 +33,15 @@ class StepMetadata:
     media_embeds: torch.Tensor | None = None  # [R, hidden]: the vision tower's output
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a tensor on `device` without waiting for the device: on a GPU through
-    pinned memory and an async copy (`torch.tensor(..., device=cuda)` synchronises the
-    stream, which would wait for the step in flight)."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(values: list | torch.Tensor, dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:  # fmt: skip
+    """A host list (or CPU tensor) as a tensor on `device` without waiting for the device: on
+    a GPU through pinned memory and an async copy (`torch.tensor(..., device=cuda)`
+    synchronises the stream, which would wait for the step in flight)."""
+    if isinstance(values, torch.Tensor):
+        host = values.to(dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -16,7 +16,6 @@ it; `abort` may be called from any thread.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -90,8 +89,7 @@ class RemoteEngine(EngineClient):
         stub = self._stub_here()
         if request_id in self._processor:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
-        if not params.stop_token_ids and not params.ignore_eos:
-            params = dataclasses.replace(params, stop_token_ids=self._info.default_stop_token_ids)
+        params = params.stopping_at(self._info.default_stop_token_ids)
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      sampling_params=convert.params_to_pb(params),
                                      media=[convert.media_to_pb(m) for m in media])  # fmt: skip

@@ -5,9 +5,8 @@ position and the offset the tokens after the prompt take.
 
 A model sees media when it has a `visual` tower (`DecoderStack.embed_media`: patches ->
 placeholder embeddings; `media_merge`: the tower's spatial merge; `uses_mrope`: (t, h, w)
-positions); the step's metadata then carries the
-rows to overwrite and their embeddings (`StepMetadata.media_rows`, `media_embeds`) and, for
-mRoPE, `rope_positions` [3, T].
+positions); the step's metadata then carries the rows to overwrite and their embeddings
+(`StepMetadata.media_rows`, `media_embeds`) and, for mRoPE, `rope_positions` [3, T].
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ class MediaInputs:
         self.requests: dict[str, _RequestMedia] = {}
 
     def add(self, request_id: str, items: list[MediaItem], prompt_len: int) -> None:
-        """Register a request's media (ValueError if the model sees none, or runs overlap)."""
-        if getattr(self.model, "visual", None) is None:
-            raise ValueError("this model has no vision tower: it takes text only")
+        """Register a request's media (`LLM.make_request` checked that the model sees;
+        ValueError if runs overlap)."""
         entry = _RequestMedia(list(items), prompt_len)
         if getattr(self.model, "uses_mrope", False):
             runs = [r for item in items for r in item.run_grids()]
@@ -73,9 +71,8 @@ class MediaInputs:
             meta.media_rows = to_device(rows, torch.long, device)
             meta.media_embeds = torch.cat(embeds)
         if any(p.shape[0] == 3 for p in positions):
-            meta.rope_positions = to_device(
-                torch.cat([p.expand(3, -1) for p in positions], dim=1).tolist(), torch.long,
-                device)  # fmt: skip
+            meta.rope_positions = to_device(torch.cat([p.expand(3, -1) for p in positions], 1),
+                                            torch.long, device)  # fmt: skip
 
     def _positions(self, entry: _RequestMedia | None, c: int, n: int) -> torch.Tensor:
         """Rotary positions of tokens c..c+n: [3, n] with mRoPE media, else [1, n]."""

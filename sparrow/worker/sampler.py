@@ -68,21 +68,23 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], outputs: list[l
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[1]
+    index = to_device(rows, torch.long, device)
     out = logits.clone()
-    sub = out[to_device(rows, torch.long, device)]
+    sub = out[index]
     counts = _counts([outputs[b] for b in rows], vocab, device)
     late = [(r, pending[b]) for r, b in enumerate(rows) if pending and b in pending]
     if late:
         counts.index_put_((to_device([r for r, _ in late], torch.long, device),
                            torch.stack([t for _, t in late]).long()),
                           torch.ones(len(late), device=device), accumulate=True)  # fmt: skip
-    seen = (counts + _counts([prompts[b] for b in rows], vocab, device)) > 0
     chosen = [params[b] for b in rows]
-    rep = _column([p.repetition_penalty for p in chosen], sub)
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(p.repetition_penalty != 1.0 for p in chosen):  # the prompts count only here
+        seen = (counts + _counts([prompts[b] for b in rows], vocab, device)) > 0
+        rep = _column([p.repetition_penalty for p in chosen], sub)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - _column([p.frequency_penalty for p in chosen], sub) * counts
     sub = sub - _column([p.presence_penalty for p in chosen], sub) * (counts > 0)
-    out[to_device(rows, torch.long, device)] = sub
+    out[index] = sub
     return out
 
 
@@ -101,22 +103,19 @@ def _adjust(logits: torch.Tensor, params: list[SamplingParams],
             generated: list[int]) -> torch.Tensor:  # fmt: skip
     """The logits with each row's biases added and, before min_tokens, its stop ids at -inf
     (a copy; the logits themselves where no row asks)."""
-    rows, cols, values = [], [], []
-    for b, (p, n) in enumerate(zip(params, generated, strict=True)):
-        for token, bias in p.logit_bias:
-            rows.append(b), cols.append(token), values.append(bias)
-        if n < p.min_tokens:
-            for token in p.stop_token_ids:
-                rows.append(b), cols.append(token), values.append(float("-inf"))
-    if not rows:
-        return logits
     vocab = logits.shape[1]
-    keep = [i for i, c in enumerate(cols) if c < vocab]  # ids past the vocabulary: no logit
-    index = to_device([[rows[i] for i in keep], [cols[i] for i in keep]], torch.long,
-                      logits.device)  # fmt: skip
+    entries = []  # (row, token, added to its logit); ids past the vocabulary have no logit
+    for b, (p, n) in enumerate(zip(params, generated, strict=True)):
+        entries += [(b, t, bias) for t, bias in p.logit_bias if t < vocab]
+        if n < p.min_tokens:
+            entries += [(b, t, float("-inf")) for t in p.stop_token_ids if t < vocab]
+    if not entries:
+        return logits
+    rows, cols, values = zip(*entries, strict=True)
+    index = to_device([rows, cols], torch.long, logits.device)
     out = logits.clone()
-    out.index_put_((index[0], index[1]), to_device([values[i] for i in keep], logits.dtype,
-                                                   logits.device), accumulate=True)  # fmt: skip
+    out.index_put_((index[0], index[1]), to_device(list(values), logits.dtype, logits.device),
+                   accumulate=True)  # fmt: skip
     return out
 
 
