@@ -98,16 +98,13 @@ class Handlers:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics, self.drain, self.max_waiting = metrics, drain, max_waiting
         self.media, self.reasoning = media, reasoning
+        self.video_token_id = tokenizer.token_id(media.video.video_token) if media else None
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check(body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         sources = self._media_sources(messages)
-        kwargs = body.chat_template_kwargs or {}
-        if kwargs.keys() & {"messages", "add_generation_prompt"}:
-            raise ApiError(400, "chat_template_kwargs may not set messages or "
-                                "add_generation_prompt", "invalid_request_error",
-                           param="chat_template_kwargs")  # fmt: skip
+        kwargs = _template_kwargs(body.chat_template_kwargs)
         try:
             ids = self.tokenizer.encode_chat(messages, **kwargs)
             inside = self.reasoning is not None and prompt_opens(
@@ -115,8 +112,7 @@ class Handlers:
             media = []
             if sources:  # fetch, decode and preprocess off the event loop
                 prepared = await asyncio.to_thread(self._prepare, sources)
-                video_id = self.tokenizer.token_id(self.media.video.video_token)
-                ids, media = self.media.expand(ids, prepared, video_id)
+                ids, media = self.media.expand(ids, prepared, self.video_token_id)
         except ValueError as e:  # MediaError is one
             raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -170,8 +166,9 @@ class Handlers:
                 ids = self.tokenizer.encode(body.prompt)
             else:
                 messages = [m.model_dump(exclude_none=True) for m in body.messages]
-                ids = self.tokenizer.encode_chat(messages, **(body.chat_template_kwargs or {}))
-        except (ValueError, TypeError) as e:
+                ids = self.tokenizer.encode_chat(messages,
+                                                 **_template_kwargs(body.chat_template_kwargs))
+        except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e
         return {"count": len(ids), "max_model_len": self.engine.info.max_model_len,
                 "tokens": ids}  # fmt: skip
@@ -327,6 +324,16 @@ class Handlers:
                 if c.finish_reason is None:
                     self.metrics.aborted.inc()
                     self.engine.abort(c.request_id)
+
+
+def _template_kwargs(kwargs: dict | None) -> dict:
+    """A request's chat_template_kwargs; 400 for keys the template call sets itself."""
+    kwargs = kwargs or {}
+    if kwargs.keys() & {"messages", "add_generation_prompt"}:
+        raise ApiError(400, "chat_template_kwargs may not set messages or "
+                            "add_generation_prompt", "invalid_request_error",
+                       param="chat_template_kwargs")  # fmt: skip
+    return kwargs
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
