@@ -40,6 +40,8 @@ EXPERT = ROW | {"TOP_K": 9, "SHARED": True, "GATED": False, "APPLY_WEIGHT": Fals
                 "LATE_TRIGGER": False} | SILU.meta()
 OAI = Glu.swiglu_oai(1.702, 7.0).meta()  # MiniMax M3's experts
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
+MOE_GEMM_PTRS = {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32", "sw_ptr": "i32",
+                 "sorted_ptr": "i32", "block_expert_ptr": "i32", "block_start_ptr": "i32"}
 MOE_GEMM = {"TOP_K": 9, "GATED": True, "APPLY_WEIGHT": False, "SHARED": True, "BITS": 4,
             "GROUP": 64, "PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64,
             "PACKED": True} | SILU.meta()
@@ -144,16 +146,9 @@ CASES = {
                        EXPERT | {"GATED": True, "BLOCK_N": 16, "PACKED": True, "F16_DOT": True,
                                  "PREFETCH": True, "LATE_TRIGGER": True},
                        {"num_warps": 4}),  # gate_up's
-    "moe_gemm": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32", "rw_ptr": "fp32",
-                                                 "sw_ptr": "i32", "sorted_ptr": "i32",
-                                                 "block_expert_ptr": "i32",
-                                                 "block_start_ptr": "i32"},
-                 MOE_GEMM, {"num_warps": 4, "num_stages": 3}),
-    "moe_gemm_m3": (grouped_gemm._moe_gemm_kernel, {"*": "bf16", "w_ptr": "i32",
-                                                    "rw_ptr": "fp32", "sw_ptr": "i32",
-                                                    "sorted_ptr": "i32",
-                                                    "block_expert_ptr": "i32",
-                                                    "block_start_ptr": "i32"},
+    "moe_gemm": (grouped_gemm._moe_gemm_kernel, MOE_GEMM_PTRS, MOE_GEMM,
+                 {"num_warps": 4, "num_stages": 3}),
+    "moe_gemm_m3": (grouped_gemm._moe_gemm_kernel, MOE_GEMM_PTRS,
                     MOE_GEMM | {"TOP_K": 4, "SHARED": False} | OAI,
                     {"num_warps": 4, "num_stages": 3}),
     "moe_gemv_gated_m3": (expert_gemv._expert_gemv_kernel, GEMV_PTRS,
