@@ -91,7 +91,8 @@ class GatedAttention(Projections, nn.Module):
             out = paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
                                          meta.context_lens, self.scale, gate)  # fmt: skip
         elif use_triton(x) and meta.prefix_free and len(meta.seq_lens) <= PROMPTS_PER_SDPA:
-            out = prompt_attention(q, k, v, meta.seq_lens, self.scale) * torch.sigmoid(gate)
+            spans = [t] if meta.padded else meta.seq_lens  # no host reads in a graph
+            out = prompt_attention(q, k, v, spans, self.scale) * torch.sigmoid(gate)
         elif use_triton(x) and self.kernel_fits and meta.prefix_lens is not None:
             out = prefill_attention(q.contiguous(), gate.contiguous(), k, v, kv_cache, meta,
                                     self.scale)  # fmt: skip

@@ -28,6 +28,8 @@ class StepMetadata:
     prefix_free: bool = False  # every sequence starts at position 0 (no cached prefix; host)
     prefix_lens: list[int] | None = None  # [B] tokens cached before this step (host; None in
     # the decode graphs' metadata)
+    padded: bool = False  # one prompt, then a padding sequence (prefill graphs): causal
+    # attention over all rows at once gives the prompt's rows their own (host)
     rope_positions: torch.Tensor | None = None  # [T] or [3, T] (mRoPE) when not `positions`
     media_rows: torch.Tensor | None = None  # [R] int64: rows whose embedding is media's
     media_embeds: torch.Tensor | None = None  # [R, hidden]: the vision tower's output

@@ -1,11 +1,13 @@
-"""Decode steps replayed as CUDA graphs.
+"""Decode steps and short prefills replayed as CUDA graphs.
 
-A decode step (one new token per sequence) launches hundreds of small kernels; replaying
-them from a captured graph removes the per-launch host cost. One graph is captured per batch
-size in `BATCH_SIZES` (up to the engine's max), reading its inputs from static buffers; a
-step with B sequences fills the first B rows, pads to the next captured size and replays.
-Padding rows point at the cache's scratch block and slot, so they never touch a request's
-cache. The graph covers the model and the lm_head; sampling runs after it.
+A step launches about a thousand kernels (prefill) or hundreds of small ones (decode);
+replaying them from a captured graph removes the per-launch host cost, which sets the pace
+of decode and of prefills up to a few thousand tokens. Graphs read their inputs from static
+buffers and are captured at fixed sizes: batch sizes in `BATCH_SIZES` for decode (a step
+with B sequences fills the first B rows and pads to the next captured size), token counts in
+`PREFILL_TOKENS` for a step that is one prompt from its start (`PrefillGraphs`). Padding
+rows point at the cache's scratch block and slot, so they never touch a request's cache.
+The graphs cover the model and the lm_head; sampling runs after them.
 """
 
 from __future__ import annotations
@@ -50,16 +52,8 @@ class DecodeGraphs:
         pool = None
         for b in reversed(self.sizes):
             meta = self._meta(b)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: compiles kernels, sizes the pool
-                self.model.logits(self.model(meta, self.cache))
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.logits(self.model(meta, self.cache))
-            pool = graph.pool()
-            self.graphs[b] = (graph, logits)
+            self.graphs[b], pool = capture_graph(
+                lambda meta=meta: self.model.logits(self.model(meta, self.cache)), pool)
         torch.cuda.synchronize()
 
     def padded_size(self, batch: int) -> int | None:
@@ -107,3 +101,113 @@ class DecodeGraphs:
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]
+
+
+# Token counts of the captured prefill graphs: a step that is one whole prompt (or a first
+# chunk) of at most the largest runs as the smallest that holds it. Beyond 4K tokens the GPU
+# work of a step outlasts launching it eagerly.
+PREFILL_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
+# A prefill graph of size n runs n + PAD_TOKENS rows: the prompt, then a padding sequence of
+# at least PAD_TOKENS rows on the scratch block and slot (never empty: kernels then see two
+# sequences of fixed total length, whatever the prompt's).
+PAD_TOKENS = 16
+
+
+class PrefillGraphs:
+    """Captured prefill steps of one prompt starting at position 0 (no cached prefix, no
+    media): its T tokens fill rows [0, T) of the graph of the smallest size n >= T, rows
+    [T, n + PAD_TOKENS) are a second sequence on the cache's scratch block and slot, so the
+    recurrent layers' varlen kernels keep the prompt's state apart from it, and causal
+    attention over all rows at once (`StepMetadata.padded`) gives the prompt's rows exactly
+    their own. The graph ends with the lm_head on the prompt's last row."""
+
+    def __init__(self, model: torch.nn.Module, cache: ModelCache, max_tokens: int,
+                 max_blocks_per_seq: int):  # fmt: skip
+        self.model, self.cache = model, cache
+        self.sizes = [n for n in PREFILL_TOKENS if n <= max_tokens]
+        rows, dev = (self.sizes[-1] if self.sizes else 0) + PAD_TOKENS, model.device
+        scratch = cache.pad_block * cache.block_size
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((rows,), scratch, dtype=torch.long, device=dev)
+        self.cu_seqlens = torch.tensor([0, 1, rows], dtype=torch.int32, device=dev)
+        self.context_lens = torch.tensor([1, rows - 1], dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((2, max_blocks_per_seq), cache.pad_block,
+                                       dtype=torch.int32, device=dev)  # fmt: skip
+        self.state_slots = torch.full((2,), cache.pad_slot, dtype=torch.int32, device=dev)
+        self.last_row = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _meta(self, n: int) -> StepMetadata:
+        rows = n + PAD_TOKENS
+        return StepMetadata(
+            input_ids=self.input_ids[:rows], positions=self.positions[:rows],
+            seq_lens=[n, PAD_TOKENS], cu_seqlens=self.cu_seqlens,
+            context_lens=self.context_lens, block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping[:rows], state_slots=self.state_slots,
+            max_q_len=rows, prefix_free=True, prefix_lens=[0, 0], padded=True,
+        )  # fmt: skip
+
+    def forward(self, meta: StepMetadata) -> torch.Tensor:
+        """What a graph runs on its metadata: fp32 logits [1, V] of the prompt's last row."""
+        hidden = self.model(meta, self.cache)
+        return self.model.logits(hidden.index_select(0, self.last_row))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, sharing one memory pool."""
+        pool = None
+        for n in reversed(self.sizes):
+            rows = n + PAD_TOKENS  # lengths that fit size n for the warm-up run; replays set theirs
+            self.cu_seqlens.copy_(torch.tensor([0, 1, rows], dtype=torch.int32))
+            self.context_lens.copy_(torch.tensor([1, rows - 1], dtype=torch.int32))
+            meta = self._meta(n)
+            self.graphs[n], pool = capture_graph(lambda meta=meta: self.forward(meta), pool)
+        torch.cuda.synchronize()
+
+    def size_for(self, num_tokens: int) -> int | None:
+        return next((n for n in self.sizes if n >= num_tokens), None)
+
+    @torch.inference_mode()
+    def run(self, tokens: list[int], block_table: list[int], state_slot: int) -> torch.Tensor:
+        """Prefill `tokens` (positions 0..T-1, all known on the host) into the sequence with
+        this block table and state slot. Returns fp32 logits [1, V] of its last token (a view
+        of the graph's output: read it before the next replay)."""
+        t, bs = len(tokens), self.cache.block_size
+        n = self.size_for(t)
+        rows = n + PAD_TOKENS
+        scratch = self.cache.pad_block * bs
+        cache_rows = [block_table[p // bs] * bs + p % bs for p in range(t)]
+        dev = to_device([tokens + [0] * (rows - t), list(range(t)) + [0] * (rows - t),
+                         cache_rows + [scratch] * (rows - t)], torch.long,
+                        self.input_ids.device)  # fmt: skip
+        self.input_ids[:rows].copy_(dev[0])
+        self.positions[:rows].copy_(dev[1])
+        self.slot_mapping[:rows].copy_(dev[2])
+        width = self.block_tables.shape[1]
+        small = to_device([0, t, rows, t, rows - t, state_slot, t - 1, *block_table]
+                          + [self.cache.pad_block] * (width - len(block_table)), torch.int32,
+                          self.input_ids.device)  # fmt: skip
+        self.cu_seqlens.copy_(small[:3])
+        self.context_lens.copy_(small[3:5])
+        self.state_slots[:1].copy_(small[5:6])
+        self.last_row.copy_(small[6:7])
+        self.block_tables[0].copy_(small[7:])
+        graph, logits = self.graphs[n]
+        graph.replay()
+        return logits
+
+
+def capture_graph(fn, pool):
+    """Capture `fn()` (after one warm-up call on a side stream, which compiles its kernels and
+    sizes the pool) into a CUDA graph in memory pool `pool` (None: a new one). Returns
+    ((graph, fn's output), the graph's pool)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return (graph, out), graph.pool()

@@ -5,7 +5,8 @@ config; the scheduler owns which blocks and slots each request holds. For each p
 request it feeds the next `num_tokens` of its uncomputed tokens, batched back to back, and
 samples a token for every request whose input is now complete. On a GPU, steps where every
 request brings exactly its one next token (decode) replay a captured CUDA graph
-(`cuda_graphs.DecodeGraphs`); prefill and mixed steps run eagerly.
+(`cuda_graphs.DecodeGraphs`), and so does a step that is one prompt of up to a few thousand
+tokens from its start (`cuda_graphs.PrefillGraphs`); other steps run eagerly.
 
 Sampled tokens stay on the device: each is written to `next_tokens[state slot]`, where the
 next step reads it if the host does not have it yet (a pending token, see the scheduler),
@@ -25,7 +26,7 @@ from sparrow.core.request import Request
 from sparrow.core.sampling_params import TokenLogprob
 from sparrow.core.scheduler import SchedulerOutput
 from sparrow.worker.cache import ModelCache, build_metadata, to_device
-from sparrow.worker.cuda_graphs import DecodeGraphs
+from sparrow.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 from sparrow.worker.multimodal import MediaInputs
 from sparrow.worker.sampler import penalize, sample_rows, token_logprob
 
@@ -75,11 +76,14 @@ class ModelRunner:
         # the last token sampled for each state slot (and the padding slot)
         self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
                                        device=model.device)  # fmt: skip
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         if cuda_graphs and model.device.type == "cuda" and getattr(model, "cuda_graphs", True):
             max_blocks = -(-sched.max_model_len // cache.block_size)
             self.graphs = DecodeGraphs(model, self.cache, sched.max_num_seqs, max_blocks)
             self.graphs.capture()
+            most = min(sched.max_num_batched_tokens, sched.max_model_len)
+            self.prefill_graphs = PrefillGraphs(model, self.cache, most, max_blocks)
+            self.prefill_graphs.capture()
 
     def _start_states(self, plan: SchedulerOutput) -> None:
         """(Re)started requests begin from zero recurrent state, or from the snapshot their
@@ -127,6 +131,11 @@ class ModelRunner:
             logits = self.graphs.run([t[0] for t in tokens], computed, tables, slots,
                                      self.next_tokens, offsets)  # fmt: skip
             self._save_states(plan)
+        elif self._prefill_graph_fits(rids, computed, tokens):
+            logits = self.prefill_graphs.run(tokens[0], tables[0], slots[0])
+            self._save_states(plan)
+            if not done:  # the first chunk of a longer prompt
+                return None
         else:
             meta = build_metadata(tokens, computed, tables, slots, self.cache.block_size, device)
             if self.media.requests:
@@ -159,6 +168,15 @@ class ModelRunner:
                         for row, (rid, p) in enumerate(zip(done, params, strict=True))
                         if p.logprobs is not None}  # fmt: skip
         return LaunchedStep.start(done, picked, logprobs)
+
+    def _prefill_graph_fits(self, rids: list[str], computed: list[int],
+                            tokens: list[list[int]]) -> bool:  # fmt: skip
+        """Whether the step is one prompt from its first token, without media, that a
+        captured prefill graph holds."""
+        return (self.prefill_graphs is not None and len(rids) == 1 and computed[0] == 0
+                and tokens[0][-1] != PENDING
+                and rids[0] not in self.media.requests
+                and self.prefill_graphs.size_for(len(tokens[0])) is not None)  # fmt: skip
 
     def _penalized(self, logits: torch.Tensor, done: list[str], params: list,
                    requests: dict[str, Request],

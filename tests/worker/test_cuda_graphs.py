@@ -1,6 +1,6 @@
-"""Decode steps from CUDA graphs: which batch sizes are captured, how a batch pads to one,
-and that a padded step gives the eager step's logits while its padding rows write only the
-cache's scratch block and slot.
+"""Decode and prefill steps from CUDA graphs: which sizes are captured, how a step pads to
+one, and that a padded step gives the eager step's logits while its padding rows write only
+the cache's scratch block and slot.
 
 On the CPU nothing is captured: each "graph" replays the model eagerly on the static input
 buffers (what the captured kernels read), so the host side of `DecodeGraphs.run` (filling
@@ -8,13 +8,21 @@ and padding the buffers, pending tokens) is tested there too; on a GPU the graph
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from sparrow.kernels import get_backend, set_backend
 from sparrow.loader.weights import load_checkpoint
 from sparrow.worker.cache import ModelCache, build_metadata
-from sparrow.worker.cuda_graphs import BATCH_SIZES, DecodeGraphs
+from sparrow.worker.cuda_graphs import (
+    BATCH_SIZES,
+    PAD_TOKENS,
+    PREFILL_TOKENS,
+    DecodeGraphs,
+    PrefillGraphs,
+)
 from tests.conftest import rel_err
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS = 16, 40, 6  # scratch: block 40, slot 6
@@ -48,6 +56,13 @@ def decode_graphs(model, cache, max_batch: int, max_blocks: int) -> DecodeGraphs
             replay = EagerReplay(graphs, size)
             graphs.graphs[size] = (replay, replay.out)
     return graphs
+
+
+@pytest.fixture
+def kernel_backend():
+    previous = get_backend()
+    yield set_backend
+    set_backend(previous)
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +191,96 @@ def test_padded_decode_matches_eager_on_cpu(cpu_model):
 def test_padded_decode_matches_eager_gpu(tiny_checkpoint, dtype, tol):
     model = load_checkpoint(tiny_checkpoint, "cuda", dtype, progress=False)
     check_padded_decode(model, tol)
+
+
+class EagerPrefillReplay:
+    """A captured prefill graph's stand-in on the CPU. The reference path splits sequences by
+    their host lengths, which a graph fixes at capture, so it gets the step's real ones; the
+    kernel path reads only the device buffers, as the captured kernels do."""
+
+    def __init__(self, graphs: PrefillGraphs, size: int):
+        self.graphs, self.size = graphs, size
+        self.out = torch.empty(1, graphs.model.config.vocab_size)
+
+    def replay(self) -> None:
+        g, rows = self.graphs, self.size + PAD_TOKENS
+        t = int(g.cu_seqlens[1])
+        meta = dataclasses.replace(g._meta(self.size), seq_lens=[t, rows - t])
+        self.out.copy_(g.forward(meta))
+
+
+def prefill_graphs(model, cache, max_tokens: int, max_blocks: int) -> PrefillGraphs:
+    graphs = PrefillGraphs(model, cache, max_tokens, max_blocks)
+    if model.device.type == "cuda":
+        graphs.capture()
+    else:
+        for size in graphs.sizes:
+            replay = EagerPrefillReplay(graphs, size)
+            graphs.graphs[size] = (replay, replay.out)
+    return graphs
+
+
+def test_prefill_sizes_end_at_the_step_budget(cpu_model):
+    cache = ModelCache(cpu_model.cache_specs(), 4, BLOCK_SIZE, 2, "cpu", torch.float32)
+    graphs = PrefillGraphs(cpu_model, cache, 1000, 3)
+    assert graphs.sizes == [64, 128, 256, 512]
+    assert [graphs.size_for(n) for n in (1, 64, 65, 512, 513)] == [64, 64, 128, 512, None]
+    assert list(PREFILL_TOKENS) == sorted(set(PREFILL_TOKENS))
+
+
+def check_padded_prefill(model, prompt_len: int, tol: float) -> None:
+    """A prompt prefills through the graph of size 64 (rows past it: padding) beside a
+    bystander, then decodes one token eagerly; the same on a copy of the cache, eagerly
+    throughout. Same logits; the caches differ only in the scratch block and slot."""
+    device = model.device
+    graph_cache = ModelCache(model.cache_specs(), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, device,
+                             model.dtype)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    bystander = torch.randint(0, vocab, (BYSTANDER[0],), generator=gen).tolist()
+    meta = build_metadata([bystander], [0], [BYSTANDER[1]], [0], BLOCK_SIZE, device)
+    with torch.inference_mode():
+        model(meta, graph_cache)
+    table, slot = [7, 3, 12, 20, 25][: -(-(prompt_len + 1) // BLOCK_SIZE)], 4
+    eager_cache = copy.deepcopy(graph_cache)
+    before = [t.clone() for t in _tensors(graph_cache)]
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+    graphs = prefill_graphs(model, graph_cache, 128, 5)  # 128 captured first
+    got = [graphs.run(prompt, table, slot).clone()]
+    meta = build_metadata([prompt], [0], [table], [slot], BLOCK_SIZE, device)
+    with torch.inference_mode():
+        expected = [model.logits(model(meta, eager_cache)[-1:])]
+    token = [expected[0].argmax(-1).item()]
+    for cache, out in ((graph_cache, got), (eager_cache, expected)):
+        meta = build_metadata([token], [prompt_len], [table], [slot], BLOCK_SIZE, device)
+        with torch.inference_mode():
+            out.append(model.logits(model(meta, cache)))
+    for step, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g.shape == e.shape == (1, vocab)
+        assert rel_err(g, e) < tol, f"step {step}: rel err {rel_err(g, e):.2e}"
+
+    pad_block, pad_slot = graph_cache.pad_block, graph_cache.pad_slot
+    allowed = set(table) | {slot, pad_block, pad_slot}
+    for old, new, eager in zip(before, _tensors(graph_cache), _tensors(eager_cache),
+                               strict=True):  # fmt: skip
+        assert _changed(old, new) <= allowed
+        rows = [i for i in range(old.shape[0]) if i not in (pad_block, pad_slot)]
+        scale = max(eager[rows].abs().max().item(), 1e-30)
+        assert (new[rows] - eager[rows]).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("prompt_len", [1, 37, 64])
+def test_padded_prefill_matches_eager_on_cpu(cpu_model, kernel_backend, backend, prompt_len):
+    kernel_backend(backend)
+    check_padded_prefill(cpu_model, prompt_len, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_len", [1, 37, 64])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)],
+                         ids=["fp32", "bf16"])  # fmt: skip
+def test_padded_prefill_matches_eager_gpu(tiny_checkpoint, dtype, tol, prompt_len):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = load_checkpoint(tiny_checkpoint, "cuda", dtype, progress=False)
+    check_padded_prefill(model, prompt_len, tol)
