@@ -82,6 +82,14 @@ def test_no_gate_and_wide_gqa():
            tol=1e-5, with_gate=False)  # fmt: skip
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_cache_blocks_smaller_than_a_key_step(device):
+    """Pages of 4 tokens (MSA's small test blocks): a step of 16 keys spans four pages."""
+    kw = dict(hq=4, hkv=2, d=32, block=4, device=device, dtype=torch.float32, tol=1e-5)
+    _check([29, 13, 5], [29, 1, 5], **kw)  # prefill + decode mixed
+    _check([29, 13, 5], [1, 1, 1], **kw, splits=2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctx", [1, 127, 128, 129, 5000])
 def test_real_sizes_gpu(ctx):

@@ -26,6 +26,10 @@ import triton.language as tl
 from sparrow.kernels.launch import fast
 from sparrow.kernels.pdl import launch_args, wait_for_previous
 
+# Keys per step at least: tl.dot takes K >= 16 (p @ v reduces over the keys). A step may span
+# several cache blocks (each key looks its block up), as with MSA's small test blocks.
+MIN_KEYS = 16
+
 
 @triton.jit
 def _paged_attn_kernel(
@@ -84,7 +88,7 @@ def _paged_attn_kernel(
 @dataclass(frozen=True)
 class PagedTiles:
     """The prefill kernel's query positions per program (block_m: a tile of block_m * G
-    rows), keys per step (block_n, at most a cache block), num_warps."""
+    rows), keys per step (block_n, at most a cache block but at least MIN_KEYS), num_warps."""
 
     block_m: int
     block_n: int
@@ -132,7 +136,7 @@ def paged_attention(
     tiles = tiles or PagedTiles.for_shape(max_q_len, g, d)
     block_m = tiles.block_m
     rows = max(16, triton.next_power_of_2(block_m * g))
-    block_n = min(tiles.block_n, cache_block)
+    block_n = max(MIN_KEYS, min(tiles.block_n, cache_block))
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_q_len, block_m), hkv, cu_seqlens_q.numel() - 1)
     fast(_paged_attn_kernel)[grid](
@@ -221,7 +225,7 @@ def _decode_merge_kernel(
 @dataclass(frozen=True)
 class DecodeTiles:
     """The split-K decode's key ranges per (sequence, KV head) (splits) and keys per step
-    (block_n, at most a cache block)."""
+    (block_n, at most a cache block but at least MIN_KEYS)."""
 
     splits: int
     block_n: int
@@ -270,7 +274,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), scale,
         S=splits, G=g, D=d, ROWS=max(16, triton.next_power_of_2(g)),
-        BLOCK_N=min(tiles.block_n, cache_block),
+        BLOCK_N=max(MIN_KEYS, min(tiles.block_n, cache_block)),
         CACHE_BLOCK=cache_block, PRECISION=precision, **launch_args(acc, grid),
     )  # fmt: skip
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
