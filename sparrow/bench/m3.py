@@ -4,7 +4,7 @@ Speed: hidden 6144, 64/4 heads, MSA (4 index heads, 128-token blocks, top-16), 1
 top-4, random weights quantised to 4 bits on the GPU, `--layers` of the 60 (the real
 layout: 3 full-attention dense layers, then sparse MoE ones; the whole model does not fit
 one GPU). Per prompt length: prefill tok/s (time to the first token) and decode tok/s at
-batch 1 through `sparrow.LLM` (chunked prefill, eager decode), medians over rounds; the
+batch 1 through `sparrow.LLM` (chunked prefill, CUDA-graph decode), medians over rounds; the
 full 60-layer figures are extrapolated per layer and marked so.
 
 Parity: a 4-layer model (one full-attention layer, three MSA ones; dense MLPs, then one

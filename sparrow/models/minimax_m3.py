@@ -306,9 +306,11 @@ class MiniMaxM3Model(DecoderStack):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, (cfg.rotary_dim // 2, 0, 0))
         self.requires_grad_(False)
 
-    # Decode steps run eagerly on a GPU (ModelRunner reads this) until graph decode of the
-    # whole model (MSA decode kernels, fused experts) is checked against eager there.
-    cuda_graphs = False
+    # Decode steps replay CUDA graphs (the MSA decode selection and attention read no host
+    # values); prefill steps select each sequence's blocks with its context length read on
+    # the host, so they run eagerly (ModelRunner reads both).
+    cuda_graphs = True
+    prefill_graphs = False
     # HF 5.17's tower attends across all the images of a call (MiniMax's reference attends
     # within each): the engine encodes a prompt's media together to match it.
     joint_media = True

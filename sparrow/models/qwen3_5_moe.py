@@ -22,6 +22,7 @@ from torch import nn
 
 from sparrow.config import ConfigError, QuantConfig
 from sparrow.core.cache_spec import CacheSpec
+from sparrow.kernels import use_triton
 from sparrow.layers.attention import GatedAttention
 from sparrow.layers.decoder import DecoderStack
 from sparrow.layers.gated_deltanet import GatedDeltaNet
@@ -332,6 +333,14 @@ class Qwen3_5MoeModel(DecoderStack):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section,
                                       cfg.rope_scaling)  # fmt: skip
         self.requires_grad_(False)
+
+    @property
+    def prefill_graphs(self) -> bool:
+        """Whether one-prompt prefills may replay CUDA graphs (ModelRunner reads this): only
+        when every Gated DeltaNet layer takes the kernels, which read sequence bounds on the
+        device; the reference path splits the step by lengths read on the host."""
+        return use_triton(self.norm.weight) and all(
+            layer.linear_attn.kernels_fit for layer in self.layers if not layer.is_attention)
 
     def cache_specs(self) -> list[CacheSpec | None]:
         """What each layer keeps between steps: paged K/V for attention, conv + recurrent

@@ -65,8 +65,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, sched: SchedulerConfig, cache: CacheConfig,
                  cuda_graphs: bool = True):  # fmt: skip
         """sched, cache: resolved settings. cuda_graphs: capture decode steps (GPU only, and
-        only for models whose `cuda_graphs` attribute, if any, is true; False runs every step
-        eagerly)."""
+        only for models whose `cuda_graphs` attribute, if any, is true) and one-prompt
+        prefills (where `prefill_graphs`, if any, is true too); False runs every step
+        eagerly."""
         self.model = model
         self.cache = ModelCache(model.cache_specs(), cache.num_blocks, cache.block_size,
                                 cache.num_state_slots, model.device, model.dtype,
@@ -81,9 +82,10 @@ class ModelRunner:
             max_blocks = -(-sched.max_model_len // cache.block_size)
             self.graphs = DecodeGraphs(model, self.cache, sched.max_num_seqs, max_blocks)
             self.graphs.capture()
-            most = min(sched.max_num_batched_tokens, sched.max_model_len)
-            self.prefill_graphs = PrefillGraphs(model, self.cache, most, max_blocks)
-            self.prefill_graphs.capture()
+            if getattr(model, "prefill_graphs", True):
+                most = min(sched.max_num_batched_tokens, sched.max_model_len)
+                self.prefill_graphs = PrefillGraphs(model, self.cache, most, max_blocks)
+                self.prefill_graphs.capture()
 
     def _start_states(self, plan: SchedulerOutput) -> None:
         """(Re)started requests begin from zero recurrent state, or from the snapshot their

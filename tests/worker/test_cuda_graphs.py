@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparrow.kernels import get_backend, set_backend
+from sparrow.loader.random_checkpoint import PRESETS, random_model
 from sparrow.loader.weights import load_checkpoint
 from sparrow.worker.cache import ModelCache, build_metadata
 from sparrow.worker.cuda_graphs import (
@@ -284,3 +285,14 @@ def test_padded_prefill_matches_eager_gpu(tiny_checkpoint, dtype, tol, prompt_le
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_checkpoint(tiny_checkpoint, "cuda", dtype, progress=False)
     check_padded_prefill(model, prompt_len, tol)
+
+
+def test_prefill_graphs_only_where_gdn_takes_the_kernels(cpu_model, kernel_backend):
+    """The reference GDN path splits a step by lengths read on the host: no prefill graph."""
+    kernel_backend("triton")
+    assert cpu_model.prefill_graphs
+    odd = random_model(PRESETS["qwen3.6-tiny"].replace(linear_key_head_dim=24), seed=0,
+                       device="cpu", dtype=torch.float32)  # fmt: skip
+    assert not odd.prefill_graphs
+    kernel_backend("reference")
+    assert not cpu_model.prefill_graphs
