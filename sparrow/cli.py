@@ -1,4 +1,5 @@
-"""`sparrow` command line: generate text, write random checkpoints."""
+"""`sparrow` command line: generate text, serve the engine (HTTP or gRPC), the gateway over
+workers, checkpoint tools."""
 
 from __future__ import annotations
 
@@ -127,17 +128,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(llm, max_waiting=args.max_waiting)
     media = None
     if llm.info().media:  # the checkpoint has a vision tower
-        from sparrow.multimodal import MediaLimits
         from sparrow.multimodal.pipeline import MediaPipeline
 
-        media = MediaPipeline.for_checkpoint(
-            args.model, MediaLimits(allowed_dir=Path(args.allowed_media_dir).resolve()
-                                    if args.allowed_media_dir else None))  # fmt: skip
+        media = MediaPipeline.for_checkpoint(args.model, media_limits(args))
     body_limit = args.max_body_bytes or ((64 << 20) if media else (1 << 20))
     app = build_app(engine, llm.tokenizer, name, args.api_key, body_limit,
                     max_waiting=args.max_waiting, media=media,
                     reasoning=PARSERS[args.reasoning_parser] if args.reasoning_parser
-                    else None)  # fmt: skip
+                    else None, rate_limit=args.rate_limit,
+                    tool_parser=tool_format(args, args.model and Path(args.model)))  # fmt: skip
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30)  # fmt: skip
     server = uvicorn.Server(config)
@@ -153,6 +152,59 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if engine.dead.is_set():
         print("[sparrow] the engine failed: exiting with status 1", file=sys.stderr)
         return 1
+    return 0
+
+
+def tool_format(args: argparse.Namespace, model_dir: Path | None):
+    """The tool-call parser `--tool-call-parser` names ("auto": the checkpoint's family)."""
+    import json
+
+    from sparrow.loader.random_checkpoint import default_checkpoint
+    from sparrow.server.tool_parsers import PARSERS as TOOL_PARSERS
+    from sparrow.server.tool_parsers import parser_for
+
+    name = args.tool_call_parser
+    if name == "auto":
+        config = (model_dir or default_checkpoint()) / "config.json"
+        name = parser_for(json.loads(config.read_text()).get("model_type", ""))
+    return TOOL_PARSERS[name] if name and name != "none" else None
+
+
+def media_limits(args: argparse.Namespace):
+    """The MediaLimits the media flags of `serve` / `gateway` describe."""
+    from sparrow.multimodal import MediaLimits
+
+    allowed = Path(args.allowed_media_dir).resolve() if args.allowed_media_dir else None
+    return MediaLimits(allowed_dir=allowed, allow_private_urls=args.allow_private_media_urls)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """The OpenAI API over gRPC workers: routing, retries, media preprocessing on the CPU."""
+    import uvicorn
+
+    from sparrow.gateway.app import GatewaySettings, build_gateway
+    from sparrow.gateway.router import RouterSettings
+    from sparrow.loader.random_checkpoint import default_checkpoint
+
+    model_dir = Path(args.model) if args.model else default_checkpoint()
+    settings = GatewaySettings(
+        workers=args.worker, model_dir=model_dir, policy=args.policy,
+        model_name=args.served_model_name or (model_dir.name if args.model else "default"),
+        api_keys=args.api_key or (), rate_limit=args.rate_limit,
+        max_body_bytes=args.max_body_bytes, media_limits=media_limits(args),
+        router=RouterSettings(request_timeout_s=args.request_timeout or None),
+        reasoning=PARSERS[args.reasoning_parser] if args.reasoning_parser else None,
+        tool_parser=tool_format(args, model_dir),
+    )  # fmt: skip
+    app, router, pool = build_gateway(settings)
+    print(f"[sparrow] gateway for {settings.model_name!r} over {', '.join(args.worker)} "
+          f"({args.policy}) on http://{args.host}:{args.port}", file=sys.stderr)  # fmt: skip
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=30)  # fmt: skip
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return 0
 
 
@@ -217,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_worker(sub)
+    _add_gateway(sub)
     ckpt = sub.add_parser("checkpoint", help="checkpoint tools")
     _add_checkpoint(ckpt.add_subparsers(dest="checkpoint_command", required=True))
     return parser
@@ -243,19 +296,56 @@ def _add_serve(sub) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--max-body-bytes", type=int, default=None,
-                     help="request body limit (default: 64 MiB for a model that takes images "
-                          "and videos as data URLs, else 1 MiB)")
-    srv.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
-                     help="split chat completions into reasoning_content and content at the "
-                          "model's think markers (default: all text is content)")
-    srv.add_argument("--allowed-media-dir", default=None,
-                     help="local image and video files are read only under this directory "
-                          "(default: none are)")  # fmt: skip
+    _add_http_args(srv)
     srv.add_argument("--max-waiting", type=int, default=256,
                      help="queued requests before new ones get 503 + Retry-After")  # fmt: skip
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+
+def _add_http_args(parser: argparse.ArgumentParser) -> None:
+    """The flags `serve` and `gateway` share: limits, parsers, media sources."""
+    parser.add_argument("--rate-limit", type=float, default=None,
+                        help="requests per minute per API key (429 + Retry-After past it)")
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help="request body limit (default: 64 MiB for a model that takes "
+                             "images and videos as data URLs, else 1 MiB)")  # fmt: skip
+    parser.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
+                        help="split chat completions into reasoning_content and content at "
+                             "the model's think markers (default: all text is content)")
+    parser.add_argument("--tool-call-parser", choices=["auto", "none", "qwen3", "minimax_m3"],
+                        default="auto",
+                        help="parse the model's tool calls into tool_calls (auto: by the "
+                             "checkpoint's model_type)")  # fmt: skip
+    parser.add_argument("--allowed-media-dir", default=None,
+                        help="local image and video files are read only under this directory "
+                             "(default: none are)")  # fmt: skip
+    parser.add_argument("--allow-private-media-urls", action="store_true",
+                        help="fetch media URLs that resolve to private, loopback or link-local "
+                             "addresses (default: refused)")  # fmt: skip
+
+
+def _add_gateway(sub) -> None:
+    from sparrow.gateway.policies import POLICIES
+
+    gw = sub.add_parser("gateway", help="serve the OpenAI API over gRPC workers",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    gw.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
+                    help="a worker's address (repeat for each)")
+    gw.add_argument("--model", help="the checkpoint the workers serve (its tokenizer, chat "
+                                    "template and preprocessing configs are read, not its "
+                                    "weights); None: the built-in small model")  # fmt: skip
+    gw.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    gw.add_argument("--served-model-name", help="the model id clients use (default: dir name)")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=8000)
+    gw.add_argument("--api-key", action="append", default=None,
+                    help="a key clients may send as 'Authorization: Bearer KEY' (repeat for "
+                         "more; 'sha256:<hex>' gives its digest instead)")  # fmt: skip
+    gw.add_argument("--request-timeout", type=float, default=1800.0,
+                    help="seconds a request may run (0: no limit)")
+    _add_http_args(gw)
+    gw.set_defaults(func=cmd_gateway)
 
 
 def _add_worker(sub) -> None:

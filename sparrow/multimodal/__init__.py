@@ -6,14 +6,9 @@ The package imports nothing from the engine, so the gateway and the single-proce
 can both run it in front of the model.
 """
 
+from sparrow.multimodal.fetch import fetch_bytes, load_image
 from sparrow.multimodal.image import ProcessedImage, preprocess_image, smart_resize
-from sparrow.multimodal.media import (
-    MediaError,
-    MediaLimits,
-    decode_image,
-    load_image,
-    media_digest,
-)
+from sparrow.multimodal.media import MediaError, MediaLimits, decode_image, media_digest
 from sparrow.multimodal.specs import MINIMAX_M3, QWEN3_5_MOE, ImageSpec, spec_for_model_type
 from sparrow.multimodal.video import (
     MINIMAX_M3_VIDEO,
@@ -36,6 +31,7 @@ __all__ = [
     "ProcessedVideo",
     "VideoSpec",
     "decode_image",
+    "fetch_bytes",
     "load_image",
     "media_digest",
     "placeholder_text",

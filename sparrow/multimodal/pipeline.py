@@ -1,5 +1,6 @@
 """From a chat request's media parts to what the engine takes: fetch, decode and preprocess
-each image and video (`prepare`, blocking: servers run it off their event loop), then expand
+each image and video (`load`, blocking and picklable: servers run it off their event loop,
+in threads or a process pool; then `finish` tokenises a video's timestamps), then expand
 the one placeholder token per item that the chat template renders into the item's full
 placeholder (`expand`), as the HF 5.17 processors replace theirs:
 - an image token becomes one token per merged patch (Qwen: the template wraps it in
@@ -18,15 +19,10 @@ from pathlib import Path
 
 import torch
 
+from sparrow.multimodal.fetch import fetch_bytes
 from sparrow.multimodal.image import preprocess_image
 from sparrow.multimodal.items import MediaItem
-from sparrow.multimodal.media import (
-    MediaError,
-    MediaLimits,
-    decode_image,
-    fetch_bytes,
-    media_digest,
-)
+from sparrow.multimodal.media import MediaError, MediaLimits, decode_image, media_digest
 from sparrow.multimodal.specs import ImageSpec, spec_for_model_type
 from sparrow.multimodal.video import (
     MINIMAX_M3_VIDEO,
@@ -42,6 +38,19 @@ _WRAPPED_IMAGES = {"minimax_m3_vl"}  # the image replacement carries start/end i
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """One preprocessed media item and what replaces its placeholder token: token ids, or
+    (videos) text to tokenise with the timestamps."""
+
+    video: bool
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    digest: str
+    nbytes: int  # encoded bytes fetched
+    placeholder: list[int] | str
+
+
+@dataclass(frozen=True)
 class Prepared:
     """One preprocessed media item and the token ids that replace its placeholder token."""
 
@@ -50,6 +59,7 @@ class Prepared:
     grid_thw: tuple[int, int, int]
     digest: str
     replacement: list[int]
+    nbytes: int = 0  # encoded bytes fetched
 
 
 class MediaPipeline:
@@ -76,21 +86,34 @@ class MediaPipeline:
             video = video.from_preprocessor_config(json.loads(pre.read_text()))
         return cls(image, video, limits, wrap_images=model_type in _WRAPPED_IMAGES)
 
-    def prepare(self, video: bool, source: str, encode: Callable[[str], list[int]]) -> Prepared:
-        """Fetch, decode and preprocess one item (MediaError for anything wrong with it);
-        `encode` tokenises placeholder text (special tokens included)."""
+    def load(self, video: bool, source: str) -> Loaded:
+        """Fetch, decode and preprocess one item (MediaError for anything wrong with it):
+        the heavy part, which a process pool can run (the pipeline and the result pickle)."""
         data = fetch_bytes(source, self.limits)
         if video:
             out = preprocess_video(data, self.video, self.limits)
-            text = placeholder_text(out, self.video)
-            return Prepared(True, out.pixel_values, out.grid_thw,
-                            media_digest(data, self.video), encode(text))  # fmt: skip
+            return Loaded(True, out.pixel_values, out.grid_thw, media_digest(data, self.video),
+                          len(data), placeholder_text(out, self.video))  # fmt: skip
         out = preprocess_image(decode_image(data, self.limits), self.image)
         pads = [self.image.image_token_id] * out.num_tokens
         if self.wrap_images:
             pads = [self.image.start_token_id, *pads, self.image.end_token_id]
-        return Prepared(False, out.pixel_values, out.grid_thw, media_digest(data, self.image),
-                        pads)  # fmt: skip
+        return Loaded(False, out.pixel_values, out.grid_thw, media_digest(data, self.image),
+                      len(data), pads)  # fmt: skip
+
+    @staticmethod
+    def finish(loaded: Loaded, encode: Callable[[str], list[int]]) -> Prepared:
+        """The item with its replacement token ids (`encode` tokenises a video's placeholder
+        text, special tokens included)."""
+        replacement = loaded.placeholder
+        if isinstance(replacement, str):
+            replacement = encode(replacement)
+        return Prepared(loaded.video, loaded.pixel_values, loaded.grid_thw, loaded.digest,
+                        replacement, loaded.nbytes)  # fmt: skip
+
+    def prepare(self, video: bool, source: str, encode: Callable[[str], list[int]]) -> Prepared:
+        """`load`, then `finish`, in the calling thread."""
+        return self.finish(self.load(video, source), encode)
 
     def expand(self, ids: list[int], prepared: list[Prepared],
                video_token_id: int) -> tuple[list[int], list[MediaItem]]:  # fmt: skip

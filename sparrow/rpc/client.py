@@ -5,7 +5,8 @@ refusal; the token ids that follow go through this side's own `OutputProcessor`,
 detokenises with the caller's tokenizer and applies stop strings (one found before the worker
 stopped is aborted there). Leaving a stream early cancels its call, which aborts the request
 on the worker. Status codes come back as the interface's errors: INVALID_ARGUMENT as
-InvalidRequest, RESOURCE_EXHAUSTED as EngineFull, anything else as EngineError.
+InvalidRequest, RESOURCE_EXHAUSTED as EngineFull, UNAVAILABLE (no connection) as
+EngineUnreachable, anything else as EngineError.
 
 `info` is read once, when the engine is built; `stats` and `health` are the worker's Load and
 Health as a background thread last polled them (a worker that does not answer is not alive),
@@ -30,6 +31,7 @@ from sparrow.engine.client import (
     EngineHealth,
     EngineInfo,
     EngineStats,
+    EngineUnreachable,
     InvalidRequest,
 )
 from sparrow.engine.output_processor import OutputDelta, OutputProcessor
@@ -50,6 +52,8 @@ def status_error(error: grpc.aio.AioRpcError | grpc.RpcError) -> Exception:
         return InvalidRequest(message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return EngineFull(message)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return EngineUnreachable(f"the worker is unreachable: {message}")
     return EngineError(f"the worker answered {code.name}: {message}")
 
 

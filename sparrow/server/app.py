@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Sequence
+from concurrent.futures import Executor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +20,7 @@ from sparrow.multimodal.pipeline import MediaPipeline
 from sparrow.server.drain import Drain
 from sparrow.server.handlers import Handlers
 from sparrow.server.metrics import Metrics
-from sparrow.server.middleware import ApiKey, BodyLimit, CountResponses
+from sparrow.server.middleware import ApiKeys, BodyLimit, CountResponses, KeyRing, RateLimiter
 from sparrow.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -28,6 +30,7 @@ from sparrow.server.protocol import (
     error_body,
 )
 from sparrow.server.reasoning import ReasoningFormat
+from sparrow.server.tool_parsers import ToolFormat
 from sparrow.tokenizer import Tokenizer
 
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -35,17 +38,25 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_f
 
 
 def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-              api_key: str | None = None, max_body_bytes: int = 1 << 20,
+              api_key: str | Sequence[str] | None = None, max_body_bytes: int = 1 << 20,
               max_waiting: int | None = None, drain_s: float = 10.0,
               media: MediaPipeline | None = None,
-              reasoning: ReasoningFormat | None = None) -> FastAPI:  # fmt: skip
+              reasoning: ReasoningFormat | None = None, rate_limit: float | None = None,
+              media_executor: Executor | None = None,
+              collectors: Sequence[object] = (),
+              tool_parser: ToolFormat | None = None) -> FastAPI:  # fmt: skip
     """The app serving `model_name` from `engine`; `tokenizer` encodes prompts and applies
-    the chat template. `api_key`: required as a bearer token on /v1/ routes. `max_waiting`:
-    the engine's queue limit (a request of more choices can never be admitted). On SIGTERM /
-    SIGINT requests in flight get `drain_s` seconds, then end with an error; shutting the
-    app down then shuts the engine down. `media`: image and video parts of chat messages
-    (None: the model takes text only). `reasoning`: the think markers that split chat
-    completions into `reasoning_content` and `content` (None: all text is content)."""
+    the chat template. `api_key`: one or more keys (plain, or `sha256:<hex>`), one of which
+    is required as a bearer token on /v1/ routes; `rate_limit`: requests per minute per key.
+    `max_waiting`: the engine's queue limit (a request of more choices can never be
+    admitted). On SIGTERM / SIGINT requests in flight get `drain_s` seconds, then end with an
+    error; shutting the app down then shuts the engine down. `media`: image and video parts
+    of chat messages (None: the model takes text only), loaded on `media_executor` (None:
+    the event loop's threads). `reasoning`: the think markers that split chat completions
+    into `reasoning_content` and `content` (None: all text is content). `collectors`: more
+    Prometheus collectors for /metrics (a gateway's per-worker state). `tool_parser`: the
+    model's tool-call format (`tool_parsers.PARSERS`), parsed into `tool_calls` when a chat
+    request gives tools (None: the tools are rendered and the text stays text)."""
     drain = Drain(drain_s)
 
     @contextlib.asynccontextmanager
@@ -60,13 +71,17 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
                   openapi_url=None)  # fmt: skip
     app.state.drain = drain
     metrics = Metrics(engine)
+    for collector in collectors:
+        metrics.registry.register(collector)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(ApiKey, api_key=api_key)
+        keys = KeyRing([api_key] if isinstance(api_key, str) else api_key)
+        app.add_middleware(ApiKeys, keys=keys,
+                           limiter=RateLimiter(rate_limit) if rate_limit else None)  # fmt: skip
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: sees every answer
     _add_error_handlers(app)
     handlers = Handlers(engine, tokenizer, model_name, metrics, drain, max_waiting, media,
-                        reasoning)  # fmt: skip
+                        reasoning, media_executor, tool_parser)  # fmt: skip
     _add_routes(app, engine, handlers, metrics, model_name)
     return app
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -33,6 +35,7 @@ from sparrow.server.protocol import (
 )
 from sparrow.server.reasoning import ReasoningFormat, ReasoningSplitter, prompt_opens
 from sparrow.server.sse import sse_events
+from sparrow.server.tool_parsers import ToolCall, ToolCallSplitter, ToolFormat
 from sparrow.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 256
@@ -55,19 +58,26 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     splitter: ReasoningSplitter | None = None  # reasoning apart from content
     reasoning: str | None = None
+    calls: ToolCallSplitter | None = None  # tool calls apart from the content left by splitter
+    tool_calls: list[ToolCall] = field(default_factory=list)
     last: tuple[str, str] = ("", "")  # the last delta's (reasoning, content)
+    last_calls: list[ToolCall] = field(default_factory=list)  # and its tool calls
 
     def take(self, delta: OutputDelta) -> None:
-        if self.splitter is None:
-            self.last = ("", delta.text)
-        else:
-            r, c = self.splitter.feed(delta.text)
-            if delta.finish_reason is not None:
-                fr, fc = self.splitter.flush()
-                r, c = r + fr, c + fc
-            self.last = (r, c)
+        done = delta.finish_reason is not None
+        r, c = ("", delta.text) if self.splitter is None else self.splitter.feed(delta.text)
+        if done and self.splitter is not None:
+            fr, fc = self.splitter.flush()
+            r, c = r + fr, c + fc
+        calls = []
+        if self.calls is not None:
+            c, calls = self.calls.feed(c)
+            c += self.calls.flush() if done else ""
+        if self.splitter is not None:
             self.reasoning = (self.reasoning or "") + r
-        self.text += self.last[1]
+        self.last, self.last_calls = (r, c), calls
+        self.tool_calls += calls
+        self.text += c
         self.num_tokens += len(delta.token_ids)
         self.token_ids += delta.token_ids
         self.finish_reason = delta.finish_reason
@@ -94,32 +104,38 @@ class Handlers:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
                  metrics: Metrics, drain: Drain, max_waiting: int | None = None,
                  media: MediaPipeline | None = None,
-                 reasoning: ReasoningFormat | None = None):  # fmt: skip
+                 reasoning: ReasoningFormat | None = None,
+                 media_executor: Executor | None = None,
+                 tool_parser: ToolFormat | None = None):  # fmt: skip
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics, self.drain, self.max_waiting = metrics, drain, max_waiting
-        self.media, self.reasoning = media, reasoning
+        self.media, self.reasoning, self.media_executor = media, reasoning, media_executor
+        self.tool_parser = tool_parser
         self.video_token_id = tokenizer.token_id(media.video.video_token) if media else None
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check(body)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = _template_messages(body.messages)
         sources = self._media_sources(messages)
-        kwargs = _template_kwargs(body.chat_template_kwargs)
+        kwargs = _template_kwargs(body.chat_template_kwargs, body.tools)
         try:
             ids = self.tokenizer.encode_chat(messages, **kwargs)
             inside = self.reasoning is not None and prompt_opens(
                 self.reasoning, self.tokenizer.apply_chat_template(messages, **kwargs))
             media = []
             if sources:  # fetch, decode and preprocess off the event loop
-                prepared = await asyncio.to_thread(self._prepare, sources)
-                ids, media = self.media.expand(ids, prepared, self.video_token_id)
+                ids, media = self.media.expand(ids, await self._prepare(sources),
+                                               self.video_token_id)  # fmt: skip
         except ValueError as e:  # MediaError is one
             raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = await self._start(body, ids, max_tokens, chat=True, media=media)
-        if self.reasoning is not None:
-            for c in job.choices:
+        schemas = body.tool_schemas()
+        for c in job.choices:
+            if self.reasoning is not None:
                 c.splitter, c.reasoning = ReasoningSplitter(self.reasoning, inside), ""
+            if self.tool_parser is not None and schemas is not None:
+                c.calls = ToolCallSplitter(self.tool_parser, schemas)
         self.metrics.media_items.inc(len(media))
         return await self._respond(job, request)
 
@@ -147,9 +163,15 @@ class Handlers:
                 sources.append((kind == "video_url", url))
         return sources
 
-    def _prepare(self, sources: list[tuple[bool, str]]) -> list:
-        encode = self.tokenizer.encode
-        return [self.media.prepare(video, url, encode) for video, url in sources]
+    async def _prepare(self, sources: list[tuple[bool, str]]) -> list:
+        """Each item loaded on the media executor (all at once), then its placeholder ids."""
+        loop, start = asyncio.get_running_loop(), time.perf_counter()
+        loaded = await asyncio.gather(*(loop.run_in_executor(self.media_executor,
+                                                             self.media.load, video, url)
+                                        for video, url in sources))  # fmt: skip
+        self.metrics.media_seconds.observe(time.perf_counter() - start)
+        self.metrics.media_bytes.inc(sum(item.nbytes for item in loaded))
+        return [self.media.finish(item, self.tokenizer.encode) for item in loaded]
 
     async def completions(self, body: CompletionRequest, request: Request):
         self._check(body)
@@ -165,9 +187,8 @@ class Handlers:
             if body.messages is None:
                 ids = self.tokenizer.encode(body.prompt)
             else:
-                messages = [m.model_dump(exclude_none=True) for m in body.messages]
-                ids = self.tokenizer.encode_chat(messages,
-                                                 **_template_kwargs(body.chat_template_kwargs))
+                kwargs = _template_kwargs(body.chat_template_kwargs, body.tools)
+                ids = self.tokenizer.encode_chat(_template_messages(body.messages), **kwargs)
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e
         return {"count": len(ids), "max_model_len": self.engine.info.max_model_len,
@@ -267,10 +288,11 @@ class Handlers:
                 await asyncio.gather(collect, return_exceptions=True)
         chat = job.chat
         ids = job.body.return_token_ids
-        choices = [protocol.choice_body(c.index, c.text, protocol.finish_reason(c.finish_reason),
+        choices = [protocol.choice_body(c.index, c.text,
+                                        protocol.finish_reason(c.finish_reason, bool(c.tool_calls)),
                                         protocol.logprobs_body(c.logprobs, chat), chat,
                                         token_ids=c.token_ids if ids else None,
-                                        reasoning=c.reasoning)
+                                        reasoning=c.reasoning, tool_calls=c.tool_calls)
                    for c in job.choices]  # fmt: skip
         return protocol.response_body(job.response_id, job.created, self.model_name, choices,
                                       chat, usage=job.usage())  # fmt: skip
@@ -326,14 +348,38 @@ class Handlers:
                     self.engine.abort(c.request_id)
 
 
-def _template_kwargs(kwargs: dict | None) -> dict:
-    """A request's chat_template_kwargs; 400 for keys the template call sets itself."""
+def _template_kwargs(kwargs: dict | None, tools: list[protocol.Tool] | None) -> dict:
+    """A request's chat_template_kwargs and its tools (HF's `tools=`: the template renders
+    them); 400 for keys the template call sets itself."""
     kwargs = kwargs or {}
-    if kwargs.keys() & {"messages", "add_generation_prompt"}:
-        raise ApiError(400, "chat_template_kwargs may not set messages or "
-                            "add_generation_prompt", "invalid_request_error",
+    if kwargs.keys() & {"messages", "add_generation_prompt", "tools"}:
+        raise ApiError(400, "chat_template_kwargs may not set messages, add_generation_prompt "
+                            "or tools", "invalid_request_error",
                        param="chat_template_kwargs")  # fmt: skip
+    if tools:
+        kwargs = kwargs | {"tools": [t.model_dump(exclude_none=True) for t in tools]}
     return kwargs
+
+
+def _template_messages(messages: list[protocol.ChatMessage]) -> list[dict]:
+    """Messages as chat templates take them: an assistant turn's tool call arguments as an
+    object (HF's convention; OpenAI sends them as JSON text); 400 when they are not one."""
+    out = []
+    for m in messages:
+        message = m.model_dump(exclude_none=True)
+        for call in message.get("tool_calls", ()):
+            args = call["function"]["arguments"]
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise ApiError(400, f"the arguments of tool call {call['function']['name']!r} "
+                                    "are not a JSON object", "invalid_request_error",
+                               param="messages")  # fmt: skip
+            call["function"]["arguments"] = args
+        out.append(message)
+    return out
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

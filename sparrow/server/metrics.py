@@ -21,6 +21,11 @@ class Metrics:
         self.aborted = Counter("sparrow_aborted_requests", "requests aborted", registry=r)
         self.media_items = Counter("sparrow_media_items", "images and videos in prompts",
                                    registry=r)  # fmt: skip
+        self.media_seconds = Histogram("sparrow_media_preprocess_seconds",
+                                       "fetch, decode and preprocess of a request's media",
+                                       registry=r)  # fmt: skip
+        self.media_bytes = Counter("sparrow_media_bytes", "encoded media bytes fetched",
+                                   registry=r)  # fmt: skip
         self.ttft = Histogram("sparrow_time_to_first_token_seconds", "time to first token",
                               registry=r)  # fmt: skip
         self.itl = Histogram("sparrow_inter_token_latency_seconds", "inter-token latency",

@@ -1,11 +1,21 @@
-"""Pure-ASGI middleware of the app: the API key on /v1/ routes, the request-body limit
-(counted on the bytes received, so a chunked body is held to it too), and the count of every
-response by endpoint and status."""
+"""Pure-ASGI middleware of the app: API keys and per-key rate limits on /v1/ routes, the
+request-body limit (counted on the bytes received, so a chunked body is held to it too), and
+the count of every response by endpoint and status.
+
+Keys are kept only as SHA-256 digests (a key given as `sha256:<hex>` is taken as its digest,
+so a deployment need not hold the plain key); a bearer token is hashed and compared with
+every digest in constant time. With a rate limit each key has a token bucket of
+`per_minute` requests (the burst is the same number); an empty bucket answers 429 with
+Retry-After (whole seconds until a request is allowed again)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import math
+import time
+from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -17,34 +27,87 @@ ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
              "/v1/models": "models", "/health": "health", "/metrics": "metrics"}  # fmt: skip
 
 
-async def send_error(send: Send, status: int, message: str, kind: str) -> None:
-    """Answer with OpenAI's error body."""
+async def send_error(send: Send, status: int, message: str, kind: str,
+                     headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Answer with OpenAI's error body (and any extra headers)."""
     body = json.dumps(error_body(message, kind, status)).encode()
+    extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})  # fmt: skip
+                            (b"content-length", str(len(body)).encode()), *extra]})  # fmt: skip
     await send({"type": "http.response.body", "body": body})
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def header(scope: Scope, name: bytes) -> str | None:
+    """A request header's value (the first), or None."""
     for key, value in scope["headers"]:
         if key == name:
             return value.decode("latin-1")
     return None
 
 
-class ApiKey:
-    """Requires `Authorization: Bearer <key>` on /v1/ routes (compared in constant time)."""
+def key_digest(key: str) -> bytes:
+    """The stored form of a key: `sha256:<hex>` as given, else the SHA-256 of the key."""
+    if key.startswith("sha256:"):
+        return bytes.fromhex(key.removeprefix("sha256:"))
+    return hashlib.sha256(key.encode()).digest()
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+class KeyRing:
+    def __init__(self, keys: Iterable[str]):
+        self.digests = [key_digest(k) for k in keys]
+        if not self.digests:
+            raise ValueError("a key ring needs at least one key")
+
+    def match(self, token: str) -> int | None:
+        """The index of the key `token` is, or None; every digest is compared."""
+        given, found = hashlib.sha256(token.encode()).digest(), None
+        for i, digest in enumerate(self.digests):
+            if hmac.compare_digest(given, digest):
+                found = i
+        return found
+
+
+class RateLimiter:
+    """A token bucket of `per_minute` requests per key."""
+
+    def __init__(self, per_minute: float, clock: Callable[[], float] = time.monotonic):
+        if per_minute <= 0:
+            raise ValueError(f"rate limit must be positive, got {per_minute}")
+        self.rate, self.burst, self.clock = per_minute / 60.0, per_minute, clock
+        self._buckets: dict[int, tuple[float, float]] = {}  # key -> (tokens, when)
+
+    def take(self, key: int) -> float:
+        """0 if a request of `key` may go now (one token taken), else the seconds to wait."""
+        now = self.clock()
+        tokens, when = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - when) * self.rate)
+        if tokens >= 1:
+            self._buckets[key] = (tokens - 1, now)
+            return 0.0
+        self._buckets[key] = (tokens, now)
+        return (1 - tokens) / self.rate
+
+
+class ApiKeys:
+    """401 without a known bearer key on /v1/ routes; 429 with Retry-After past its rate."""
+
+    def __init__(self, app: ASGIApp, keys: KeyRing, limiter: RateLimiter | None = None):
+        self.app, self.keys, self.limiter = app, keys, limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = (_header(scope, b"authorization") or "").encode("latin-1")
-            if not hmac.compare_digest(given, self.expected):
+            auth = header(scope, b"authorization") or ""
+            key = self.keys.match(auth.removeprefix("Bearer ")) if auth.startswith(
+                "Bearer ") else None  # fmt: skip
+            if key is None:
                 return await send_error(send, 401, "missing or wrong API key",
                                         "authentication_error")  # fmt: skip
+            wait = self.limiter.take(key) if self.limiter is not None else 0.0
+            if wait > 0:
+                return await send_error(send, 429, "rate limit reached for this API key",
+                                        "rate_limit_error",
+                                        headers={"retry-after": str(math.ceil(wait))})  # fmt: skip
         await self.app(scope, receive, send)
 
 
@@ -60,7 +123,7 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         message = f"request body over {self.max_bytes} bytes"
-        length = _header(scope, b"content-length")
+        length = header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await send_error(send, 413, message, "invalid_request_error")
         received, over, started = 0, False, False

@@ -3,20 +3,21 @@ JSON shapes of responses, stream chunks, usage and logprobs."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sparrow.core.request import FinishReason
 from sparrow.engine.output_processor import LogprobEntry, TokenText
+from sparrow.server.tool_parsers import ToolCall
 
 # Fields the server does not implement, each with the value that changes nothing: a request
 # giving another value (null aside) is refused rather than served as if the field were absent.
 UNSUPPORTED = {
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
-    "response_format": {"type": "text"}, "suffix": "", "best_of": 1,
-    "echo": False,
+    "functions": [], "function_call": "none", "response_format": {"type": "text"},
+    "suffix": "", "best_of": 1, "echo": False,
 }  # fmt: skip
+CHAT_ONLY = {"tools": [], "tool_choice": "none"}  # refused by /v1/completions
 
 
 def _neutral(value: Any, neutral: Any) -> bool:
@@ -47,10 +48,48 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+
+
+class Tool(BaseModel):
+    """A function the model may call, as the request's `tools` give it."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI's JSON text (an object also passes)
+
+
+class MessageToolCall(BaseModel):
+    """A call in an earlier assistant turn, sent back for the template to render."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class TokenizeRequest(BaseModel):
@@ -60,6 +99,7 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered with the messages
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -83,6 +123,7 @@ class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
+    unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -111,7 +152,7 @@ class SamplingFields(BaseModel):
         if _lone_surrogate(data):
             raise ValueError("the body holds a string with a lone UTF-16 surrogate (not text)")
         if isinstance(data, dict):
-            for name, neutral in UNSUPPORTED.items():
+            for name, neutral in cls.unsupported.items():
                 if not _neutral(data.get(name), neutral):
                     raise ValueError(f"{name} is not supported")
         return data
@@ -134,12 +175,35 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    # "auto" (the default with tools) and "required" or a named function parse the model's
+    # calls; "none" leaves its text as text. Nothing constrains decoding to a call yet, so
+    # "required" and a named function are what the model is asked for, not what it must do.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        choice, names = self.tool_choice, {t.function.name for t in self.tools or ()}
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
+            raise ValueError("tool_choice other than none or auto needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in "
+                             "tools")  # fmt: skip
+        return self
+
+    def tool_schemas(self) -> dict[str, dict] | None:
+        """Each tool's parameter schema by name, when the model's calls are to be parsed
+        (tools given and tool_choice not "none"); else None."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return {t.function.name: t.function.parameters or {} for t in self.tools}
+
 
 class CompletionRequest(SamplingFields):
+    unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED | CHAT_ONLY
     prompt: str | list[int] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -164,11 +228,13 @@ def error_body(message: str, kind: str, code: int | str | None = None,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def finish_reason(reason: FinishReason | None) -> str | None:
+def finish_reason(reason: FinishReason | None, called: bool = False) -> str | None:
     """"length" at max_tokens or the context limit; "stop" at a stop token or string (and an
-    abort)."""
+    abort); "tool_calls" when the completion (`called`) made tool calls."""
     if reason is None:
         return None
+    if called:
+        return "tool_calls"
     return "length" if reason is FinishReason.LENGTH else "stop"
 
 
@@ -203,18 +269,35 @@ def logprobs_body(entries: list[LogprobEntry] | None, chat: bool) -> dict[str, A
 
 def choice_body(index: int, text: str, reason: str | None, logprobs: dict | None,
                 chat: bool, delta: bool = False, token_ids: list[int] | None = None,
-                reasoning: str | None = None) -> dict[str, Any]:  # fmt: skip
+                reasoning: str | None = None,
+                tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:  # fmt: skip
     """One choice of a response (`delta`: of a stream chunk); `token_ids` when asked for;
-    `reasoning` (None: no reasoning parser) as `reasoning_content`."""
+    `reasoning` (None: no reasoning parser) as `reasoning_content`; a whole message's
+    `tool_calls` (its content then null when empty)."""
     if chat:
         message = {"content": text} if delta else {"role": "assistant", "content": text}
         if reasoning is not None and (reasoning or not delta):
             message["reasoning_content"] = reasoning
+        if tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in tool_calls]  # fmt: skip
         content = {"delta" if delta else "message": message}
     else:
         content = {"text": text}
     ids = {} if token_ids is None else {"token_ids": token_ids}
     return {"index": index, **content, "finish_reason": reason, "logprobs": logprobs, **ids}
+
+
+def tool_call_deltas(index: int, position: int, call: ToolCall) -> list[dict[str, Any]]:
+    """A call as stream deltas of choice `index`, OpenAI's shape: its id, type and name (no
+    arguments yet), then its arguments; `position`: the call's index among the choice's."""
+    head = {"index": position, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+    args = {"index": position, "function": {"arguments": call.arguments}}
+    return [{"index": index, "delta": {"tool_calls": [part]}, "finish_reason": None,
+             "logprobs": None} for part in (head, args)]  # fmt: skip
 
 
 def response_body(response_id: str, created: int, model: str, choices: list[dict],

@@ -1,8 +1,9 @@
 """A job's outputs as server-sent events, OpenAI's streaming format: one `data: {chunk}`
-event per delta (chat starts each choice with the assistant role), a usage chunk when
-`stream_options.include_usage` asks for it, then `data: [DONE]`. An engine failure mid-stream
-is sent as an error event, which ends the stream; so is the end of the shutdown drain window,
-followed by `data: [DONE]`."""
+event per delta (chat starts each choice with the assistant role; each tool call a delta
+completes follows as two more: the call's id and name, then its arguments), a usage chunk
+when `stream_options.include_usage` asks for it, then `data: [DONE]`. An engine failure
+mid-stream is sent as an error event, which ends the stream; so is the end of the shutdown
+drain window, followed by `data: [DONE]`."""
 
 from __future__ import annotations
 
@@ -41,16 +42,24 @@ async def sse_events(job: Job, events: AsyncIterator[tuple[Choice, OutputDelta]]
         try:
             ids = job.body.return_token_ids
             async for c, delta in events:
-                reason = protocol.finish_reason(delta.finish_reason)
+                reason = protocol.finish_reason(delta.finish_reason, bool(c.tool_calls))
                 reasoning, text = c.last  # the delta's text, split when a parser is on
-                if not (text or reasoning or reason or delta.logprobs
-                        or ids and delta.token_ids):  # fmt: skip
-                    continue
-                logprobs = protocol.logprobs_body(delta.logprobs, job.chat)
-                yield chunk([protocol.choice_body(
-                    c.index, text, reason, logprobs, job.chat, delta=True,
-                    token_ids=delta.token_ids if ids else None,
-                    reasoning=reasoning if c.splitter is not None else None)])
+                calls = c.last_calls  # and the tool calls it completed
+                parts = []
+                if (text or reasoning or delta.logprobs or ids and delta.token_ids
+                        or reason and not calls):  # fmt: skip
+                    logprobs = protocol.logprobs_body(delta.logprobs, job.chat)
+                    parts.append(protocol.choice_body(
+                        c.index, text, None, logprobs, job.chat, delta=True,
+                        token_ids=delta.token_ids if ids else None,
+                        reasoning=reasoning if c.splitter is not None else None))
+                first = len(c.tool_calls) - len(calls)
+                for position, call in enumerate(calls, first):
+                    parts += protocol.tool_call_deltas(c.index, position, call)
+                if parts:
+                    parts[-1]["finish_reason"] = reason
+                for part in parts:
+                    yield chunk([part])
         except EngineError as e:
             yield event(protocol.error_body(str(e), "server_error", 500))
             return

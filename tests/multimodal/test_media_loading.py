@@ -3,13 +3,14 @@ files only under the allowed directory, and the byte limits; every failure a Med
 
 import base64
 import io
+import ipaddress
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-from sparrow.multimodal import MediaError, MediaLimits, load_image
+from sparrow.multimodal import MediaError, MediaLimits, fetch, load_image
 
 
 def _png(width=37, height=21, seed=0):
@@ -64,11 +65,19 @@ def test_local_files_only_under_allowed_dir(tmp_path):
         load_image(str(allowed / "a.png"), MediaLimits(allowed_dir=allowed, max_bytes=64))
 
 
+@pytest.fixture
+def public_dns(monkeypatch):
+    """img.test resolves to a public address (TEST-NET addresses are not public)."""
+    real = fetch.resolve
+    monkeypatch.setattr(fetch, "resolve", lambda host, port: (
+        [ipaddress.ip_address("93.184.215.14")] if host == "img.test" else real(host, port)))
+
+
 def _client(handler):
     return httpx.Client(transport=httpx.MockTransport(handler), follow_redirects=True)
 
 
-def test_http_fetch_and_redirect():
+def test_http_fetch_and_redirect(public_dns):
     data = _png(seed=5)
 
     def handler(request):
@@ -81,7 +90,7 @@ def test_http_fetch_and_redirect():
         assert load_image("http://img.test/old", client=client).size == (37, 21)
 
 
-def test_http_errors():
+def test_http_errors(public_dns):
     data = _png()
 
     def handler(request):

@@ -158,12 +158,20 @@ def test_protocol_errors_have_the_openai_body(client, method, path, raw, headers
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}),
     ("functions", [{"name": "f"}]), ("suffix", "end"), ("best_of", 2), ("echo", True),
 ])  # fmt: skip
 def test_unsupported_fields_are_refused(client, engine, field, value):
     is_error(chat(client, **{field: value}), 400, f"{field} is not supported")
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", field: value})
+    is_error(r, 400, f"{field} is not supported")
+    assert not engine.added
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+])  # fmt: skip
+def test_chat_fields_are_refused_by_completions(client, engine, field, value):
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", field: value})
     is_error(r, 400, f"{field} is not supported")
     assert not engine.added

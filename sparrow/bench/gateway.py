@@ -1,0 +1,162 @@
+"""The gateway: media preprocessing throughput in its process pool, and routing over workers
+by policy (CPU; the workers run the built-in model unless `--model` names another).
+
+Preprocessing: a 1280x720 JPEG and a 10 s 720p H.264 clip (`bench.media.sample_media`) as
+data URLs through `MediaPipeline.load` on a spawned process pool of each `--processes`
+size, `--items` at once: images/s and clips/s.
+
+Routing: `--workers` `sparrow worker` processes and a `sparrow gateway` per policy in front
+of them (plus one over a single worker, the scaling baseline); C streaming clients each
+send `--requests` completions whose token-id prompts share a `--prefix` and differ after it
+(greedy, `ignore_eos`): time to first token p50 / p99 and output tok/s of all clients.
+
+    python -m sparrow.bench.gateway --out bench-out/gateway.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import math
+import multiprocessing
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import httpx
+
+from sparrow.bench.media import sample_media
+from sparrow.bench.report import write_report
+from sparrow.bench.serve import _free_port, one_request
+from sparrow.gateway.policies import POLICIES
+from sparrow.multimodal import QWEN3_5_MOE, MediaLimits
+from sparrow.multimodal.pipeline import MediaPipeline
+from sparrow.multimodal.video import QWEN3_5_MOE_VIDEO
+
+
+def preprocessing(processes: list[int], items: int) -> list[dict]:
+    """Images/s and clips/s through the process pool at each size."""
+    jpeg, clip = sample_media()
+    urls = {False: "data:image/jpeg;base64," + base64.b64encode(jpeg).decode(),
+            True: "data:video/mp4;base64," + base64.b64encode(clip).decode()}  # fmt: skip
+    pipeline = MediaPipeline(QWEN3_5_MOE, QWEN3_5_MOE_VIDEO, MediaLimits(max_bytes=64 << 20))
+    rows = []
+    for n in processes:
+        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+            row = {"processes": n}
+            for video in (False, True):
+                list(pool.map(pipeline.load, [video] * n, [urls[video]] * n))  # warm-up
+                t0 = time.perf_counter()
+                list(pool.map(pipeline.load, [video] * items, [urls[video]] * items))
+                row["clips_per_s" if video else "images_per_s"] = items / (
+                    time.perf_counter() - t0)  # fmt: skip
+            rows.append(row)
+            print(f"[gateway] {n} processes: {row['images_per_s']:.1f} images/s, "
+                  f"{row['clips_per_s']:.2f} clips/s", flush=True)  # fmt: skip
+    return rows
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sparrow.cli", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def _wait_ready(url: str, timeout: float = 300.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer /health within {timeout:.0f} s")
+
+
+async def _load(base: str, prompts: list[list[int]], concurrency: int, requests: int,
+                max_tokens: int) -> dict:  # fmt: skip
+    async with httpx.AsyncClient(timeout=None) as client:
+        queue = iter(prompts)
+
+        async def client_loop():
+            return [await one_request(client, base, next(queue), max_tokens)
+                    for _ in range(requests)]  # fmt: skip
+
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+                   for r in rs]  # fmt: skip
+        wall = time.perf_counter() - t0
+    ttft = sorted(r[0] for r in results)
+    return {"concurrency": concurrency, "requests": len(results),
+            "ttft_p50_s": statistics.median(ttft),
+            "ttft_p99_s": ttft[min(len(ttft) - 1, math.ceil(0.99 * len(ttft)) - 1)],
+            "output_tok_s": sum(r[2] for r in results) / wall}  # fmt: skip
+
+
+def routing(args) -> list[dict]:
+    """Each policy over all workers, and round-robin over one, at each concurrency."""
+    model = ["--model", args.model] if args.model else []
+    ports = [_free_port() for _ in range(args.workers)]
+    workers = [_start("worker", "--device", "cpu", "--port", str(p), "--max-model-len", "4096",
+                      *model) for p in ports]  # fmt: skip
+    rng = random.Random(0)
+    prefix = [rng.randrange(1000, 100_000) for _ in range(args.prefix)]
+    rows = []
+    try:
+        runs = [(policy, ports) for policy in args.policies] + [("round_robin", ports[:1])]
+        for policy, over in runs:
+            port = _free_port()
+            gateway = _start("gateway", "--port", str(port), "--policy", policy, *model,
+                             *[a for p in over for a in ("--worker", f"127.0.0.1:{p}")])
+            base = f"http://127.0.0.1:{port}"
+            try:
+                _wait_ready(base)
+                time.sleep(2.0)  # every worker polled healthy
+                for c in args.concurrency:
+                    prompts = [prefix + [rng.randrange(1000, 100_000) for _ in range(16)]
+                               for _ in range(c * args.requests)]  # fmt: skip
+                    row = {"policy": policy, "workers": len(over)} | asyncio.run(
+                        _load(base, prompts, c, args.requests, args.max_tokens))  # fmt: skip
+                    rows.append(row)
+                    print(f"[gateway] {policy:>12} x{len(over)} C={c:<3} TTFT p50 "
+                          f"{row['ttft_p50_s'] * 1e3:7.1f} ms p99 {row['ttft_p99_s'] * 1e3:7.1f}"
+                          f" ms  {row['output_tok_s']:7.1f} tok/s", flush=True)  # fmt: skip
+            finally:
+                gateway.terminate()
+                gateway.wait(30)
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.wait(30)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
+    p.add_argument("--processes", type=int, nargs="*", default=[1, os.cpu_count() or 1])
+    p.add_argument("--items", type=int, default=8, help="media items per measurement")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--policies", nargs="*", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8])
+    p.add_argument("--requests", type=int, default=4, help="per client")
+    p.add_argument("--prefix", type=int, default=512, help="tokens every prompt shares")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--skip-media", action="store_true")
+    p.add_argument("--out", default="bench-out/gateway.json")
+    args = p.parse_args(argv)
+    report = {"preprocessing": [] if args.skip_media else preprocessing(args.processes,
+                                                                         args.items),
+              "routing": routing(args), "cpus": os.cpu_count()}  # fmt: skip
+    write_report(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
