@@ -19,14 +19,12 @@ import argparse
 import asyncio
 import base64
 import math
-import multiprocessing
 import os
 import random
 import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import httpx
 
@@ -35,7 +33,7 @@ from sparrow.bench.report import write_report
 from sparrow.bench.serve import _free_port, one_request
 from sparrow.gateway.policies import POLICIES
 from sparrow.multimodal import QWEN3_5_MOE, MediaLimits
-from sparrow.multimodal.pipeline import MediaPipeline
+from sparrow.multimodal.pipeline import MediaPipeline, media_pool
 from sparrow.multimodal.video import QWEN3_5_MOE_VIDEO
 
 
@@ -47,7 +45,7 @@ def preprocessing(processes: list[int], items: int) -> list[dict]:
     pipeline = MediaPipeline(QWEN3_5_MOE, QWEN3_5_MOE_VIDEO, MediaLimits(max_bytes=64 << 20))
     rows = []
     for n in processes:
-        with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with media_pool(n) as pool:
             row = {"processes": n}
             for video in (False, True):
                 list(pool.map(pipeline.load, [video] * n, [urls[video]] * n))  # warm-up
@@ -112,11 +110,14 @@ def routing(args) -> list[dict]:
         for policy, over in runs:
             port = _free_port()
             gateway = _start("gateway", "--port", str(port), "--policy", policy, *model,
+                             "--served-model-name", "bench",
                              *[a for p in over for a in ("--worker", f"127.0.0.1:{p}")])
             base = f"http://127.0.0.1:{port}"
             try:
                 _wait_ready(base)
                 time.sleep(2.0)  # every worker polled healthy
+                warm = [prefix + [7] * 16 for _ in range(4 * len(over))]
+                asyncio.run(_load(base, warm, len(warm), 1, 4))  # compiled, caches warm
                 for c in args.concurrency:
                     prompts = [prefix + [rng.randrange(1000, 100_000) for _ in range(16)]
                                for _ in range(c * args.requests)]  # fmt: skip

@@ -11,7 +11,6 @@ request reaches its worker with the patches ready.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -60,12 +59,10 @@ def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPo
     media = pool = None
     model_type = json.loads((settings.model_dir / "config.json").read_text()).get("model_type")
     if router.info.media and model_type in MEDIA_MODEL_TYPES:
-        from sparrow.multimodal.pipeline import MediaPipeline
+        from sparrow.multimodal.pipeline import MediaPipeline, media_pool
 
         media = MediaPipeline.for_checkpoint(settings.model_dir, settings.media_limits)
-        # spawned, not forked: the gateway's gRPC and server threads do not survive a fork
-        pool = ProcessPoolExecutor(settings.media_processes,
-                                   mp_context=multiprocessing.get_context("spawn"))  # fmt: skip
+        pool = media_pool(settings.media_processes)
     body = settings.max_body_bytes or ((64 << 20) if media else (1 << 20))
     app = build_app(router, tokenizer, settings.model_name, list(settings.api_keys) or None,
                     body, media=media, reasoning=settings.reasoning,

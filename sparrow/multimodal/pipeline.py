@@ -13,7 +13,9 @@ placeholder (`expand`), as the HF 5.17 processors replace theirs:
 from __future__ import annotations
 
 import json
+import multiprocessing
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,3 +142,11 @@ class MediaPipeline:
             raise MediaError(f"{len(queue)} media part(s) have no placeholder in the prompt "
                              "(does the chat template render images and videos?)")  # fmt: skip
         return out, items
+
+
+def media_pool(processes: int) -> ProcessPoolExecutor:
+    """A pool for `MediaPipeline.load`: spawned processes (a fork would copy the parent's
+    gRPC and server threads, which do not survive it), each decoding on one thread, so that
+    the processes, not torch's intra-op threads, share the cores."""
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=torch.set_num_threads, initargs=(1,))  # fmt: skip

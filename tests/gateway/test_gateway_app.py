@@ -8,8 +8,6 @@ import base64
 import hashlib
 import io
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from PIL import Image
@@ -19,7 +17,7 @@ from sparrow.gateway.metrics import RouterCollector
 from sparrow.gateway.policies import make_policy
 from sparrow.gateway.router import Router
 from sparrow.multimodal import QWEN3_5_MOE, MediaLimits
-from sparrow.multimodal.pipeline import MediaPipeline
+from sparrow.multimodal.pipeline import MediaPipeline, media_pool
 from sparrow.multimodal.video import QWEN3_5_MOE_VIDEO
 from sparrow.rpc.client import RemoteEngine
 from sparrow.server.app import build_app
@@ -43,7 +41,7 @@ def gateway():
     worker = WorkerThread(engine)
     router = Router([worker.target], lambda a: RemoteEngine(a, llm.tokenizer.decode, poll_s=0.05),
                     make_policy("least_load"), wait_s=30)  # fmt: skip
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    pool = media_pool(1)
     media = MediaPipeline(QWEN3_5_MOE, QWEN3_5_MOE_VIDEO, MediaLimits())
     app = build_app(router, llm.tokenizer, "m", KEYS, 1 << 20, media=media, rate_limit=6000,
                     media_executor=pool, collectors=[RouterCollector(router)])  # fmt: skip
