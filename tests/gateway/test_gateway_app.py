@@ -1,7 +1,7 @@
 """The gateway's app in process over a worker on loopback (a stand-in vision tower): images
-preprocessed in a spawned process pool reach the tower; media URLs of private addresses are
-refused; hashed API keys and per-key rate limits; the body limit; per-worker metrics; the
-server's fuzzed bodies get no 5xx through the gateway."""
+and videos preprocessed in a spawned process pool reach the tower; media URLs of private
+addresses are refused; hashed API keys and per-key rate limits; the body limit; per-worker
+metrics; the server's fuzzed bodies get no 5xx through the gateway."""
 
 import asyncio
 import base64
@@ -27,6 +27,7 @@ pytest.importorskip("grpc")
 from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
+from tests.multimodal.test_video_preprocessing import encode  # noqa: E402
 from tests.server.test_fuzz import chat_bodies  # noqa: E402
 
 KEYS = ["plain-key", "sha256:" + hashlib.sha256(b"hashed-key").hexdigest()]
@@ -76,6 +77,19 @@ def test_images_are_preprocessed_in_the_pool_and_reach_the_tower(gateway):
     assert len(tower.seen) == seen + 1
     metrics = client.get("/metrics").text
     assert "sparrow_media_bytes_total" in metrics and "sparrow_gateway_worker_healthy" in metrics
+
+
+def test_videos_are_preprocessed_in_the_pool_and_reach_the_tower(gateway):
+    client, tower = gateway[:2]
+    seen = len(tower.seen)
+    clip = "data:video/mp4;base64," + base64.b64encode(encode(9, 48, 64)).decode()
+    body = {"model": "m", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user",
+            "content": [{"type": "video_url", "video_url": {"url": clip}},
+                        {"type": "text", "text": "What happens?"}]}]}  # fmt: skip
+    r = client.post("/v1/chat/completions", json=body,
+                    headers={"Authorization": "Bearer plain-key"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert len(tower.seen) == seen + 1 and tower.seen[-1][1][0][0] > 1  # frames in time
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:9/x.png", "http://10.2.3.4/x.png",
