@@ -7,6 +7,8 @@ import math
 import operator
 from dataclasses import dataclass
 
+from sparrow.core.structured import GrammarSpec
+
 # Below this temperature sampling is greedy: logits / 1e-45 overflow to inf, the softmax
 # gives NaN and torch.multinomial raises (the limit vLLM uses).
 MIN_TEMPERATURE = 1e-5
@@ -36,6 +38,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from each generated token's logit
     frequency_penalty: float = 0.0  # subtracted per time a token has been generated
     repetition_penalty: float = 1.0  # prompt and generated tokens' logits: / if > 0, * if < 0
+    grammar: GrammarSpec | None = None  # structured output: the grammar the output follows
 
     def stopping_at(self, end_ids: tuple[int, ...]) -> SamplingParams:
         """These params, stopping at `end_ids` (the model's end tokens) unless they give
@@ -84,6 +87,8 @@ class SamplingParams:
         if repetition <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {repetition}")
         put(self, "repetition_penalty", repetition)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {self.grammar!r}")
         bias = dict(self.logit_bias)
         put(self, "logit_bias", tuple(sorted(
             (_int("logit_bias token", t, 0, None), _bias(b)) for t, b in bias.items())))

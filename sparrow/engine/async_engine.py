@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from sparrow.core.request import FinishReason, Request
 from sparrow.core.sampling_params import SamplingParams
+from sparrow.core.structured import GrammarSpec
 from sparrow.engine.client import (
     EngineClient,
     EngineError,
@@ -74,6 +75,8 @@ class AsyncEngine(EngineClient):
         if request_id in self._outputs:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
         try:
+            if params.grammar is not None:  # compiled off the event loop (ms to seconds)
+                await asyncio.to_thread(self._compile, params.grammar)
             request = self._llm.make_request(list(prompt_token_ids), params, request_id, media)
         except ValueError as e:
             raise InvalidRequest(str(e)) from e
@@ -88,6 +91,9 @@ class AsyncEngine(EngineClient):
         self._inbox.put(("add", (request, tuple(media))))
         self._work.set()
         return self._stream(request_id, out)
+
+    def _compile(self, spec: GrammarSpec) -> None:
+        self._llm.grammar_compiler().compile(spec)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

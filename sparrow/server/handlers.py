@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from sparrow.core import structured
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.client import EngineClient, EngineError, EngineFull, InvalidRequest
@@ -244,6 +245,7 @@ class Handlers:
                 presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
                 frequency_penalty=body.frequency_penalty,
                 stop_token_ids=self._stop_ids(body),
+                grammar=structured.from_request(body.structured_outputs, body.response_format),
             )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e

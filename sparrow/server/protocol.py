@@ -14,8 +14,10 @@ from sparrow.server.tool_parsers import ToolCall
 # Fields the server does not implement, each with the value that changes nothing: a request
 # giving another value (null aside) is refused rather than served as if the field were absent.
 UNSUPPORTED = {
-    "functions": [], "function_call": "none", "response_format": {"type": "text"},
+    "functions": [], "function_call": "none",
     "suffix": "", "best_of": 1, "echo": False,
+    # vLLM's older spellings of structured_outputs: refused rather than ignored
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
 }  # fmt: skip
 CHAT_ONLY = {"tools": [], "tool_choice": "none"}  # refused by /v1/completions
 
@@ -145,6 +147,11 @@ class SamplingFields(BaseModel):
     # each choice (and stream chunk) also carries its generated token ids (vLLM's extension:
     # a client can send them back as the next turn's prompt, exactly as generated)
     return_token_ids: bool = False
+    # structured output: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name", "schema", "strict"}}, or vLLM's {"json": schema}, {"regex": ...},
+    # {"choice": [...]}, {"grammar": ...} (`sparrow.core.structured.from_request`)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod

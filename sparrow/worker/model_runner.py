@@ -12,6 +12,11 @@ Sampled tokens stay on the device: each is written to `next_tokens[state slot]`,
 next step reads it if the host does not have it yet (a pending token, see the scheduler),
 and is copied to the host without waiting (`LaunchedStep.tokens` waits when asked). So the
 engine plans and launches step k + 1 while step k is still running.
+
+A request with a grammar (structured output) needs its token of step k before its logits of
+step k + 1 can be masked: a step that samples one reads the pending tokens of such requests
+back before launching its forward (`_catch_up`), so on a GPU the host waits for step k there,
+and fills the masks on the CPU while the forward runs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from sparrow.core.sampling_params import TokenLogprob
 from sparrow.core.scheduler import SchedulerOutput
 from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
+from sparrow.worker.grammar import Grammar, allocate_bitmask, apply_masks
 from sparrow.worker.multimodal import MediaInputs
 from sparrow.worker.sampler import penalize, sample_rows, token_logprob
 
@@ -73,6 +79,7 @@ class ModelRunner:
                                 cache.num_state_slots, model.device, model.dtype,
                                 cache.num_state_snapshots or 0)  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars: dict[str, Grammar] = {}
         self.media = MediaInputs(model)
         # the last token sampled for each state slot (and the padding slot)
         self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
@@ -105,8 +112,13 @@ class ModelRunner:
             slots = to_device([plan.state_slots[r] for r in plan.save], torch.long, device)
             self.cache.save(slots, to_device(list(plan.save.values()), torch.long, device))
 
+    def add_grammar(self, request_id: str, compiled, stop_token_ids: tuple[int, ...]) -> None:
+        """Constrain a request's output to a compiled grammar (`GrammarCompiler.compile`)."""
+        self.grammars[request_id] = Grammar(compiled, stop_token_ids)
+
     def free(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.grammars.pop(request_id, None)
         self.media.free(request_id)
 
     @torch.inference_mode()
@@ -126,6 +138,8 @@ class ModelRunner:
             tokens.append(known + [PENDING] * (n - len(known)))
         done = [rid for rid, c, t in zip(rids, computed, tokens, strict=True)
                 if c + len(t) == requests[rid].num_tokens]  # fmt: skip
+        if self.grammars:
+            self._catch_up(done, requests, plan)
         tables, slots = [plan.block_tables[r] for r in rids], [plan.state_slots[r] for r in rids]
         is_decode = len(done) == len(rids) and all(len(t) == 1 for t in tokens)
         if is_decode and self.graphs is not None and self.graphs.padded_size(len(rids)):
@@ -160,7 +174,8 @@ class ModelRunner:
         generated = [requests[rid].num_tokens - len(requests[rid].prompt_token_ids)
                      for rid in done]  # output tokens before this one (pending ones count)
         logits = self._penalized(logits, done, params, requests, plan)
-        picked = sample_rows(logits, params, gens, generated)
+        # logprobs stay the model's (penalised) ones, as without a grammar
+        picked = sample_rows(self._masked(logits, done), params, gens, generated)
         done_slots = to_device([plan.state_slots[r] for r in done], torch.long, device)
         self.next_tokens[done_slots] = picked
         logprobs = {}
@@ -192,6 +207,35 @@ class ModelRunner:
                    for b, r in enumerate(reqs) if r.num_pending}  # fmt: skip
         return penalize(logits, params, [r.output_token_ids for r in reqs],
                         [r.prompt_token_ids for r in reqs], pending)  # fmt: skip
+
+    def _catch_up(self, done: list[str], requests: dict[str, Request],
+                  plan: SchedulerOutput) -> None:  # fmt: skip
+        """Advance the grammar of each sampling request past the tokens it has generated
+        since: those the host knows and the one still on the device (read back here)."""
+        late = []
+        for rid in done:
+            grammar = self.grammars.get(rid)
+            if grammar is None:
+                continue
+            req = requests[rid]
+            for token in req.output_token_ids[grammar.num_accepted:]:
+                grammar.accept(token)
+            if grammar.num_accepted < len(req.output_token_ids) + req.num_pending:
+                late.append((grammar, plan.state_slots[rid]))
+        if late:
+            slots = to_device([slot for _, slot in late], torch.long, self.model.device)
+            for (grammar, _), token in zip(late, self.next_tokens[slots].tolist(), strict=True):
+                grammar.accept(token)
+
+    def _masked(self, logits: torch.Tensor, done: list[str]) -> torch.Tensor:
+        """logits [len(done), V] with the tokens each request's grammar bars at -inf."""
+        rows = [(b, self.grammars[rid]) for b, rid in enumerate(done) if rid in self.grammars]
+        if not rows:
+            return logits
+        bitmask = allocate_bitmask(len(done), logits.shape[1])
+        for b, grammar in rows:
+            grammar.fill(bitmask, b)
+        return apply_masks(logits, bitmask, [b for b, _ in rows])
 
     def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

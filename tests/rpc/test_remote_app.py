@@ -203,3 +203,11 @@ def test_refusals_and_failures_get_the_in_process_status():
         while remote.health().alive and time.monotonic() < deadline:
             time.sleep(0.02)
         assert client.get("/health").status_code == 503
+
+
+def test_structured_output_is_refused_over_the_worker_protocol(clients):
+    """worker.proto has no grammar field: RemoteEngine refuses rather than drop it."""
+    remote, _ = clients
+    reply = complete(remote, structured_outputs={"choice": ["a", "b"]})
+    assert reply.status_code == 400, reply.text
+    assert "not supported over the worker protocol" in reply.json()["error"]["message"]

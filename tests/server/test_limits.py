@@ -158,8 +158,8 @@ def test_protocol_errors_have_the_openai_body(client, method, path, raw, headers
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
     ("functions", [{"name": "f"}]), ("suffix", "end"), ("best_of", 2), ("echo", True),
+    ("guided_json", {"type": "object"}), ("guided_choice", ["a"]),
 ])  # fmt: skip
 def test_unsupported_fields_are_refused(client, engine, field, value):
     is_error(chat(client, **{field: value}), 400, f"{field} is not supported")
