@@ -131,8 +131,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from sparrow.multimodal.pipeline import MediaPipeline
 
         media = MediaPipeline.for_checkpoint(args.model, media_limits(args))
-    body_limit = args.max_body_bytes or ((64 << 20) if media else (1 << 20))
-    app = build_app(engine, llm.tokenizer, name, args.api_key, body_limit,
+    app = build_app(engine, llm.tokenizer, name, args.api_key, args.max_body_bytes,
                     max_waiting=args.max_waiting, media=media,
                     reasoning=PARSERS[args.reasoning_parser] if args.reasoning_parser
                     else None, rate_limit=args.rate_limit,

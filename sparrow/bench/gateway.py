@@ -30,7 +30,7 @@ import httpx
 
 from sparrow.bench.media import sample_media
 from sparrow.bench.report import write_report
-from sparrow.bench.serve import _free_port, one_request
+from sparrow.bench.serve import _free_port, one_request, wait_healthy
 from sparrow.gateway.policies import POLICIES
 from sparrow.multimodal import QWEN3_5_MOE, MediaLimits
 from sparrow.multimodal.pipeline import MediaPipeline, media_pool
@@ -62,18 +62,6 @@ def preprocessing(processes: list[int], items: int) -> list[dict]:
 def _start(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "sparrow.cli", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-
-
-def _wait_ready(url: str, timeout: float = 300.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer /health within {timeout:.0f} s")
 
 
 async def _load(base: str, prompts: list[list[int]], concurrency: int, requests: int,
@@ -114,7 +102,7 @@ def routing(args) -> list[dict]:
                              *[a for p in over for a in ("--worker", f"127.0.0.1:{p}")])
             base = f"http://127.0.0.1:{port}"
             try:
-                _wait_ready(base)
+                wait_healthy(gateway, base, 300)
                 time.sleep(2.0)  # every worker polled healthy
                 warm = [prefix + [7] * 16 for _ in range(4 * len(over))]
                 asyncio.run(_load(base, warm, len(warm), 1, 4))  # compiled, caches warm

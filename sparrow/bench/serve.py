@@ -88,17 +88,25 @@ def start_server(args, extra: tuple[str, ...] = ("--no-prefix-caching",)
     cmd += ["--quantize", args.quantize] if args.quantize else []
     proc = subprocess.Popen(cmd, env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + args.start_timeout
+    wait_healthy(proc, base, args.start_timeout)
+    return proc, base
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> None:
+    """Return once the server at `base` answers /health; RuntimeError (the process killed)
+    if it exits or does not answer within `timeout` seconds."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
+                return
         except httpx.HTTPError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"the server did not answer /health within {args.start_timeout} s")
+    raise RuntimeError(f"the server did not answer /health within {timeout} s")
 
 
 async def one_request(client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int):

@@ -10,7 +10,6 @@ request reaches its worker with the patches ready.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -28,8 +27,6 @@ from sparrow.server.app import build_app
 from sparrow.server.reasoning import ReasoningFormat
 from sparrow.server.tool_parsers import ToolFormat
 from sparrow.tokenizer import load_tokenizer
-
-MEDIA_MODEL_TYPES = ("qwen3_5_moe", "minimax_m3_vl")  # checkpoints whose workers see media
 
 
 @dataclass(frozen=True)
@@ -57,15 +54,13 @@ def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPo
                     make_policy(settings.policy), settings.router,
                     wait_s=settings.wait_s)  # fmt: skip
     media = pool = None
-    model_type = json.loads((settings.model_dir / "config.json").read_text()).get("model_type")
-    if router.info.media and model_type in MEDIA_MODEL_TYPES:
+    if router.info.media:  # the workers' model has a vision tower
         from sparrow.multimodal.pipeline import MediaPipeline, media_pool
 
         media = MediaPipeline.for_checkpoint(settings.model_dir, settings.media_limits)
         pool = media_pool(settings.media_processes)
-    body = settings.max_body_bytes or ((64 << 20) if media else (1 << 20))
     app = build_app(router, tokenizer, settings.model_name, list(settings.api_keys) or None,
-                    body, media=media, reasoning=settings.reasoning,
+                    settings.max_body_bytes, media=media, reasoning=settings.reasoning,
                     tool_parser=settings.tool_parser,
                     rate_limit=settings.rate_limit, media_executor=pool,
                     collectors=[RouterCollector(router)])  # fmt: skip

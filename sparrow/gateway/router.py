@@ -209,14 +209,18 @@ class Router(EngineClient):
         reading there); past the request timeout the worker aborts it and the stream ends
         with EngineError."""
         timeout, expired = self.settings.request_timeout_s, []
-        timer = None if timeout is None else asyncio.get_running_loop().call_later(
-            timeout, lambda: (expired.append(True), worker.engine.abort(request_id)))  # fmt: skip
+
+        def expire() -> None:
+            expired.append(True)
+            worker.engine.abort(request_id)
+
+        timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout,
+                                                                                     expire)
         worker.in_flight += 1
-        counted = True
         try:
             async for delta in stream:
                 if delta.finish_reason is not None:
-                    counted = self._release(request_id, worker)
+                    self._release(request_id)
                     if expired:
                         raise EngineError(f"the request ran past its {timeout:.0f} s limit")
                     worker.breaker.success()
@@ -228,15 +232,15 @@ class Router(EngineClient):
         finally:
             if timer is not None:
                 timer.cancel()
-            if counted:
-                self._release(request_id, worker)
+            self._release(request_id)
             with contextlib.suppress(Exception):
                 await stream.aclose()  # cancels the call: the worker aborts the request
 
-    def _release(self, request_id: str, worker: Worker) -> bool:
-        worker.in_flight -= 1
-        self._owner.pop(request_id, None)
-        return False
+    def _release(self, request_id: str) -> None:
+        """The request leaves its worker's count (once: at its last delta or its end)."""
+        worker = self._owner.pop(request_id, None)
+        if worker is not None:
+            worker.in_flight -= 1
 
     def abort(self, request_id: str) -> None:
         worker = self._owner.get(request_id)

@@ -103,8 +103,8 @@ def _http_bytes(source: str, limits: MediaLimits, client: httpx.Client | None) -
     if own:
         # An explicit transport leaves out environment proxies: a proxy would resolve the name
         # itself, and httpcore's proxy tunnel ignores `sni_hostname`. No keep-alive: a pooled
-        # connection is keyed by address and holds the TLS session of the name it was opened
-        # for, which a redirect to another name on the same address must not reuse.
+        # connection is keyed by address and keeps the TLS state negotiated for the name it
+        # was opened for, which a redirect to another name on the same address must not reuse.
         transport = httpx.HTTPTransport(limits=httpx.Limits(max_keepalive_connections=0))
         client = httpx.Client(transport=transport)
     try:

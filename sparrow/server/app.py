@@ -38,7 +38,7 @@ ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_f
 
 
 def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-              api_key: str | Sequence[str] | None = None, max_body_bytes: int = 1 << 20,
+              api_key: str | Sequence[str] | None = None, max_body_bytes: int | None = None,
               max_waiting: int | None = None, drain_s: float = 10.0,
               media: MediaPipeline | None = None,
               reasoning: ReasoningFormat | None = None, rate_limit: float | None = None,
@@ -48,6 +48,8 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
     """The app serving `model_name` from `engine`; `tokenizer` encodes prompts and applies
     the chat template. `api_key`: one or more keys (plain, or `sha256:<hex>`), one of which
     is required as a bearer token on /v1/ routes; `rate_limit`: requests per minute per key.
+    `max_body_bytes`: the request body limit (None: 64 MiB with `media`, which arrive as data
+    URLs, else 1 MiB).
     `max_waiting`: the engine's queue limit (a request of more choices can never be
     admitted). On SIGTERM / SIGINT requests in flight get `drain_s` seconds, then end with an
     error; shutting the app down then shuts the engine down. `media`: image and video parts
@@ -73,7 +75,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
     metrics = Metrics(engine)
     for collector in collectors:
         metrics.registry.register(collector)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or ((64 << 20) if media else 1 << 20))
     if api_key:
         keys = KeyRing([api_key] if isinstance(api_key, str) else api_key)
         app.add_middleware(ApiKeys, keys=keys,

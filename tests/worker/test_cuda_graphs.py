@@ -48,15 +48,19 @@ class EagerReplay:
         self.out.copy_(g.model.logits(g.model(g._meta(self.size), g.cache)))
 
 
-def decode_graphs(model, cache, max_batch: int, max_blocks: int) -> DecodeGraphs:
-    graphs = DecodeGraphs(model, cache, max_batch, max_blocks)
-    if model.device.type == "cuda":
+def ready(graphs, stand_in):
+    """`graphs` captured on a GPU; on the CPU each size gets `stand_in(graphs, size)`."""
+    if graphs.model.device.type == "cuda":
         graphs.capture()
     else:
         for size in graphs.sizes:
-            replay = EagerReplay(graphs, size)
+            replay = stand_in(graphs, size)
             graphs.graphs[size] = (replay, replay.out)
     return graphs
+
+
+def decode_graphs(model, cache, max_batch: int, max_blocks: int) -> DecodeGraphs:
+    return ready(DecodeGraphs(model, cache, max_batch, max_blocks), EagerReplay)
 
 
 @pytest.fixture
@@ -211,14 +215,7 @@ class EagerPrefillReplay:
 
 
 def prefill_graphs(model, cache, max_tokens: int, max_blocks: int) -> PrefillGraphs:
-    graphs = PrefillGraphs(model, cache, max_tokens, max_blocks)
-    if model.device.type == "cuda":
-        graphs.capture()
-    else:
-        for size in graphs.sizes:
-            replay = EagerPrefillReplay(graphs, size)
-            graphs.graphs[size] = (replay, replay.out)
-    return graphs
+    return ready(PrefillGraphs(model, cache, max_tokens, max_blocks), EagerPrefillReplay)
 
 
 def test_prefill_sizes_end_at_the_step_budget(cpu_model):
