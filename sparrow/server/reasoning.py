@@ -32,7 +32,7 @@ def prompt_opens(fmt: ReasoningFormat, prompt_text: str) -> bool:
     return tail.endswith(fmt.start)
 
 
-def _partial(text: str, marker: str) -> int:
+def partial_marker(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):
@@ -63,7 +63,7 @@ class ReasoningSplitter:
         if self.state == "inside":
             i = buf.find(self.fmt.end)
             if i < 0:
-                keep = _partial(buf, self.fmt.end)
+                keep = partial_marker(buf, self.fmt.end)
                 self.held = buf[len(buf) - keep:]
                 return buf[: len(buf) - keep], ""
             self.state, self.strip = "after", True

@@ -31,6 +31,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from sparrow.server.reasoning import partial_marker
+
 Schemas = dict[str, dict]  # tool name -> JSON schema of its parameters
 
 
@@ -258,14 +260,6 @@ def _m3_object(children: list, schema: Any) -> dict:
     return out
 
 
-def _partial(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
 class ToolCallSplitter:
     """One completion's text, delta by delta -> (content, calls). Outside a block, trailing
     whitespace and a suffix that may begin the start marker are held back; inside one, all
@@ -291,7 +285,7 @@ class ToolCallSplitter:
                     self.strip = not buf
                 i = buf.find(self.fmt.start)
                 if i < 0:
-                    keep = _partial(buf, self.fmt.start)
+                    keep = partial_marker(buf, self.fmt.start)
                     shown.append(buf[: len(buf) - keep].rstrip())
                     self.held = buf[len(shown[-1]):]
                     return "".join(shown), calls
