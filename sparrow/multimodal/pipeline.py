@@ -61,7 +61,6 @@ class Prepared:
     grid_thw: tuple[int, int, int]
     digest: str
     replacement: list[int]
-    nbytes: int = 0  # encoded bytes fetched
 
 
 class MediaPipeline:
@@ -111,11 +110,7 @@ class MediaPipeline:
         if isinstance(replacement, str):
             replacement = encode(replacement)
         return Prepared(loaded.video, loaded.pixel_values, loaded.grid_thw, loaded.digest,
-                        replacement, loaded.nbytes)  # fmt: skip
-
-    def prepare(self, video: bool, source: str, encode: Callable[[str], list[int]]) -> Prepared:
-        """`load`, then `finish`, in the calling thread."""
-        return self.finish(self.load(video, source), encode)
+                        replacement)  # fmt: skip
 
     def expand(self, ids: list[int], prepared: list[Prepared],
                video_token_id: int) -> tuple[list[int], list[MediaItem]]:  # fmt: skip
