@@ -22,8 +22,11 @@ engine like any HF checkpoint.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
+import itertools
 import json
+import math
 import random
 import sysconfig
 import time
@@ -43,7 +46,7 @@ MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_ke
              layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
 
 
-def corpus(max_files: int | None = None) -> tuple[list[str], list[str]]:
+def corpus(max_files: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(training texts, held-out texts): the standard library's Python files, sorted (the
     first `max_files` of them, for a quick run)."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -58,7 +61,7 @@ def corpus(max_files: int | None = None) -> tuple[list[str], list[str]]:
             continue
         digest = int(hashlib.sha256(rel.encode()).hexdigest(), 16)
         (held if digest % HELD_OUT == 0 else train).append(text)
-    return train, held
+    return tuple(train), tuple(held)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -81,10 +84,16 @@ def chat_turn(prefix: str, rest: str) -> str:
             f"<think>\n\n</think>\n\n{rest}<|im_end|>\n")  # fmt: skip
 
 
-def samples(texts: list[str], rng: random.Random, chars: int) -> str:
-    """One training text: a window of a file, or (half the time) a chat turn whose user
+@functools.cache
+def _cumulative_lengths(texts: tuple[str, ...]) -> list[int]:
+    return list(itertools.accumulate(map(len, texts)))
+
+
+def samples(texts: tuple[str, ...], rng: random.Random, chars: int) -> str:
+    """One training text (its file drawn in proportion to its length, so that a small file
+    is not seen over and over): a window of a file, or (half the time) a chat turn whose user
     message is a file's first lines and whose reply continues it."""
-    text = rng.choice(texts)
+    text = rng.choices(texts, cum_weights=_cumulative_lengths(texts))[0]
     if rng.random() < 0.5:
         start = rng.randrange(max(1, len(text) - chars))
         return text[start : start + chars]
@@ -102,9 +111,9 @@ def batch(tok, texts, rng, size: int, length: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def held_out_loss(model, tok, texts: list[str], length: int, windows: int = 16) -> float:
+def held_out_loss(model, tok, texts: tuple[str, ...], length: int, windows: int = 16) -> float:
     rng = random.Random(1)
-    x = batch(tok, texts, rng, windows, length)
+    x = batch(tok, texts, rng, windows, length).to(model.device)
     return model(input_ids=x, labels=x).loss.item()
 
 
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--length", type=int, default=256, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where to train: cpu, cuda")
     p.add_argument("--max-files", type=int, default=None, help="of the corpus (a quick run)")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -130,14 +140,19 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = Qwen3_5MoeTextConfig(vocab_size=tok.get_vocab_size(), **MODEL,
                                eos_token_id=ids["<|im_end|>"],
                                bos_token_id=ids["<|endoftext|>"])  # fmt: skip
-    model = Qwen3_5MoeForCausalLM(cfg)
+    model = Qwen3_5MoeForCausalLM(cfg).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    end, step = time.monotonic() + 60 * args.minutes, 0
-    while (step < args.steps) if args.steps else (time.monotonic() < end):
-        lr = args.lr * min(1.0, (step + 1) / 50)  # warm-up
+    start, step = time.monotonic(), 0
+
+    def progress() -> float:
+        return step / args.steps if args.steps else (time.monotonic() - start) / 60 / args.minutes
+
+    while progress() < 1:
+        # linear warm-up over 50 steps, then a cosine decay to a tenth
+        decay = 0.1 + 0.45 * (1 + math.cos(math.pi * progress()))
         for group in opt.param_groups:
-            group["lr"] = lr
-        x = batch(tok, train, rng, args.batch, args.length)
+            group["lr"] = args.lr * min(1.0, (step + 1) / 50) * decay
+        x = batch(tok, train, rng, args.batch, args.length).to(args.device)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -149,13 +164,14 @@ def main(argv: list[str] | None = None) -> Path:
     model.eval()
     held_loss = held_out_loss(model, tok, held, args.length)
     out = Path(args.out)
-    model.to(torch.bfloat16).save_pretrained(out)
+    model.to("cpu", torch.bfloat16).save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))
     (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
     (out / "training.json").write_text(json.dumps({
         "corpus": "the Python standard library's .py files (PSF license)",
         "python": sysconfig.get_python_version(), "steps": step, "seed": args.seed,
-        "batch": args.batch, "length": args.length, "vocab": tok.get_vocab_size(),
+        "batch": args.batch, "length": args.length, "lr": args.lr, "device": args.device,
+        "vocab": tok.get_vocab_size(),
         "held_out_loss": held_loss, "held_out_perplexity": float(torch.tensor(held_loss).exp()),
         "parameters": sum(p.numel() for p in model.parameters()),
     }, indent=2) + "\n")  # fmt: skip

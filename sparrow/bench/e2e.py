@@ -30,7 +30,7 @@ import torch
 
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, kernel_profile
-from sparrow.config import QuantConfig
+from sparrow.config import QuantConfig, SchedulerConfig
 from sparrow.core.cache_spec import paged_bytes_per_block
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
@@ -74,10 +74,12 @@ def engine_settings(max_len: int, most: int, budget: int) -> dict:
             "num_blocks": -(-max_len // BLOCK_SIZE) + 8 * most}  # fmt: skip
 
 
-def run_engine(llm: LLM, prompts: list[list[int]], decode: int) -> tuple[float, float, int]:
-    """Run prompts together to `decode` tokens each. Returns (seconds until every request has
-    its first token, seconds after that until all finish, tokens generated in that time)."""
-    params = SamplingParams(max_tokens=decode, ignore_eos=True)
+def run_engine(llm: LLM, prompts: list[list[int]], decode: int,
+               params: SamplingParams | None = None) -> tuple[float, float, int]:  # fmt: skip
+    """Run prompts together to `decode` tokens each (greedy, EOS ignored, unless `params`
+    say otherwise). Returns (seconds until every request has its first token, seconds after
+    that until all finish, tokens generated in that time)."""
+    params = params or SamplingParams(max_tokens=decode, ignore_eos=True)
     for p in prompts:
         llm.add_request(p, params)
     t0 = _sync_time()
@@ -140,7 +142,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long", action="store_true",
                    help=f"add {', '.join(map(str, LONG_LENGTHS))} (YaRN past 262,144)")
     p.add_argument("--long-rounds", type=int, default=1, help="rounds of rows past 131,072")
-    p.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
+    p.add_argument("--chunk", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help="prefill tokens per step")
     p.add_argument("--decode", type=int, default=32, help="decode tokens per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="4bit,bf16")
@@ -184,7 +187,9 @@ def batch1(engines: dict, prompt: list[int], args: argparse.Namespace) -> dict[s
     """Median prefill and decode tok/s of each engine on one prompt, engines alternating."""
     length = len(prompt)
     runs: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    warm = 1 if length <= 16384 else 0  # longer prompts reuse the compiled kernels
+    # a prompt of one or two chunks compiles the kernels of its shapes (a chunk after a cached
+    # prefix among them) in a round of its own; longer prompts reuse them
+    warm = 1 if length <= 2 * args.chunk else 0
     rounds = args.rounds if length <= 131072 else args.long_rounds
     for _ in range(rounds + warm):
         for name, engine in engines.items():

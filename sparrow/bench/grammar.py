@@ -7,6 +7,13 @@ Each library compiles the schema, then walks the tokens of a document that fits 
 computing the allowed-token bitmask before each token and accepting it. Writes and prints
 JSON: tokenizer set-up and compile seconds and the mask time per token (median, mean, p99,
 ms) for each library.
+
+    python -m sparrow.bench.grammar --engine [--batch 1,32]   # GPU
+
+`--engine`: the cost of a constraint in the engine. Full-size Qwen3.6-35B-A3B, 4-bit, random
+weights: decode tok/s of `--batch` requests that follow `ENGINE_SCHEMA` (its string too long
+to finish within `--decode` tokens, so both sides generate the same count) against the same
+requests unconstrained, alternating, median of rounds.
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ SCHEMA = {
 DOCUMENT = {"name": "Ada Lovelace", "age": 36, "active": True, "role": "admin",
             "tags": ["math", "engines", "notes on the analytical engine"],
             "address": {"city": "London", "zip": "W1"}}  # fmt: skip
+
+
+# a JSON object whose one string must run past any decode length the bench asks for
+ENGINE_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 8000}},
+                 "required": ["text"]}  # fmt: skip
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -88,11 +100,56 @@ def bench_llguidance(model_dir, vocab_size: int, stops: tuple[int, ...], ids: li
             **_summary(times)}  # fmt: skip
 
 
+def bench_engine(batches: list[int], decode: int, rounds: int) -> dict:
+    """{batch: {"free" / "json_schema": decode tok/s, "ratio": constrained / free}} on the
+    GPU, the two sides alternating per round."""
+    import torch
+
+    from sparrow.bench.e2e import run_engine
+    from sparrow.core.sampling_params import SamplingParams
+    from sparrow.core.structured import GrammarSpec
+    from sparrow.engine.llm import LLM
+    from sparrow.loader.random_checkpoint import preset_dir
+
+    llm = LLM(str(preset_dir("qwen3.6-35b-a3b")), load_format="dummy", quantize="4bit",
+              max_num_seqs=max(batches), max_model_len=1024, enable_prefix_caching=False)
+    prompt = llm.tokenizer.encode("Describe the weather as JSON.")
+    sides = {"free": SamplingParams(max_tokens=decode, ignore_eos=True),
+             "json_schema": SamplingParams(max_tokens=decode, ignore_eos=True,
+                                           grammar=GrammarSpec.json_schema(ENGINE_SCHEMA))}
+    result = {}
+    for batch in batches:
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        for r in range(rounds + 1):  # the first round compiles and captures
+            for name, params in sides.items():
+                _, seconds, tokens = run_engine(llm, [prompt] * batch, decode, params)
+                if tokens != batch * (decode - 1):
+                    raise RuntimeError(f"{name}: {tokens} tokens, not {batch * (decode - 1)}")
+                if r:
+                    rates[name].append(tokens / seconds)
+        row = {name: round(statistics.median(v), 1) for name, v in rates.items()}
+        row["ratio"] = round(row["json_schema"] / row["free"], 4)
+        result[str(batch)] = row
+        print(f"batch {batch}: {row}", flush=True)
+    result["gpu"] = torch.cuda.get_device_name()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench-out/grammar.json")
+    parser.add_argument("--engine", action="store_true", help="decode tok/s on the GPU")
+    parser.add_argument("--batch", default="1,32")
+    parser.add_argument("--decode", type=int, default=128, help="tokens per request")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     from sparrow.bench.report import write_report
+
+    if args.engine:
+        batches = [int(b) for b in args.batch.split(",")]
+        write_report(args.out, {"decode_tokens": args.decode, "rounds": args.rounds,
+                                **bench_engine(batches, args.decode, args.rounds)})
+        return
     from sparrow.loader.random_checkpoint import default_checkpoint
     from sparrow.tokenizer import load_tokenizer
 

@@ -32,9 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import torch
@@ -43,7 +41,7 @@ from sparrow.bench import agent
 from sparrow.bench.report import write_report
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
-from sparrow.loader.random_checkpoint import PRESETS
+from sparrow.loader.random_checkpoint import PRESETS, preset_dir
 
 
 def _free_port() -> int:
@@ -187,9 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="bench-out/serve.json")
     args = p.parse_args(argv)
     if args.preset:  # a directory with just the config: weights are drawn at load time
-        args.model = tempfile.mkdtemp(prefix=f"sparrow-{args.preset}-")
-        config = PRESETS[args.preset].to_hf_config()
-        (Path(args.model) / "config.json").write_text(json.dumps(config))
+        args.model = str(preset_dir(args.preset))
         args.load_format = "dummy"
     if args.workload == "agent":
         return agent_main(args)

@@ -97,7 +97,10 @@ def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module, most_tokens: 
         free, total = torch.cuda.mem_get_info(model.device)
         states = slot_bytes(specs, itemsize) * (cache.num_state_slots + 1
                                                 + cache.num_state_snapshots)
-        usable = int(total * cache.gpu_memory_utilization) - (total - free) - states
+        # the share is this engine's own (as vLLM's): what other processes on the device hold
+        # counts only where it leaves less free than the share would take
+        own = torch.cuda.memory_reserved(model.device)
+        usable = min(int(total * cache.gpu_memory_utilization) - own, free) - states
         blocks = max(0, usable // per_block)
     else:
         blocks = -(-CPU_CACHE_TOKENS // cache.block_size)

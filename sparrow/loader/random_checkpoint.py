@@ -151,6 +151,14 @@ def write_random_checkpoint(
 DEFAULT_PRESET = "qwen3.6-tiny"
 
 
+def preset_dir(name: str) -> Path:
+    """A new temporary directory holding only the config.json of preset `name`: loaded with
+    `load_format="dummy"`, its weights are drawn where the model lives (no file)."""
+    path = Path(tempfile.mkdtemp(prefix=f"sparrow-{name}-"))
+    (path / "config.json").write_text(json.dumps(PRESETS[name].to_hf_config()))
+    return path
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow"))
 

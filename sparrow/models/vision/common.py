@@ -115,7 +115,8 @@ def axial_rotary(first: torch.Tensor, second: torch.Tensor, head_dim: int,
     head_dim / 4 frequencies `theta^(-2i / (head_dim / 2))` per axis; the angles are
     (first, second) concatenated, then repeated for the rotate-half layout."""
     half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32,
+                                             device=first.device) / half))
     angles = torch.cat([first[:, None].float() * inv_freq, second[:, None].float() * inv_freq],
                        dim=-1)  # fmt: skip
     angles = torch.cat([angles, angles], dim=-1)
