@@ -158,7 +158,7 @@ def tool_format(args: argparse.Namespace, model_dir: Path | None):
     """The tool-call parser `--tool-call-parser` names ("auto": the checkpoint's family)."""
     import json
 
-    from sparrow.loader.random_checkpoint import default_checkpoint
+    from sparrow.assets import default_checkpoint
     from sparrow.server.tool_parsers import PARSERS as TOOL_PARSERS
     from sparrow.server.tool_parsers import parser_for
 
@@ -181,9 +181,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     """The OpenAI API over gRPC workers: routing, retries, media preprocessing on the CPU."""
     import uvicorn
 
+    from sparrow.assets import default_checkpoint
     from sparrow.gateway.app import GatewaySettings, build_gateway
     from sparrow.gateway.router import RouterSettings
-    from sparrow.loader.random_checkpoint import default_checkpoint
 
     model_dir = Path(args.model) if args.model else default_checkpoint()
     settings = GatewaySettings(

@@ -30,7 +30,7 @@ import httpx
 
 from sparrow.bench.media import sample_media
 from sparrow.bench.report import write_report
-from sparrow.bench.serve import _free_port, one_request, wait_healthy
+from sparrow.bench.serve import PROMPT_IDS, _free_port, one_request, wait_healthy
 from sparrow.gateway.policies import POLICIES
 from sparrow.multimodal import QWEN3_5_MOE, MediaLimits
 from sparrow.multimodal.pipeline import MediaPipeline, media_pool
@@ -91,7 +91,7 @@ def routing(args) -> list[dict]:
     workers = [_start("worker", "--device", "cpu", "--port", str(p), "--max-model-len", "4096",
                       *model) for p in ports]  # fmt: skip
     rng = random.Random(0)
-    prefix = [rng.randrange(1000, 100_000) for _ in range(args.prefix)]
+    prefix = [rng.randrange(*PROMPT_IDS) for _ in range(args.prefix)]
     rows = []
     try:
         runs = [(policy, ports) for policy in args.policies] + [("round_robin", ports[:1])]
@@ -107,7 +107,7 @@ def routing(args) -> list[dict]:
                 warm = [prefix + [7] * 16 for _ in range(4 * len(over))]
                 asyncio.run(_load(base, warm, len(warm), 1, 4))  # compiled, caches warm
                 for c in args.concurrency:
-                    prompts = [prefix + [rng.randrange(1000, 100_000) for _ in range(16)]
+                    prompts = [prefix + [rng.randrange(*PROMPT_IDS) for _ in range(16)]
                                for _ in range(c * args.requests)]  # fmt: skip
                     row = {"policy": policy, "workers": len(over)} | asyncio.run(
                         _load(base, prompts, c, args.requests, args.max_tokens))  # fmt: skip

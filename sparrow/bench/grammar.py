@@ -1,5 +1,5 @@
-"""Grammar mask time per token: xgrammar against llguidance, on the built-in checkpoint's
-tokenizer (the Qwen3.5/3.6 vocabulary, 248,320 logits), for one JSON schema.
+"""Grammar mask time per token: xgrammar against llguidance, on the Qwen3.5/3.6 vocabulary
+(248,320 logits), for one JSON schema.
 
     python -m sparrow.bench.grammar [--out bench-out/grammar.json]
 
@@ -150,10 +150,10 @@ def main() -> None:
         write_report(args.out, {"decode_tokens": args.decode, "rounds": args.rounds,
                                 **bench_engine(batches, args.decode, args.rounds)})
         return
-    from sparrow.loader.random_checkpoint import default_checkpoint
+    from sparrow.loader.random_checkpoint import tiny_random_checkpoint
     from sparrow.tokenizer import load_tokenizer
 
-    model_dir = default_checkpoint()
+    model_dir = tiny_random_checkpoint()  # the Qwen3.5/3.6 vocabulary
     tokenizer = load_tokenizer(model_dir)
     vocab_size = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
     stops = (tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|endoftext|>"))

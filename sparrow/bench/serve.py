@@ -43,6 +43,10 @@ from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
 from sparrow.loader.random_checkpoint import PRESETS, preset_dir
 
+# prompt token ids are drawn from this range: ids of every served vocabulary (the built-in
+# model has 4,096)
+PROMPT_IDS = (100, 4000)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.workload == "agent":
         return agent_main(args)
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(1000, 100000, (args.prompt_len,), generator=gen).tolist()
+    prompt = torch.randint(*PROMPT_IDS, (args.prompt_len,), generator=gen).tolist()
 
     base_line = offline(args, prompt)
     proc, base = start_server(args)

@@ -94,7 +94,7 @@ def valid_body(rng: random.Random, model: str, chat: bool) -> dict:
         if rng.random() < 0.3:
             body |= {"logprobs": True, "top_logprobs": rng.randint(0, 5)}
     else:
-        ids = [rng.randint(0, 5000) for _ in range(rng.randint(1, 60))]
+        ids = [rng.randint(0, 4095) for _ in range(rng.randint(1, 60))]  # the built-in's ids
         body["prompt"] = _text(rng, rng.randint(1, 40)) if rng.random() < 0.7 else ids
         if rng.random() < 0.3:
             body["logprobs"] = rng.randint(0, 5)

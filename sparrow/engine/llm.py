@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from sparrow.assets import default_checkpoint
 from sparrow.config import EngineConfig
 from sparrow.core.cache_spec import slot_bytes
 from sparrow.core.request import FinishReason, MediaSpan, Request
@@ -24,7 +25,7 @@ from sparrow.core.scheduler import RequestOutput, Scheduler
 from sparrow.engine.client import EngineInfo, EngineStats
 from sparrow.engine.output_processor import OutputProcessor
 from sparrow.engine.resolve import resolve, resolve_device
-from sparrow.loader.random_checkpoint import default_checkpoint, random_model
+from sparrow.loader.random_checkpoint import random_model
 from sparrow.loader.vision import attach_vision
 from sparrow.loader.weights import load_checkpoint
 from sparrow.models import load_model_args

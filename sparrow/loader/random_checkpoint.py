@@ -34,7 +34,7 @@ from sparrow.models.qwen3_5_moe import ModelArgs
 # fmt: off
 PRESETS: dict[str, ModelArgs | minimax_m3.ModelArgs] = {
     "qwen3.6-35b-a3b": ModelArgs(),
-    # Small enough for CPU tests and the built-in default (full vocabulary, 4 layers).
+    # Small enough for CPU tests (full vocabulary, 4 layers).
     "qwen3.6-tiny": ModelArgs(
         hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
         mrope_section=(2, 1, 1), linear_num_key_heads=2, linear_num_value_heads=4,
@@ -148,7 +148,7 @@ def write_random_checkpoint(
     return out
 
 
-DEFAULT_PRESET = "qwen3.6-tiny"
+TINY_PRESET = "qwen3.6-tiny"
 
 
 def preset_dir(name: str) -> Path:
@@ -163,20 +163,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow"))
 
 
-def default_checkpoint() -> Path:
-    """The built-in default model: a small random checkpoint, created on first use."""
-    path = cache_dir() / f"default-{DEFAULT_PRESET}"
+def tiny_random_checkpoint() -> Path:
+    """A small random checkpoint with the full Qwen3.5/3.6 vocabulary (`TINY_PRESET`), made on
+    first use in the cache directory: for tests and benchmarks of what the vocabulary decides
+    (token-id ranges, grammar masks over 248,320 logits)."""
+    path = cache_dir() / f"random-{TINY_PRESET}"
     if (path / "config.json").is_file():
         return path
     print(
-        f"[sparrow] no --model given: creating the built-in default checkpoint "
-        f"({DEFAULT_PRESET}, random weights) in {path}",
+        f"[sparrow] creating a random checkpoint ({TINY_PRESET}) in {path}",
         file=sys.stderr,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
     try:
-        write_random_checkpoint(tmp, PRESETS[DEFAULT_PRESET], seed=0, progress=False)
+        write_random_checkpoint(tmp, PRESETS[TINY_PRESET], seed=0, progress=False)
         tmp.rename(path)
     except OSError:
         if not (path / "config.json").is_file():  # not a concurrent creator that won

@@ -73,9 +73,10 @@ def test_chat_non_streaming_and_usage(client):
     choice = out.choices[0]
     assert out.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.finish_reason in ("length", "stop") and out.usage.completion_tokens <= 12
+    from sparrow.assets import default_checkpoint
     from sparrow.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(None)  # the built-in checkpoint uses the Qwen3.5/3.6 vocabulary
+    tok = load_tokenizer(default_checkpoint())
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hello there"}])
     assert out.usage.prompt_tokens == len(tok.encode(prompt))
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
