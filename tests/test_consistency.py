@@ -1,0 +1,23 @@
+"""`python -m sparrow.eval.consistency` on the built-in model, on CPU: Sparrow's reference
+path and HF transformers agree in fp32 on the original and on the 4-bit weights."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from sparrow.eval.consistency import main  # noqa: E402
+
+
+def test_consistency_on_the_builtin_model(tmp_path):
+    out = tmp_path / "consistency.json"
+    main(["--quantize", "4bit", "--positions", "48", "--context", "16", "--out", str(out)])
+    report = json.loads(out.read_text())
+    for pair in ("sparrow_vs_hf", "sparrow_4bit_vs_hf_dequantised"):
+        row = report[pair]
+        assert row["top1_agreement"] == 1.0, pair
+        assert abs(row["perplexity_ratio"] - 1) < 1e-4 and row["kl_p99"] < 1e-5, pair
+        assert 1 < row["perplexity"] < 4096  # a trained model, far below the vocabulary
+    cost = report["sparrow_4bit_vs_hf_original"]  # what quantising costs: stated, not zero
+    assert cost["kl_mean"] > 0 and cost["perplexity_ratio"] > 1
