@@ -63,6 +63,23 @@ def test_the_next_turn_of_a_conversation_resumes_from_the_last_one(model):
     assert cached.scheduler.kv.hits - hits >= (len(first) + BLOCK) // BLOCK * BLOCK
 
 
+def test_a_shared_prefix_longer_than_a_chunk_is_resumed_where_prompts_fork(model):
+    """Prompts that leave a cached prefix past their first chunk (conversations on one long
+    system prompt): the chunk that reaches the fork saves the state there, and the next
+    prompt on that prefix resumes from it."""
+    prefix = [(5 * i + 1) % 320 for i in range(5 * BLOCK + 7)]
+    prompts = [prefix + [1, 2, 3], prefix + [4, 5], prefix + [6]]
+    expected = _one_by_one(_engine(model, False, max_num_batched_tokens=2 * BLOCK), prompts)
+    llm = _engine(model, True, max_num_batched_tokens=2 * BLOCK)
+    outputs, hits = [], []
+    for prompt in prompts:
+        before = llm.scheduler.kv.hits
+        outputs += _one_by_one(llm, [prompt])
+        hits.append(llm.scheduler.kv.hits - before)
+    assert outputs == expected
+    assert hits[2] == 5 * BLOCK
+
+
 def test_a_hit_on_a_request_that_still_runs(model):
     plain, cached = _engine(model, False), _engine(model, True)
     long = SamplingParams(max_tokens=12, ignore_eos=True)

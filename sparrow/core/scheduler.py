@@ -65,6 +65,9 @@ class Scheduler:
         # saves planned, not filed yet: request -> [(blocks the state follows, snapshot)]
         self._unfiled: dict[str, list[tuple[int, int]]] = {}
         self._latest: dict[str, int] = {}  # request -> its latest snapshot past the prompt
+        # request -> where its prompt leaves a cached prefix that has no snapshot there: the
+        # chunk that reaches it ends there and saves one
+        self._forks: dict[str, int] = {}
         self.requests: dict[str, Request] = {}  # unfinished ones
         # finished with tokens still in flight: request id -> how many (discarded on resolve)
         self._draining: dict[str, int] = {}
@@ -130,7 +133,8 @@ class Scheduler:
             if request.num_pending and self._length_reached(request, request.num_pending):
                 i += 1  # its last token is in flight: it finishes when that is resolved
                 continue
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._to_fork(request, min(request.num_tokens - request.num_computed_tokens,
+                                           budget))  # fmt: skip
             if self.kv.allocate(request.request_id, request.num_computed_tokens + n):
                 out.num_scheduled_tokens[request.request_id] = n
                 budget -= n
@@ -170,22 +174,27 @@ class Scheduler:
         blocks, restore, match_end = self._prefix_hit(request)
         self.kv.take(rid, blocks)
         request.num_computed_tokens = start = len(blocks) * bs
-        n = min(request.num_tokens - start, budget)
-        cut = self.recurrent and start < match_end < start + n
-        if cut:
-            n = match_end - start  # a snapshot where this prefix leaves the cached one
+        if self.recurrent and self.snapshots.num_snapshots and start < match_end:
+            self._forks[rid] = match_end
+        n = self._to_fork(request, min(request.num_tokens - start, budget))
         if not self.kv.allocate(rid, start + n):
             self.kv.free(rid)
             self.slots.free(rid)
+            self._forks.pop(rid, None)
             request.num_computed_tokens = 0
             return None
         self.kv.queries += request.num_tokens
         self.kv.hits += start
         if restore is not None:
             out.restore[rid] = restore
-        if cut:
-            self._reserve_snapshot(rid, match_end // bs, out)
         return n
+
+    def _to_fork(self, request: Request, n: int) -> int:
+        """n tokens of the request's next chunk, or fewer: up to the fork of its prompt from a
+        cached prefix, where the chunk's state is saved (whichever chunk of a long prompt that
+        is), so later prompts that share the prefix resume there."""
+        fork, start = self._forks.get(request.request_id), request.num_computed_tokens
+        return fork - start if fork is not None and start < fork < start + n else n
 
     def _prefix_hit(self, request: Request) -> tuple[list[tuple[int, int]], int | None, int]:
         """(cached blocks to start from, the snapshot to restore the recurrent state from,
@@ -205,11 +214,15 @@ class Scheduler:
         return [], None, len(matched) * bs
 
     def _plan_snapshot(self, request: Request, n: int, out: SchedulerOutput) -> None:
-        """Past the prompt, save the recurrent state after each step that ends on a block
-        boundary (only the latest is kept: the next turn of a conversation resumes there)."""
-        end, bs = request.num_computed_tokens + n, self.kv.block_size
-        if self.recurrent and end % bs == 0 and end > len(request.prompt_token_ids):
-            self._reserve_snapshot(request.request_id, end // bs, out)
+        """Save the recurrent state after the step that reaches the prompt's fork from a
+        cached prefix, and past the prompt after each step that ends on a block boundary
+        (only the latest is kept: the next turn of a conversation resumes there)."""
+        rid, end, bs = request.request_id, request.num_computed_tokens + n, self.kv.block_size
+        if end == self._forks.get(rid):
+            del self._forks[rid]
+            self._reserve_snapshot(rid, end // bs, out)
+        elif self.recurrent and end % bs == 0 and end > len(request.prompt_token_ids):
+            self._reserve_snapshot(rid, end // bs, out)
 
     def _reserve_snapshot(self, rid: str, num_blocks: int, out: SchedulerOutput) -> None:
         """Plan a save of rid's state after its first num_blocks blocks (filed once their
@@ -334,6 +347,7 @@ class Scheduler:
         for _, snapshot in self._unfiled.pop(rid, []):
             self.snapshots.release(snapshot)  # its blocks' content never became known
         self._latest.pop(rid, None)
+        self._forks.pop(rid, None)
         self.kv.free(request.request_id)
         self.slots.free(request.request_id)
         if request in self.running:

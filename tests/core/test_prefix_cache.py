@@ -70,10 +70,10 @@ def test_snapshots_are_filed_then_reused_least_recently_used_first():
     assert pool.find(10) is None
 
 
-def _scheduler(recurrent: bool) -> Scheduler:
+def _scheduler(recurrent: bool, budget: int = 64) -> Scheduler:
     cache = CacheConfig(block_size=BS, num_blocks=32, num_state_slots=4,
                         num_state_snapshots=4)  # fmt: skip
-    return Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64), cache,
+    return Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=budget), cache,
                      recurrent)  # fmt: skip
 
 
@@ -108,6 +108,16 @@ def test_recurrent_hits_resume_from_snapshots_cut_where_the_prefix_forks():
     assert list(fork[0].save) == ["b"]
     again = _run(scheduler, _request("c", list(range(10)) + [60, 61]))
     assert again[0].num_scheduled_tokens == {"c": 4} and list(again[0].restore) == ["c"]
+
+
+def test_a_fork_past_the_first_chunk_ends_its_chunk_and_saves_a_snapshot():
+    scheduler = _scheduler(recurrent=True, budget=7)
+    _run(scheduler, _request("a", list(range(23))))
+    fork = _run(scheduler, _request("b", list(range(21)) + [50, 51]))
+    assert [p.num_scheduled_tokens["b"] for p in fork[:4]] == [7, 7, 6, 3]  # fork at 20
+    assert [list(p.save) for p in fork[:3]] == [[], [], ["b"]]
+    again = _run(scheduler, _request("c", list(range(21)) + [60]))
+    assert again[0].num_scheduled_tokens == {"c": 2} and list(again[0].restore) == ["c"]
 
 
 def test_media_placeholders_match_only_the_same_media():
