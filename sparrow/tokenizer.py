@@ -38,6 +38,13 @@ M3_FIRST_SPECIAL = 200000  # regular tokens take the ids below
 # parses (it drops earlier reasoning); they stay tokens there. Everywhere else in message
 # content a special token's text is plain text.
 ASSISTANT_MARKERS = frozenset({"<think>", "</think>"})
+# Qwen's added tokens that its tokenizer files mark `special: false`: they stay in the text
+# when special tokens are skipped (the reasoning and tool-call markers among them).
+QWEN_TEXT_TOKENS = frozenset({
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+})  # fmt: skip
 
 
 class Tokenizer:
@@ -120,9 +127,23 @@ class Tokenizer:
             texts = list(self._backend._special_tokens)
         return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True))) or "(?!)")
 
-    def decode(self, ids: list[int]) -> str:
+    @functools.cached_property
+    def skipped_ids(self) -> frozenset[int]:
+        """The special tokens `skip_special_tokens` leaves out of decoded text: the added
+        tokens the tokenizer file marks special (HF's rule); for the packaged vocabulary,
+        those Qwen's own files mark so."""
+        if self.kind == "tokenizers":
+            return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items()
+                             if t.special)  # fmt: skip
+        return frozenset(i for t, i in self._backend._special_tokens.items()
+                         if t not in QWEN_TEXT_TOKENS)  # fmt: skip
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Ids with no token (the model's vocabulary is padded past the tokenizer's) decode
-        to nothing, as in HF `tokenizers`: a model may sample one."""
+        to nothing, as in HF `tokenizers`: a model may sample one. `skip_special_tokens`
+        leaves out `skipped_ids`."""
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.skipped_ids]
         if self.kind == "tokenizers":
             return self._backend.decode(ids, skip_special_tokens=False)
         known = self._backend.decoder
@@ -251,7 +272,8 @@ def write_tokenizer_files(out_dir: str | Path, architecture: str = "qwen3_5_moe"
 
 def _bpe_tokenizer(ranks: dict[bytes, int], pattern: str, specials: list[tuple[int, str]]):
     """A byte-level BPE `tokenizers.Tokenizer` from tiktoken ranks; special tokens at their
-    ids (ids between the vocabulary and them stay unused)."""
+    ids (ids between the vocabulary and them stay unused), flagged special as Qwen's own
+    files flag them (`QWEN_TEXT_TOKENS` are not)."""
     from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
@@ -273,5 +295,8 @@ def _bpe_tokenizer(ranks: dict[bytes, int], pattern: str, specials: list[tuple[i
         while tok.get_vocab_size(with_added_tokens=True) < i:
             n = tok.get_vocab_size(with_added_tokens=True)
             tok.add_tokens([AddedToken(f"<|unused_{n}|>", special=True, normalized=False)])
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
+        if t in QWEN_TEXT_TOKENS:
+            tok.add_tokens([AddedToken(t, special=False, normalized=False)])
+        else:
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
     return tok

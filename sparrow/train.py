@@ -37,6 +37,9 @@ import torch
 from sparrow.chat_templates import CHATML_TEMPLATE
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+# as in Qwen's vocabulary, the think markers are added tokens that are not special: decoded
+# text keeps them (skip_special_tokens drops the special ones)
+TEXT_MARKERS = ("<think>", "</think>")
 HELD_OUT = 20  # one file in 20 is held out (by a hash of its relative path)
 MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
@@ -76,6 +79,14 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                   show_progress=False)  # fmt: skip
     tok.train_from_iterator(texts, trainer)
     return tok
+
+
+def save_tokenizer(tok, path: Path) -> None:
+    """`tok` as tokenizer.json, the `TEXT_MARKERS` not special."""
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:
+        added["special"] = added["content"] not in TEXT_MARKERS
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def chat_turn(prefix: str, rest: str) -> str:
@@ -165,7 +176,7 @@ def main(argv: list[str] | None = None) -> Path:
     held_loss = held_out_loss(model, tok, held, args.length)
     out = Path(args.out)
     model.to("cpu", torch.bfloat16).save_pretrained(out)
-    tok.save(str(out / "tokenizer.json"))
+    save_tokenizer(tok, out / "tokenizer.json")
     (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
     (out / "training.json").write_text(json.dumps({
         "corpus": "the Python standard library's .py files (PSF license)",

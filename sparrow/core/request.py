@@ -88,3 +88,5 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when asked for
+    # with the first token, when asked for: one per prompt token after the first (its rank set)
+    prompt_logprobs: list[TokenLogprob] | None = None

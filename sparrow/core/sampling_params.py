@@ -39,6 +39,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per time a token has been generated
     repetition_penalty: float = 1.0  # prompt and generated tokens' logits: / if > 0, * if < 0
     grammar: GrammarSpec | None = None  # structured output: the grammar the output follows
+    # each prompt token's logprob given the tokens before it, and this many top ones there
+    # (vLLM's extension); the request then starts from no cached prefix
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True  # the output text leaves out the tokenizer's special tokens
 
     def stopping_at(self, end_ids: tuple[int, ...]) -> SamplingParams:
         """These params, stopping at `end_ids` (the model's end tokens) unless they give
@@ -68,6 +72,12 @@ class SamplingParams:
             put(self, "seed", _int("seed", self.seed, None, None) % SEED_RANGE)
         if self.logprobs is not None:
             put(self, "logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if self.prompt_logprobs is not None:
+            put(self, "prompt_logprobs",
+                _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS))  # fmt: skip
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got "
+                             f"{self.skip_special_tokens!r}")  # fmt: skip
         put(self, "stop_token_ids", tuple(_int("stop_token_ids", t, 0, None)
                                           for t in self.stop_token_ids))  # fmt: skip
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
@@ -127,8 +137,10 @@ def _float(name: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's log-probability under the model, and the top alternatives."""
+    """A token's log-probability under the model, and the top alternatives (most likely
+    first); `rank` (prompt logprobs): 1 + the number of tokens more likely than it."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None

@@ -199,8 +199,10 @@ class Scheduler:
     def _prefix_hit(self, request: Request) -> tuple[list[tuple[int, int]], int | None, int]:
         """(cached blocks to start from, the snapshot to restore the recurrent state from,
         tokens the cached blocks match). The last token is always computed (its logits are
-        needed); with recurrent state the hit ends where a snapshot exists."""
-        if not self.kv.prefix_caching:  # (no copy of the prompt to look up)
+        needed); with recurrent state the hit ends where a snapshot exists. A request that
+        asks for prompt logprobs computes every position (as vLLM: no hit, its blocks are
+        still cached for others)."""
+        if not self.kv.prefix_caching or request.params.prompt_logprobs is not None:
             return [], None, 0
         bs = self.kv.block_size
         matched = self.kv.match(request.cache_key_ids(0, request.num_tokens))

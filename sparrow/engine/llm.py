@@ -23,7 +23,7 @@ from sparrow.core.request import FinishReason, MediaSpan, Request
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler
 from sparrow.engine.client import EngineInfo, EngineStats
-from sparrow.engine.output_processor import OutputProcessor
+from sparrow.engine.output_processor import OutputProcessor, PromptLogprobEntry
 from sparrow.engine.resolve import resolve, resolve_device
 from sparrow.loader.random_checkpoint import random_model
 from sparrow.loader.vision import attach_vision
@@ -53,6 +53,7 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
+    prompt_logprobs: list[PromptLogprobEntry] | None = None  # when asked for
 
 
 class LLM:
@@ -220,6 +221,8 @@ class LLM:
         for out in outputs:
             if out.request_id in launched.logprobs and out.new_token_ids:
                 out.logprobs = [launched.logprobs[out.request_id]]
+            if out.request_id in launched.prompt_logprobs:
+                out.prompt_logprobs = launched.prompt_logprobs[out.request_id]
             if out.finish_reason is not None:
                 self.runner.free(out.request_id)
         return outputs
@@ -255,7 +258,9 @@ class LLM:
         """An output processor that decodes with this engine's tokenizer (no text without
         one) and finishes here, with reason STOP, a request a stop string ended."""
         decode = self.tokenizer.decode if self.tokenizer is not None else _no_text
-        return OutputProcessor(decode, on_stop=lambda rid: self.abort(rid, FinishReason.STOP))
+        special = self.tokenizer.skipped_ids if self.tokenizer is not None else frozenset()
+        return OutputProcessor(decode, on_stop=lambda rid: self.abort(rid, FinishReason.STOP),
+                               special_ids=special)  # fmt: skip
 
     def info(self) -> EngineInfo:
         cache = self.cache_config
@@ -290,6 +295,8 @@ class LLM:
                     completion.token_ids += delta.token_ids
                     completion.text += delta.text
                     completion.finish_reason = delta.finish_reason
+                    if delta.prompt_logprobs is not None:
+                        completion.prompt_logprobs = delta.prompt_logprobs
         except BaseException:
             for rid in done:  # the engine stays usable for the next call
                 self.abort(rid)

@@ -11,8 +11,10 @@ in the gateway, token streams arriving over gRPC. Per request:
   before the stop string (which is not included), and the tokens after it dropped; the
   owner's `on_stop` hook then frees the request upstream (the scheduler never saw the
   string);
-- a stop token's text is not part of the output;
-- sampled and top tokens of the logprobs get their text and bytes.
+- a stop token's text is not part of the output, nor, unless the request keeps special
+  tokens (`skip_special_tokens=False`), the text of the tokenizer's special tokens;
+- sampled and top tokens of the logprobs get their text and bytes, and so do the prompt's
+  tokens and their alternatives when prompt logprobs are asked for.
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ class IncrementalText:
 
 @dataclass(frozen=True)
 class TokenText:
-    """A token decoded alone, with its log-probability."""
+    """A token decoded alone, with its log-probability (and its rank, for prompt logprobs:
+    1 + the number of tokens more likely than it)."""
 
     token_id: int
     text: str
     bytes: bytes  # UTF-8 of `text`
     logprob: float
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,16 +78,27 @@ class LogprobEntry:
     top: tuple[TokenText, ...] = ()
 
 
+@dataclass(frozen=True)
+class PromptLogprobEntry:
+    """A prompt token's logprob given the tokens before it (with its rank), and the top
+    alternatives at its position, most likely first (ranks 1, 2, ...)."""
+
+    token: TokenText
+    top: tuple[TokenText, ...] = ()
+
+
 @dataclass
 class OutputDelta:
     """What a request gained: new tokens, the text that may be shown now, the tokens'
-    logprobs when asked for, and the finish reason once it is over."""
+    logprobs when asked for, and the finish reason once it is over. The delta of its first
+    token carries the prompt logprobs when asked for: one per prompt token after the first."""
 
     request_id: str
     token_ids: list[int]
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[PromptLogprobEntry] | None = None
 
 
 def find_stop(text: str, start: int, stops: tuple[str, ...]) -> int | None:
@@ -109,18 +124,24 @@ def partial_stop(text: str, stops: tuple[str, ...]) -> int:
 
 
 class RequestText:
-    """One request's output as text: decoded, stop strings applied, logprobs given text."""
+    """One request's output as text: decoded, stop strings applied, logprobs given text.
+    `special_ids`: the tokens whose text is left out when the request skips special
+    tokens."""
 
-    def __init__(self, request_id: str, decode: Decode, params: SamplingParams):
+    def __init__(self, request_id: str, decode: Decode, params: SamplingParams,
+                 special_ids: frozenset[int] = frozenset()):  # fmt: skip
         self.request_id, self.decode = request_id, decode
         self.stops, self.stop_token_ids = params.stop, set(params.stop_token_ids)
+        self.textless = self.stop_token_ids | (special_ids if params.skip_special_tokens
+                                               else set())  # fmt: skip
         self.wants_logprobs = params.logprobs is not None
         self.decoded = IncrementalText(decode)
         self.shown = 0  # characters of the decoded text given out so far
         self._searched = 0  # characters searched for stop strings
 
     def add(self, token_ids: list[int], finish: FinishReason | None,
-            logprobs: list[TokenLogprob] | None = None) -> OutputDelta:  # fmt: skip
+            logprobs: list[TokenLogprob] | None = None,
+            prompt_logprobs: list[TokenLogprob] | None = None) -> OutputDelta:  # fmt: skip
         """Take the tokens a step gave (and the engine's finish reason); returns the delta.
         A stop string found here makes it the last: reason STOP, later tokens dropped."""
         kept: list[int] = []
@@ -128,7 +149,7 @@ class RequestText:
         end = None  # where a stop string starts
         for i, token in enumerate(token_ids):
             offset = len(self.decoded.text)
-            text = self.decoded.text if token in self.stop_token_ids else self.decoded.add([token])
+            text = self.decoded.text if token in self.textless else self.decoded.add([token])
             kept.append(token)
             if self.wants_logprobs and logprobs is not None and i < len(logprobs):
                 entries.append(self._entry(logprobs[i], offset))
@@ -144,7 +165,13 @@ class RequestText:
             end = len(text) if finish is not None else len(text) - partial_stop(text, self.stops)
         delta, self.shown = text[self.shown : end], max(self.shown, end)
         lps = entries if self.wants_logprobs else None
-        return OutputDelta(self.request_id, kept, delta, finish, lps)
+        prompt = None
+        if prompt_logprobs is not None:
+            prompt = [PromptLogprobEntry(self._token(lp.token_id, lp.logprob, lp.rank),
+                                         tuple(self._token(t, v, rank)
+                                               for rank, (t, v) in enumerate(lp.top, 1)))
+                      for lp in prompt_logprobs]  # fmt: skip
+        return OutputDelta(self.request_id, kept, delta, finish, lps, prompt)
 
     def _search(self, text: str) -> int | None:
         if not self.stops or len(text) == self._searched:
@@ -157,9 +184,9 @@ class RequestText:
         top = tuple(self._token(t, v) for t, v in lp.top)
         return LogprobEntry(self._token(lp.token_id, lp.logprob), offset, top)
 
-    def _token(self, token_id: int, logprob: float) -> TokenText:
+    def _token(self, token_id: int, logprob: float, rank: int | None = None) -> TokenText:
         text = self.decode([token_id])
-        return TokenText(token_id, text, text.encode(), logprob)
+        return TokenText(token_id, text, text.encode(), logprob, rank)
 
 
 class OutputProcessor:
@@ -168,17 +195,21 @@ class OutputProcessor:
     a finish reason is a request's last, after which its outputs are ignored (tokens still in
     flight). `on_stop(request_id)` is called for a request a stop string ended while the
     engine still runs it: the owner stops it there (the scheduler, or the worker over gRPC).
+    `special_ids`: the tokenizer's special tokens (`Tokenizer.skipped_ids`), whose text a
+    request that skips special tokens (the default) leaves out.
 
     Not thread-safe: one owner thread or event loop calls it."""
 
-    def __init__(self, decode: Decode, on_stop: Callable[[str], None] | None = None):
-        self.decode, self.on_stop = decode, on_stop
+    def __init__(self, decode: Decode, on_stop: Callable[[str], None] | None = None,
+                 special_ids: frozenset[int] = frozenset()):  # fmt: skip
+        self.decode, self.on_stop, self.special_ids = decode, on_stop, special_ids
         self._requests: dict[str, RequestText] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self._requests[request_id] = RequestText(request_id, self.decode, params)
+        self._requests[request_id] = RequestText(request_id, self.decode, params,
+                                                 self.special_ids)  # fmt: skip
 
     def process(self, outputs: Iterable[RequestOutput]) -> list[OutputDelta]:
         deltas = []
@@ -186,7 +217,8 @@ class OutputProcessor:
             state = self._requests.get(out.request_id)
             if state is None:
                 continue
-            delta = state.add(out.new_token_ids, out.finish_reason, out.logprobs)
+            delta = state.add(out.new_token_ids, out.finish_reason, out.logprobs,
+                              out.prompt_logprobs)  # fmt: skip
             if delta.finish_reason is not None:
                 del self._requests[out.request_id]
                 if out.finish_reason is None and self.on_stop is not None:

@@ -50,7 +50,9 @@ def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPo
     """The app, its router and its media process pool (None for a text-only model); shut
     the pool down after the app stops."""
     tokenizer = load_tokenizer(settings.model_dir)
-    router = Router(settings.workers, lambda address: RemoteEngine(address, tokenizer.decode),
+    router = Router(settings.workers,
+                    lambda address: RemoteEngine(address, tokenizer.decode,
+                                                 special_ids=tokenizer.skipped_ids),
                     make_policy(settings.policy), settings.router,
                     wait_s=settings.wait_s)  # fmt: skip
     media = pool = None

@@ -14,45 +14,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asparrow/proto/worker.proto\x12\x11sparrow.worker.v1\"\xd1\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"8\n\nTensorData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x7f\n\tMediaItem\x12\x0c\n\x04runs\x18\x01 \x03(\r\x12\x33\n\x0cpixel_values\x18\x02 \x01(\x0b\x32\x1d.sparrow.worker.v1.TensorData\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\r\n\x05video\x18\x05 \x01(\x08\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.sparrow.worker.v1.SamplingParams\x12+\n\x05media\x18\x04 \x03(\x0b\x32\x1c.sparrow.worker.v1.MediaItem\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"]\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12*\n\x03top\x18\x03 \x03(\x0b\x32\x1d.sparrow.worker.v1.TopLogprob\"\xbf\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.sparrow.worker.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.sparrow.worker.v1.FinishReason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0c\n\nAbortReply\"\x0f\n\rHealthRequest\"/\n\x0bHealthReply\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x12\x11\n\taccepting\x18\x02 \x01(\x08\"\r\n\x0bLoadRequest\"X\n\tLoadReply\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x17\n\x0fprefix_hit_rate\x18\x04 \x01(\x01\"\x12\n\x10ModelInfoRequest\"\x9c\x01\n\x0eModelInfoReply\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_stop_token_ids\x18\x03 \x03(\r\x12\x1c\n\x0fkv_cache_tokens\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05media\x18\x05 \x01(\x08\x42\x12\n\x10_kv_cache_tokens*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8c\x03\n\x06Worker\x12R\n\x08Generate\x12\".sparrow.worker.v1.GenerateRequest\x1a .sparrow.worker.v1.GenerateChunk0\x01\x12G\n\x05\x41\x62ort\x12\x1f.sparrow.worker.v1.AbortRequest\x1a\x1d.sparrow.worker.v1.AbortReply\x12J\n\x06Health\x12 .sparrow.worker.v1.HealthRequest\x1a\x1e.sparrow.worker.v1.HealthReply\x12\x44\n\x04Load\x12\x1e.sparrow.worker.v1.LoadRequest\x1a\x1c.sparrow.worker.v1.LoadReply\x12S\n\tModelInfo\x12#.sparrow.worker.v1.ModelInfoRequest\x1a!.sparrow.worker.v1.ModelInfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asparrow/proto/worker.proto\x12\x11sparrow.worker.v1\"\xbd\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1c\n\x0fprompt_logprobs\x18\n \x01(\rH\x02\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"8\n\nTensorData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x7f\n\tMediaItem\x12\x0c\n\x04runs\x18\x01 \x03(\r\x12\x33\n\x0cpixel_values\x18\x02 \x01(\x0b\x32\x1d.sparrow.worker.v1.TensorData\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\r\n\x05video\x18\x05 \x01(\x08\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.sparrow.worker.v1.SamplingParams\x12+\n\x05media\x18\x04 \x03(\x0b\x32\x1c.sparrow.worker.v1.MediaItem\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12*\n\x03top\x18\x03 \x03(\x0b\x32\x1d.sparrow.worker.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"A\n\x0ePromptLogprobs\x12/\n\x06tokens\x18\x01 \x03(\x0b\x32\x1f.sparrow.worker.v1.TokenLogprob\"\xfb\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.sparrow.worker.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.sparrow.worker.v1.FinishReason\x12:\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32!.sparrow.worker.v1.PromptLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0c\n\nAbortReply\"\x0f\n\rHealthRequest\"/\n\x0bHealthReply\x12\r\n\x05\x61live\x18\x01 \x01(\x08\x12\x11\n\taccepting\x18\x02 \x01(\x08\"\r\n\x0bLoadRequest\"X\n\tLoadReply\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x17\n\x0fprefix_hit_rate\x18\x04 \x01(\x01\"\x12\n\x10ModelInfoRequest\"\x9c\x01\n\x0eModelInfoReply\x12\x15\n\rmax_model_len\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_stop_token_ids\x18\x03 \x03(\r\x12\x1c\n\x0fkv_cache_tokens\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\r\n\x05media\x18\x05 \x01(\x08\x42\x12\n\x10_kv_cache_tokens*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8c\x03\n\x06Worker\x12R\n\x08Generate\x12\".sparrow.worker.v1.GenerateRequest\x1a .sparrow.worker.v1.GenerateChunk0\x01\x12G\n\x05\x41\x62ort\x12\x1f.sparrow.worker.v1.AbortRequest\x1a\x1d.sparrow.worker.v1.AbortReply\x12J\n\x06Health\x12 .sparrow.worker.v1.HealthRequest\x1a\x1e.sparrow.worker.v1.HealthReply\x12\x44\n\x04Load\x12\x1e.sparrow.worker.v1.LoadRequest\x1a\x1c.sparrow.worker.v1.LoadReply\x12S\n\tModelInfo\x12#.sparrow.worker.v1.ModelInfoRequest\x1a!.sparrow.worker.v1.ModelInfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sparrow.proto.worker_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_FINISHREASON']._serialized_start=1357
-  _globals['_FINISHREASON']._serialized_end=1477
+  _globals['_FINISHREASON']._serialized_start=1620
+  _globals['_FINISHREASON']._serialized_end=1740
   _globals['_SAMPLINGPARAMS']._serialized_start=50
-  _globals['_SAMPLINGPARAMS']._serialized_end=259
-  _globals['_TENSORDATA']._serialized_start=261
-  _globals['_TENSORDATA']._serialized_end=317
-  _globals['_MEDIAITEM']._serialized_start=319
-  _globals['_MEDIAITEM']._serialized_end=446
-  _globals['_GENERATEREQUEST']._serialized_start=449
-  _globals['_GENERATEREQUEST']._serialized_end=617
-  _globals['_TOPLOGPROB']._serialized_start=619
-  _globals['_TOPLOGPROB']._serialized_end=666
-  _globals['_TOKENLOGPROB']._serialized_start=668
-  _globals['_TOKENLOGPROB']._serialized_end=761
-  _globals['_GENERATECHUNK']._serialized_start=764
-  _globals['_GENERATECHUNK']._serialized_end=955
-  _globals['_ABORTREQUEST']._serialized_start=957
-  _globals['_ABORTREQUEST']._serialized_end=991
-  _globals['_ABORTREPLY']._serialized_start=993
-  _globals['_ABORTREPLY']._serialized_end=1005
-  _globals['_HEALTHREQUEST']._serialized_start=1007
-  _globals['_HEALTHREQUEST']._serialized_end=1022
-  _globals['_HEALTHREPLY']._serialized_start=1024
-  _globals['_HEALTHREPLY']._serialized_end=1071
-  _globals['_LOADREQUEST']._serialized_start=1073
-  _globals['_LOADREQUEST']._serialized_end=1086
-  _globals['_LOADREPLY']._serialized_start=1088
-  _globals['_LOADREPLY']._serialized_end=1176
-  _globals['_MODELINFOREQUEST']._serialized_start=1178
-  _globals['_MODELINFOREQUEST']._serialized_end=1196
-  _globals['_MODELINFOREPLY']._serialized_start=1199
-  _globals['_MODELINFOREPLY']._serialized_end=1355
-  _globals['_WORKER']._serialized_start=1480
-  _globals['_WORKER']._serialized_end=1876
+  _globals['_SAMPLINGPARAMS']._serialized_end=367
+  _globals['_TENSORDATA']._serialized_start=369
+  _globals['_TENSORDATA']._serialized_end=425
+  _globals['_MEDIAITEM']._serialized_start=427
+  _globals['_MEDIAITEM']._serialized_end=554
+  _globals['_GENERATEREQUEST']._serialized_start=557
+  _globals['_GENERATEREQUEST']._serialized_end=725
+  _globals['_TOPLOGPROB']._serialized_start=727
+  _globals['_TOPLOGPROB']._serialized_end=774
+  _globals['_TOKENLOGPROB']._serialized_start=776
+  _globals['_TOKENLOGPROB']._serialized_end=897
+  _globals['_PROMPTLOGPROBS']._serialized_start=899
+  _globals['_PROMPTLOGPROBS']._serialized_end=964
+  _globals['_GENERATECHUNK']._serialized_start=967
+  _globals['_GENERATECHUNK']._serialized_end=1218
+  _globals['_ABORTREQUEST']._serialized_start=1220
+  _globals['_ABORTREQUEST']._serialized_end=1254
+  _globals['_ABORTREPLY']._serialized_start=1256
+  _globals['_ABORTREPLY']._serialized_end=1268
+  _globals['_HEALTHREQUEST']._serialized_start=1270
+  _globals['_HEALTHREQUEST']._serialized_end=1285
+  _globals['_HEALTHREPLY']._serialized_start=1287
+  _globals['_HEALTHREPLY']._serialized_end=1334
+  _globals['_LOADREQUEST']._serialized_start=1336
+  _globals['_LOADREQUEST']._serialized_end=1349
+  _globals['_LOADREPLY']._serialized_start=1351
+  _globals['_LOADREPLY']._serialized_end=1439
+  _globals['_MODELINFOREQUEST']._serialized_start=1441
+  _globals['_MODELINFOREQUEST']._serialized_end=1459
+  _globals['_MODELINFOREPLY']._serialized_start=1462
+  _globals['_MODELINFOREPLY']._serialized_end=1618
+  _globals['_WORKER']._serialized_start=1743
+  _globals['_WORKER']._serialized_end=2139
 # @@protoc_insertion_point(module_scope)

@@ -58,13 +58,15 @@ def status_error(error: grpc.aio.AioRpcError | grpc.RpcError) -> Exception:
 
 
 class RemoteEngine(EngineClient):
-    """The worker at `target` ("host:port"); `decode(token_ids) -> str` is the tokenizer's.
-    Raises EngineError if the worker does not answer ModelInfo within `timeout_s`."""
+    """The worker at `target` ("host:port"); `decode(token_ids) -> str` is the tokenizer's,
+    `special_ids` its special tokens (`Tokenizer.skipped_ids`). Raises EngineError if the
+    worker does not answer ModelInfo within `timeout_s`."""
 
     def __init__(self, target: str, decode: Callable[[list[int]], str],
-                 timeout_s: float = RPC_TIMEOUT_S, poll_s: float = POLL_S):  # fmt: skip
+                 timeout_s: float = RPC_TIMEOUT_S, poll_s: float = POLL_S,
+                 special_ids: frozenset[int] = frozenset()):  # fmt: skip
         self.target, self.timeout_s, self.poll_s = target, timeout_s, poll_s
-        self._processor = OutputProcessor(decode, on_stop=self.abort)
+        self._processor = OutputProcessor(decode, on_stop=self.abort, special_ids=special_ids)
         self._sync = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._sync_stub = pb_grpc.WorkerStub(self._sync)
         try:
@@ -122,7 +124,8 @@ class RemoteEngine(EngineClient):
                     raise EngineError("the worker ended the stream before the request finished")
                 out = RequestOutput(request_id, list(chunk.token_ids),
                                     convert.FINISH_FROM_PB[chunk.finish_reason],
-                                    convert.logprobs_from_pb(chunk.logprobs))  # fmt: skip
+                                    convert.logprobs_from_pb(chunk.logprobs),
+                                    convert.prompt_logprobs_from_pb(chunk))  # fmt: skip
                 for delta in self._processor.process([out]):
                     finished = delta.finish_reason is not None
                     yield delta

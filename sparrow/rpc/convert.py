@@ -1,6 +1,7 @@
 """Thin converters between Sparrow's types and `worker.proto`'s messages, used by both ends.
 
-Only sampling params, media, logprobs and engine facts cross; text never does. A tensor that
+Only sampling params, media, logprobs (of sampled and prompt tokens) and engine facts cross;
+text never does. A tensor that
 does not fit its declared shape or dtype, or a media item whose grid does not match its
 patches, raises ValueError (the worker answers INVALID_ARGUMENT)."""
 
@@ -13,7 +14,7 @@ import torch
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
 from sparrow.engine.client import EngineHealth, EngineInfo, EngineStats
-from sparrow.engine.output_processor import LogprobEntry
+from sparrow.engine.output_processor import LogprobEntry, PromptLogprobEntry
 from sparrow.multimodal.items import MediaItem
 from sparrow.proto import worker_pb2 as pb
 
@@ -29,6 +30,7 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, seed=params.seed, stop_token_ids=params.stop_token_ids,
         stop=params.stop, logprobs=params.logprobs, ignore_eos=params.ignore_eos,
+        prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
     )  # fmt: skip
 
 
@@ -39,6 +41,8 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids), stop=tuple(msg.stop),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None, ignore_eos=msg.ignore_eos,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        skip_special_tokens=not msg.HasField("skip_special_tokens") or msg.skip_special_tokens,
     )  # fmt: skip
 
 
@@ -77,10 +81,28 @@ def logprobs_to_pb(entries: list[LogprobEntry] | None) -> list[pb.TokenLogprob]:
             for e in entries or ()]  # fmt: skip
 
 
+def prompt_logprobs_to_pb(entries: list[PromptLogprobEntry] | None) -> pb.PromptLogprobs | None:
+    """A delta's prompt logprobs (None when it has none), their text left out."""
+    if entries is None:
+        return None
+    return pb.PromptLogprobs(tokens=[
+        pb.TokenLogprob(token_id=e.token.token_id, logprob=e.token.logprob, rank=e.token.rank,
+                        top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in e.top])
+        for e in entries])  # fmt: skip
+
+
 def logprobs_from_pb(msgs) -> list[TokenLogprob]:
     """Logprobs as the output processor takes them (it gives them text again)."""
-    return [TokenLogprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
+    return [TokenLogprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top),
+                         m.rank if m.HasField("rank") else None)
             for m in msgs]  # fmt: skip
+
+
+def prompt_logprobs_from_pb(chunk: pb.GenerateChunk) -> list[TokenLogprob] | None:
+    """A chunk's prompt logprobs, None when it carries none."""
+    if not chunk.HasField("prompt_logprobs"):
+        return None
+    return logprobs_from_pb(chunk.prompt_logprobs.tokens)
 
 
 def info_to_pb(info: EngineInfo) -> pb.ModelInfoReply:

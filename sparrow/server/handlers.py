@@ -21,7 +21,7 @@ from sparrow.core import structured
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.client import EngineClient, EngineError, EngineFull, InvalidRequest
-from sparrow.engine.output_processor import LogprobEntry, OutputDelta
+from sparrow.engine.output_processor import LogprobEntry, OutputDelta, PromptLogprobEntry
 from sparrow.multimodal.pipeline import MediaPipeline
 from sparrow.server import protocol
 from sparrow.server.drain import DRAINED, Drain, ShuttingDown
@@ -63,6 +63,7 @@ class Choice:
     tool_calls: list[ToolCall] = field(default_factory=list)
     last: tuple[str, str] = ("", "")  # the last delta's (reasoning, content)
     last_calls: list[ToolCall] = field(default_factory=list)  # and its tool calls
+    prompt_logprobs: list[PromptLogprobEntry] | None = None  # set on the choice that asked
 
     def take(self, delta: OutputDelta) -> None:
         done = delta.finish_reason is not None
@@ -84,6 +85,8 @@ class Choice:
         self.finish_reason = delta.finish_reason
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 @dataclass
@@ -99,6 +102,13 @@ class Job:
 
     def usage(self) -> dict[str, int]:
         return protocol.usage(len(self.prompt_ids), sum(c.num_tokens for c in self.choices))
+
+    def prompt_logprobs(self) -> list[dict | None] | None:
+        """The prompt logprobs in vLLM's shape (the first choice computes them for all),
+        None when not asked for."""
+        entries = next((c.prompt_logprobs for c in self.choices
+                        if c.prompt_logprobs is not None), None)  # fmt: skip
+        return None if entries is None else protocol.prompt_logprobs_body(entries)
 
 
 class Handlers:
@@ -246,22 +256,26 @@ class Handlers:
                 frequency_penalty=body.frequency_penalty,
                 stop_token_ids=self._stop_ids(body),
                 grammar=structured.from_request(body.structured_outputs, body.response_format),
+                prompt_logprobs=body.prompt_logprobs,
+                skip_special_tokens=body.skip_special_tokens,
             )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e
 
     async def _start(self, body: SamplingFields, ids: list[int], max_tokens: int | None,
                      chat: bool, media: list | None = None) -> Job:  # fmt: skip
-        """Add the n choices (seeds seed, seed + 1, ... so they differ reproducibly); on any
-        refusal the ones added are aborted and the error becomes the response."""
+        """Add the n choices (seeds seed, seed + 1, ... so they differ reproducibly; the first
+        alone computes the prompt logprobs, when asked for); on any refusal the ones added are
+        aborted and the error becomes the response."""
         params = self._params(body, len(ids), max_tokens)
         job = Job(body, chat, ids, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
         try:
             for i in range(body.n):
                 rid = f"{job.response_id}-{i}"
                 seed = None if body.seed is None else body.seed + i
-                stream = await self.engine.add(rid, ids, dataclasses.replace(params, seed=seed),
-                                               media or ())  # fmt: skip
+                prompt = params.prompt_logprobs if i == 0 else None
+                choice = dataclasses.replace(params, seed=seed, prompt_logprobs=prompt)
+                stream = await self.engine.add(rid, ids, choice, media or ())
                 job.choices.append(Choice(i, rid, stream))
         except (InvalidRequest, EngineFull, EngineError) as e:
             for c in job.choices:
@@ -290,14 +304,19 @@ class Handlers:
                 await asyncio.gather(collect, return_exceptions=True)
         chat = job.chat
         ids = job.body.return_token_ids
+        prompt = job.prompt_logprobs()
         choices = [protocol.choice_body(c.index, c.text,
                                         protocol.finish_reason(c.finish_reason, bool(c.tool_calls)),
                                         protocol.logprobs_body(c.logprobs, chat), chat,
                                         token_ids=c.token_ids if ids else None,
                                         reasoning=c.reasoning, tool_calls=c.tool_calls)
                    for c in job.choices]  # fmt: skip
+        if prompt is not None and not chat:  # vLLM's places: in each choice of a completion
+            for choice in choices:
+                choice["prompt_logprobs"] = prompt
+        extra = {"prompt_logprobs": prompt} if prompt is not None and chat else {}
         return protocol.response_body(job.response_id, job.created, self.model_name, choices,
-                                      chat, usage=job.usage())  # fmt: skip
+                                      chat, usage=job.usage(), **extra)  # fmt: skip
 
     async def _collect(self, job: Job) -> None:
         async with contextlib.aclosing(self.events(job)) as events:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sparrow.core.request import FinishReason
-from sparrow.engine.output_processor import LogprobEntry, TokenText
+from sparrow.engine.output_processor import LogprobEntry, PromptLogprobEntry, TokenText
 from sparrow.server.tool_parsers import ToolCall
 
 # Fields the server does not implement, each with the value that changes nothing: a request
@@ -152,6 +152,10 @@ class SamplingFields(BaseModel):
     # {"choice": [...]}, {"grammar": ...} (`sparrow.core.structured.from_request`)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    skip_special_tokens: bool = True  # false: special tokens' text stays in the output (vLLM)
+    # vLLM's extension: each prompt token's logprob and this many top alternatives; in each
+    # choice of a completion, beside the choices of a chat completion; not with stream
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="before")
     @classmethod
@@ -163,6 +167,12 @@ class SamplingFields(BaseModel):
                 if not _neutral(data.get(name), neutral):
                     raise ValueError(f"{name} is not supported")
         return data
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_whole(self) -> SamplingFields:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -266,6 +276,16 @@ def text_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
             "token_logprobs": [e.token.logprob for e in entries],
             "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
             "text_offset": [e.offset for e in entries]}  # fmt: skip
+
+
+def prompt_logprobs_body(entries: list[PromptLogprobEntry]) -> list[dict[str, Any] | None]:
+    """vLLM's shape: None for the first prompt token, then per token {token id: {logprob,
+    rank, decoded_token}}, the prompt token first, then its top alternatives."""
+
+    def one(t: TokenText) -> dict[str, Any]:
+        return {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.text}
+
+    return [None] + [{str(t.token_id): one(t) for t in (e.token, *e.top)} for e in entries]
 
 
 def logprobs_body(entries: list[LogprobEntry] | None, chat: bool) -> dict[str, Any] | None:

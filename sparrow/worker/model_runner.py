@@ -13,6 +13,11 @@ next step reads it if the host does not have it yet (a pending token, see the sc
 and is copied to the host without waiting (`LaunchedStep.tokens` waits when asked). So the
 engine plans and launches step k + 1 while step k is still running.
 
+A request that asks for prompt logprobs gets the logits of every prompt position: its steps
+run eagerly until its prompt is computed (the prefill graph gives the last row's logits
+only), each chunk's rows go through the LM head `PROMPT_ROWS` at a time, and what they give
+is kept until its first token is sampled, whose `LaunchedStep` carries them.
+
 A request with a grammar (structured output) needs its token of step k before its logits of
 step k + 1 can be masked: a step that samples one reads the pending tokens of such requests
 back before launching its forward (`_catch_up`), so on a GPU the host waits for step k there,
@@ -22,7 +27,7 @@ and fills the masks on the CPU while the forward runs.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,9 +39,11 @@ from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 from sparrow.worker.grammar import Grammar, allocate_bitmask, apply_masks
 from sparrow.worker.multimodal import MediaInputs
-from sparrow.worker.sampler import penalize, sample_rows, token_logprob
+from sparrow.worker.sampler import penalize, prompt_logprobs, sample_rows, token_logprob
 
 PENDING = -1  # input token still on the device
+# prompt rows per LM-head pass for prompt logprobs: [256, 248,320] fp32 logits are ~250 MB
+PROMPT_ROWS = 256
 
 
 @dataclass
@@ -47,18 +54,23 @@ class LaunchedStep:
     host: torch.Tensor  # [len(request_ids)] long; pinned, filled by an async copy on a GPU
     ready: torch.cuda.Event | None
     logprobs: dict[str, TokenLogprob]
+    # requests sampling their first token that asked for prompt logprobs: one per prompt
+    # token after the first
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
     @classmethod
     def start(cls, request_ids: list[str], picked: torch.Tensor,
-              logprobs: dict[str, TokenLogprob]) -> LaunchedStep:  # fmt: skip
+              logprobs: dict[str, TokenLogprob],
+              prompt: dict[str, list[TokenLogprob]] | None = None) -> LaunchedStep:  # fmt: skip
         """Start copying the sampled tokens `picked` to the host; do not wait."""
+        prompt = prompt or {}
         if picked.device.type != "cuda":
-            return cls(request_ids, picked, None, logprobs)
+            return cls(request_ids, picked, None, logprobs, prompt)
         host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
         host.copy_(picked, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(request_ids, host, ready, logprobs)
+        return cls(request_ids, host, ready, logprobs, prompt)
 
     def tokens(self) -> dict[str, list[int]]:
         """{request_id: [sampled token]}, waiting for the copy if it is not done."""
@@ -80,6 +92,9 @@ class ModelRunner:
                                 cache.num_state_snapshots or 0)  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}
         self.grammars: dict[str, Grammar] = {}
+        # prompt logprobs so far of the requests computing their prompt: entry p - 1 is
+        # prompt token p's (None until computed)
+        self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.media = MediaInputs(model)
         # the last token sampled for each state slot (and the padding slot)
         self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
@@ -119,6 +134,7 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         self.grammars.pop(request_id, None)
+        self.prompt_logprobs.pop(request_id, None)
         self.media.free(request_id)
 
     @torch.inference_mode()
@@ -147,7 +163,7 @@ class ModelRunner:
             logits = self.graphs.run([t[0] for t in tokens], computed, tables, slots,
                                      self.next_tokens, offsets)  # fmt: skip
             self._save_states(plan)
-        elif self._prefill_graph_fits(rids, computed, tokens):
+        elif self._prefill_graph_fits(rids, computed, tokens, requests):
             logits = self.prefill_graphs.run(tokens[0], tables[0], slots[0])
             self._save_states(plan)
             if not done:  # the first chunk of a longer prompt
@@ -164,6 +180,7 @@ class ModelRunner:
                     to_device([slots[i] for i in pending], torch.long, device)]
             hidden = self.model(meta, self.cache)
             self._save_states(plan)
+            self._prompt_logprobs(hidden, ends, rids, computed, tokens, requests)
             finished = set(done)
             last = [ends[i] - 1 for i, rid in enumerate(rids) if rid in finished]
             if not last:
@@ -184,15 +201,40 @@ class ModelRunner:
             logprobs = {rid: token_logprob(logits[row], chosen[row], p.logprobs)
                         for row, (rid, p) in enumerate(zip(done, params, strict=True))
                         if p.logprobs is not None}  # fmt: skip
-        return LaunchedStep.start(done, picked, logprobs)
+        prompt = {rid: self.prompt_logprobs.pop(rid, [])
+                  for rid in done if _wants_prompt_logprobs(requests[rid])}  # fmt: skip
+        return LaunchedStep.start(done, picked, logprobs, prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, ends: list[int], rids: list[str],
+                         computed: list[int], tokens: list[list[int]],
+                         requests: dict[str, Request]) -> None:  # fmt: skip
+        """Keep the logprobs of the prompt tokens that this step's rows predict, for the
+        requests that ask. hidden: [sum of len(tokens), hidden], request i's rows ending at
+        ends[i]; row of position p predicts prompt token p + 1."""
+        for i, rid in enumerate(rids):
+            req = requests[rid]
+            prompt = req.prompt_token_ids
+            stop = min(computed[i] + len(tokens[i]), len(prompt) - 1)
+            if not _wants_prompt_logprobs(req) or computed[i] >= stop:
+                continue
+            kept = self.prompt_logprobs.setdefault(rid, [None] * (len(prompt) - 1))
+            first = ends[i] - len(tokens[i])  # row of position computed[i]
+            for start in range(computed[i], stop, PROMPT_ROWS):
+                end = min(start + PROMPT_ROWS, stop)
+                rows = hidden[first + start - computed[i] : first + end - computed[i]]
+                kept[start:end] = prompt_logprobs(self.model.logits(rows),
+                                                  prompt[start + 1 : end + 1],
+                                                  req.params.prompt_logprobs)  # fmt: skip
 
     def _prefill_graph_fits(self, rids: list[str], computed: list[int],
-                            tokens: list[list[int]]) -> bool:  # fmt: skip
-        """Whether the step is one prompt from its first token, without media, that a
-        captured prefill graph holds."""
+                            tokens: list[list[int]],
+                            requests: dict[str, Request]) -> bool:  # fmt: skip
+        """Whether the step is one prompt from its first token, without media or prompt
+        logprobs, that a captured prefill graph holds."""
         return (self.prefill_graphs is not None and len(rids) == 1 and computed[0] == 0
                 and tokens[0][-1] != PENDING
                 and rids[0] not in self.media.requests
+                and not _wants_prompt_logprobs(requests[rids[0]])
                 and self.prefill_graphs.size_for(len(tokens[0])) is not None)  # fmt: skip
 
     def _penalized(self, logits: torch.Tensor, done: list[str], params: list,
@@ -243,3 +285,10 @@ class ModelRunner:
         if rid not in self.generators:
             self.generators[rid] = torch.Generator(device=self.model.device).manual_seed(seed)
         return self.generators[rid]
+
+
+def _wants_prompt_logprobs(request: Request) -> bool:
+    """Asks for prompt logprobs and has not sampled its first token yet (a request preempted
+    later recomputes its prompt without them)."""
+    return (request.params.prompt_logprobs is not None and not request.output_token_ids
+            and not request.num_pending)  # fmt: skip

@@ -234,3 +234,21 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     best = torch.topk(logp, top) if top else None
     pairs = tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best else ()
     return TokenLogprob(token, float(logp[token]), pairs)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
+    """logits: [N, V] fp32, row i predicting token targets[i]. Each target's log-probability
+    under the model (before temperature and filtering), its rank (1 + the number of tokens
+    more likely) and the `top` most likely tokens with theirs, read back for all rows at
+    once."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    index = to_device(targets, torch.long, logp.device)[:, None]
+    chosen = logp.gather(1, index)
+    ranks = (logp > chosen).sum(dim=-1) + 1
+    best = torch.topk(logp, top) if top else None
+    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
+    pairs = ([tuple(zip(i, v, strict=True)) for i, v in
+              zip(best.indices.tolist(), best.values.tolist(), strict=True)]
+             if best is not None else [()] * len(targets))  # fmt: skip
+    return [TokenLogprob(t, lp, p, r)
+            for t, lp, p, r in zip(targets, chosen, pairs, ranks, strict=True)]

@@ -22,6 +22,8 @@ MAX_LEN = 256
 
 
 class PieceTokenizer:
+    skipped_ids = frozenset()  # no special tokens
+
     def decode(self, ids: list[int]) -> str:
         return "".join(f" t{i}" for i in ids)
 

@@ -101,6 +101,40 @@ def test_stop_token_text_is_not_output():
     assert text_of(deltas) == "Hello" and deltas[-1].token_ids == [8] and not stopped
 
 
+def test_special_tokens_text_is_output_only_when_kept():
+    """Token 5 ("!") and 8 ("<end>") special: left out by default, kept on request; the stop
+    token's text is left out either way, and stop strings see the text as shown."""
+    tokens = [1, 2, 5, 3, 8, 4]
+    special = frozenset({5, 8})
+    for keep, text in ((False, "Hello world"), (True, "Hello! wor<end>ld")):
+        processor = OutputProcessor(piece_decode, special_ids=special)
+        processor.add("r", SamplingParams(skip_special_tokens=not keep))
+        deltas = [processor.process([RequestOutput("r", [t], None)])[0] for t in tokens]
+        assert text_of(deltas) == text
+    processor = OutputProcessor(piece_decode, special_ids=special)
+    processor.add("r", SamplingParams(skip_special_tokens=False, stop_token_ids=(8,),
+                                      stop=("o!",)))  # fmt: skip
+    deltas = processor.process([RequestOutput("r", tokens[:2], None)])
+    deltas += processor.process([RequestOutput("r", [5], None)])
+    assert text_of(deltas) == "Hell" and deltas[-1].finish_reason is FinishReason.STOP
+    processor.add("s", SamplingParams(skip_special_tokens=False, stop_token_ids=(8,)))
+    deltas = processor.process([RequestOutput("s", [1, 5, 8], FinishReason.STOP)])
+    assert text_of(deltas) == "Hel!"
+
+
+def test_prompt_logprobs_get_text_and_ranks():
+    processor = OutputProcessor(piece_decode)
+    processor.add("r", SamplingParams(prompt_logprobs=2))
+    prompt = [TokenLogprob(2, -1.0, ((3, -0.5), (2, -1.0)), 2), TokenLogprob(5, -4.0, (), 9)]
+    first = processor.process([RequestOutput("r", [1], None, None, prompt)])[0]
+    (a, b) = first.prompt_logprobs
+    assert (a.token.token_id, a.token.text, a.token.logprob, a.token.rank) == (2, "lo", -1.0, 2)
+    assert [(t.token_id, t.text, t.rank) for t in a.top] == [(3, " wor", 1), (2, "lo", 2)]
+    assert (b.token.text, b.token.rank, b.top) == ("!", 9, ())
+    later = processor.process([RequestOutput("r", [2], FinishReason.LENGTH)])[0]
+    assert later.prompt_logprobs is None
+
+
 def test_utf8_split_across_tokens_is_held_back():
     tokens = [1, 2, 3, 4, 5, 6, 7, 4, 9, 10, 8]
     deltas, _ = run(tokens, decode=byte_decode)

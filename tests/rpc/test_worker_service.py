@@ -76,6 +76,32 @@ def test_logprobs_cross(worker):
     assert len(entries) == 3 and all(len(e.top) == 2 and e.token.logprob <= 0 for e in entries)
 
 
+def test_prompt_logprobs_and_skip_special_tokens_cross(worker):
+    """The gateway side gets the prompt logprobs (ids, logprobs, ranks, top ones) and text the
+    in-process engine gives; skip_special_tokens unset in a message means true."""
+    thread, _ = worker
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2,
+                            skip_special_tokens=False)  # fmt: skip
+    crossed = convert.params_from_pb(convert.params_to_pb(params))
+    assert (crossed.prompt_logprobs, crossed.skip_special_tokens) == (2, False)
+    unset = convert.params_from_pb(pb.SamplingParams(max_tokens=1, top_p=1.0))
+    assert (unset.prompt_logprobs, unset.skip_special_tokens) == (None, True)
+    local = thread.call(collect(thread.call(thread.engine.add("local-prompt", PROMPT, params))))
+
+    async def run():
+        engine = remote(worker)
+        deltas = await collect(await engine.add("remote-prompt", PROMPT, params))
+        await engine.shutdown()
+        return deltas
+
+    deltas = asyncio.run(run())
+    assert deltas[0].prompt_logprobs == local[0].prompt_logprobs
+    assert len(deltas[0].prompt_logprobs) == len(PROMPT) - 1
+    assert all(e.token.rank >= 1 and len(e.top) == 2 for e in deltas[0].prompt_logprobs)
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    assert "".join(d.text for d in deltas) == "".join(d.text for d in local)
+
+
 def image_item(patch_dim: int, runs=(3,), grid=(1, 4, 6)) -> MediaItem:
     g = torch.Generator().manual_seed(7)
     pixels = torch.randn(grid[0] * grid[1] * grid[2], patch_dim, generator=g)

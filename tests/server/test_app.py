@@ -42,7 +42,7 @@ class CharTokenizer:
 
 class ScriptedEngine(EngineClient):
     def __init__(self):
-        self.processor = OutputProcessor(lambda ids: "".join(PIECES[i] for i in ids),
+        self.processor = OutputProcessor(lambda ids: "".join(PIECES.get(i, f"#{i}") for i in ids),
                                          on_stop=self.abort)  # fmt: skip
         self.added: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
@@ -70,6 +70,11 @@ class ScriptedEngine(EngineClient):
             lp = [TokenLogprob(token, -0.5, ((token, -0.5), (5, -2.0)))]
             out = RequestOutput(request_id, [token], FinishReason.LENGTH if i == n - 1 else None,
                                 lp)  # fmt: skip
+            if i == 0 and params.prompt_logprobs is not None:  # the prompt's token p: -p, rank p
+                prompt = next(ids for rid, ids, _ in self.added if rid == request_id)
+                out.prompt_logprobs = [
+                    TokenLogprob(t, -float(t), ((1, -1.0), (2, -2.0))[:params.prompt_logprobs], t)
+                    for t in prompt[1:]]  # fmt: skip
             for delta in self.processor.process([out]):
                 yield delta
                 if delta.finish_reason is not None:
@@ -185,6 +190,52 @@ def test_unknown_model_health_and_metrics(client, engine):
     assert "sparrow_kv_cache_usage 0.25" in client.get("/metrics").text
     engine.alive = False
     assert client.get("/health").status_code == 503
+
+
+def test_prompt_logprobs_in_vllm_shape(client, engine):
+    """Completions: in each choice; chat: beside the choices. Only the first of the n choices
+    asks the engine for them."""
+    body = {"model": MODEL, "prompt": [3, 1, 2], "max_tokens": 2, "n": 2, "prompt_logprobs": 1}
+    out = client.post("/v1/completions", json=body).json()
+    assert [c["prompt_logprobs"] for c in out["choices"]] == [[
+        None,
+        {"1": {"logprob": -1.0, "rank": 1, "decoded_token": "Hel"}},
+        {"2": {"logprob": -2.0, "rank": 2, "decoded_token": "lo"},
+         "1": {"logprob": -1.0, "rank": 1, "decoded_token": "Hel"}},
+    ]] * 2  # fmt: skip
+    assert [p.prompt_logprobs for _, _, p in engine.added] == [1, None]
+    out = chat(client, max_tokens=1, prompt_logprobs=0).json()
+    prompt = CharTokenizer().encode("<user>hi")
+    assert len(out["prompt_logprobs"]) == len(prompt) and out["prompt_logprobs"][0] is None
+    assert out["prompt_logprobs"][1] == {str(prompt[1]): {"logprob": -prompt[1], "rank": prompt[1],
+                                                          "decoded_token": f"#{prompt[1]}"}}
+    assert "prompt_logprobs" not in out["choices"][0]
+    plain = client.post("/v1/completions", json=body | {"prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt_logprobs": 21}, "prompt_logprobs: Input should be less than or equal to 20"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs: Input should be greater than or equal to 0"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs is not available with stream"),
+])  # fmt: skip
+def test_prompt_logprobs_refusals(client, body, message):
+    for r in (chat(client, **body),
+              client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"} | body)):
+        assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+def test_special_tokens_are_skipped_unless_kept(client, engine):
+    """With token 5 ("!") special: left out of the text unless skip_special_tokens is false,
+    streamed or not."""
+    engine.processor.special_ids = frozenset({5})
+    assert chat(client).json()["choices"][0]["message"]["content"] == "Hello world"
+    kept = chat(client, skip_special_tokens=False).json()["choices"][0]["message"]["content"]
+    assert kept == "Hello world!"
+    body = {"model": MODEL, "prompt": "hi", "stream": True, "skip_special_tokens": False}
+    chunks = events(client.post("/v1/completions", json=body))
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "Hello world!"
+    assert [p.skip_special_tokens for _, _, p in engine.added] == [True, False, False]
 
 
 def test_token_ids_come_back_when_asked_for(client):
