@@ -95,8 +95,6 @@ class RemoteEngine(EngineClient):
         stub = self._stub_here()
         if request_id in self._processor:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
-        if params.grammar is not None:  # worker.proto has no field for it
-            raise InvalidRequest("structured output is not supported over the worker protocol yet")
         params = params.stopping_at(self._info.default_stop_token_ids)
         request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      sampling_params=convert.params_to_pb(params),

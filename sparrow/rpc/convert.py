@@ -13,6 +13,7 @@ import torch
 
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
+from sparrow.core.structured import GrammarSpec
 from sparrow.engine.client import EngineHealth, EngineInfo, EngineStats
 from sparrow.engine.output_processor import LogprobEntry, PromptLogprobEntry
 from sparrow.multimodal.items import MediaItem
@@ -31,6 +32,11 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
         top_k=params.top_k, seed=params.seed, stop_token_ids=params.stop_token_ids,
         stop=params.stop, logprobs=params.logprobs, ignore_eos=params.ignore_eos,
         prompt_logprobs=params.prompt_logprobs, skip_special_tokens=params.skip_special_tokens,
+        min_p=params.min_p, min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias),
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        grammar=(pb.Grammar(kind=params.grammar.kind, value=params.grammar.value)
+                 if params.grammar is not None else None),
     )  # fmt: skip
 
 
@@ -43,6 +49,12 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None, ignore_eos=msg.ignore_eos,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         skip_special_tokens=not msg.HasField("skip_special_tokens") or msg.skip_special_tokens,
+        min_p=msg.min_p, min_tokens=msg.min_tokens, logit_bias=tuple(msg.logit_bias.items()),
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
+                            else 1.0),
+        grammar=(GrammarSpec(msg.grammar.kind, msg.grammar.value) if msg.HasField("grammar")
+                 else None),
     )  # fmt: skip
 
 

@@ -205,9 +205,18 @@ def test_refusals_and_failures_get_the_in_process_status():
         assert client.get("/health").status_code == 503
 
 
-def test_structured_output_is_refused_over_the_worker_protocol(clients):
-    """worker.proto has no grammar field: RemoteEngine refuses rather than drop it."""
-    remote, _ = clients
-    reply = complete(remote, structured_outputs={"choice": ["a", "b"]})
-    assert reply.status_code == 400, reply.text
-    assert "not supported over the worker protocol" in reply.json()["error"]["message"]
+@pytest.mark.parametrize("fields", [
+    {"structured_outputs": {"choice": ["Paris", "Lyon"]}, "ignore_eos": False},
+    {"response_format": {"type": "json_object"}, "ignore_eos": False, "max_tokens": 24},
+    {"min_p": 0.2, "temperature": 1.0, "seed": 3, "min_tokens": 4},
+    {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+    {"logit_bias": {"11": 100}},
+])  # fmt: skip
+def test_sampling_controls_cross_the_worker_protocol(clients, fields):
+    """Structured output, min_p / min_tokens, penalties and logit_bias reach the worker: the
+    same tokens as the in-process engine."""
+    remote, local = clients
+    got, want = complete(remote, **fields), complete(local, **fields)
+    assert got.status_code == want.status_code == 200, (got.text, want.text)
+    assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+    assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
