@@ -19,14 +19,16 @@ only), each chunk's rows go through the LM head `PROMPT_ROWS` at a time, and wha
 is kept until its first token is sampled, whose `LaunchedStep` carries them.
 
 A request with a grammar (structured output) needs its token of step k before its logits of
-step k + 1 can be masked: a step that samples one reads the pending tokens of such requests
-back before launching its forward (`_catch_up`), so on a GPU the host waits for step k there,
-and fills the masks on the CPU while the forward runs.
+step k + 1 can be masked, not before its forward (which reads the token on the device): a
+step that samples one starts copying the pending tokens of such requests back, launches its
+forward, then waits for the copy (step k's end, not this forward's), advances the grammars
+and fills the masks on the CPU while the forward runs (`_catch_up`).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -154,8 +156,7 @@ class ModelRunner:
             tokens.append(known + [PENDING] * (n - len(known)))
         done = [rid for rid, c, t in zip(rids, computed, tokens, strict=True)
                 if c + len(t) == requests[rid].num_tokens]  # fmt: skip
-        if self.grammars:
-            self._catch_up(done, requests, plan)
+        caught_up = self._catch_up(done, requests, plan) if self.grammars else None
         tables, slots = [plan.block_tables[r] for r in rids], [plan.state_slots[r] for r in rids]
         is_decode = len(done) == len(rids) and all(len(t) == 1 for t in tokens)
         if is_decode and self.graphs is not None and self.graphs.padded_size(len(rids)):
@@ -192,6 +193,8 @@ class ModelRunner:
                      for rid in done]  # output tokens before this one (pending ones count)
         logits = self._penalized(logits, done, params, requests, plan)
         # logprobs stay the model's (penalised) ones, as without a grammar
+        if caught_up is not None:
+            caught_up()
         picked = sample_rows(self._masked(logits, done), params, gens, generated)
         done_slots = to_device([plan.state_slots[r] for r in done], torch.long, device)
         self.next_tokens[done_slots] = picked
@@ -251,10 +254,11 @@ class ModelRunner:
                         [r.prompt_token_ids for r in reqs], pending)  # fmt: skip
 
     def _catch_up(self, done: list[str], requests: dict[str, Request],
-                  plan: SchedulerOutput) -> None:  # fmt: skip
-        """Advance the grammar of each sampling request past the tokens it has generated
-        since: those the host knows and the one still on the device (read back here)."""
-        late = []
+                  plan: SchedulerOutput) -> Callable[[], None] | None:  # fmt: skip
+        """Advance the grammar of each sampling request past the tokens the host knows. The
+        one still on the device is copied back without waiting: the function returned (None
+        if there is none) waits for it and advances the grammars past it."""
+        late = {}
         for rid in done:
             grammar = self.grammars.get(rid)
             if grammar is None:
@@ -263,11 +267,17 @@ class ModelRunner:
             for token in req.output_token_ids[grammar.num_accepted:]:
                 grammar.accept(token)
             if grammar.num_accepted < len(req.output_token_ids) + req.num_pending:
-                late.append((grammar, plan.state_slots[rid]))
-        if late:
-            slots = to_device([slot for _, slot in late], torch.long, self.model.device)
-            for (grammar, _), token in zip(late, self.next_tokens[slots].tolist(), strict=True):
-                grammar.accept(token)
+                late[rid] = (grammar, plan.state_slots[rid])
+        if not late:
+            return None
+        slots = to_device([slot for _, slot in late.values()], torch.long, self.model.device)
+        read = LaunchedStep.start(list(late), self.next_tokens[slots], {})
+
+        def accept() -> None:
+            for rid, (token,) in read.tokens().items():
+                late[rid][0].accept(token)
+
+        return accept
 
     def _masked(self, logits: torch.Tensor, done: list[str]) -> torch.Tensor:
         """logits [len(done), V] with the tokens each request's grammar bars at -inf."""
