@@ -19,11 +19,15 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 @dataclass(frozen=True)
 class GrammarSpec:
     """kind: one of `KINDS`; value: the schema as JSON text, the regex, the choices as a
-    JSON list or the grammar text ('' for json_object). Hashable: compiled grammars are
-    cached by it."""
+    JSON list or the grammar text ('' for json_object). after: a token id (a reasoning
+    block's end marker, e.g. `</think>`): the output is free up to and including its first
+    occurrence, and follows the grammar from there (vLLM's structured output with a
+    reasoning parser); None: from the first token. Hashable: compiled grammars are cached
+    by (kind, value)."""
 
     kind: str
     value: str = ""
+    after: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

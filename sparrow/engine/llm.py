@@ -170,7 +170,7 @@ class LLM:
             # a request that ignores EOS still ends its grammar with an end token
             stops = request.params.stop_token_ids or self.default_stop_ids
             self.runner.add_grammar(request.request_id, self.grammar_compiler().compile(spec),
-                                    stops)  # fmt: skip
+                                    stops, spec.after)  # fmt: skip
         try:
             self.scheduler.add_request(request)
         except ValueError:

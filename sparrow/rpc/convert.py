@@ -35,7 +35,8 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
         min_p=params.min_p, min_tokens=params.min_tokens, logit_bias=dict(params.logit_bias),
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
-        grammar=(pb.Grammar(kind=params.grammar.kind, value=params.grammar.value)
+        grammar=(pb.Grammar(kind=params.grammar.kind, value=params.grammar.value,
+                            after=params.grammar.after)
                  if params.grammar is not None else None),
     )  # fmt: skip
 
@@ -53,8 +54,9 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
                             else 1.0),
-        grammar=(GrammarSpec(msg.grammar.kind, msg.grammar.value) if msg.HasField("grammar")
-                 else None),
+        grammar=(GrammarSpec(msg.grammar.kind, msg.grammar.value,
+                             msg.grammar.after if msg.grammar.HasField("after") else None)
+                 if msg.HasField("grammar") else None),
     )  # fmt: skip
 
 

@@ -140,7 +140,10 @@ class Handlers:
         except ValueError as e:  # MediaError is one
             raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = await self._start(body, ids, max_tokens, chat=True, media=media)
+        # a prompt that leaves the model thinking: a grammar applies after the think block
+        after = self.tokenizer.token_id(self.reasoning.end) if inside else None
+        job = await self._start(body, ids, max_tokens, chat=True, media=media,
+                                grammar_after=after)  # fmt: skip
         schemas = body.tool_schemas()
         for c in job.choices:
             if self.reasoning is not None:
@@ -237,7 +240,8 @@ class Handlers:
                                 f"{self.max_waiting} requests", "invalid_request_error",
                            param="n")  # fmt: skip
 
-    def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None):
+    def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
+                grammar_after: int | None = None):  # fmt: skip
         limit = self.engine.info.request_limit
         if prompt_len >= limit:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; the limit of {limit} "
@@ -246,6 +250,9 @@ class Handlers:
                            param="messages" if isinstance(body, ChatCompletionRequest)
                            else "prompt")  # fmt: skip
         try:
+            grammar = structured.from_request(body.structured_outputs, body.response_format)
+            if grammar is not None and grammar_after is not None:
+                grammar = dataclasses.replace(grammar, after=grammar_after)
             return SamplingParams(
                 max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, limit - prompt_len),
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -255,19 +262,19 @@ class Handlers:
                 presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
                 frequency_penalty=body.frequency_penalty,
                 stop_token_ids=self._stop_ids(body),
-                grammar=structured.from_request(body.structured_outputs, body.response_format),
-                prompt_logprobs=body.prompt_logprobs,
+                grammar=grammar, prompt_logprobs=body.prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens,
             )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e
 
     async def _start(self, body: SamplingFields, ids: list[int], max_tokens: int | None,
-                     chat: bool, media: list | None = None) -> Job:  # fmt: skip
+                     chat: bool, media: list | None = None,
+                     grammar_after: int | None = None) -> Job:  # fmt: skip
         """Add the n choices (seeds seed, seed + 1, ... so they differ reproducibly; the first
         alone computes the prompt logprobs, when asked for); on any refusal the ones added are
         aborted and the error becomes the response."""
-        params = self._params(body, len(ids), max_tokens)
+        params = self._params(body, len(ids), max_tokens, grammar_after)
         job = Job(body, chat, ids, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
         try:
             for i in range(body.n):

@@ -16,6 +16,7 @@ set-up is ~1.5 s for either.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -104,6 +105,7 @@ class GrammarCompiler:
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """The compiled grammar (cached, LRU); ValueError with xgrammar's message if the
         spec does not compile."""
+        spec = dataclasses.replace(spec, after=None)  # one compiled grammar for any gate
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
@@ -142,25 +144,33 @@ def _gbnf_string(text: str) -> str:
 class Grammar:
     """One request's grammar state: the tokens it has accepted and what may come next."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: tuple[int, ...]):
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: tuple[int, ...],
+                 after: int | None = None):  # fmt: skip
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids)
                                           or None)  # fmt: skip
         self.stop_token_ids = stop_token_ids
         self.num_accepted = 0  # output tokens accepted so far
+        self.waiting_for = after  # the token the grammar starts after (`GrammarSpec.after`)
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token. A token the grammar did not allow (only possible
         where another constraint overrode the mask) leaves the state as it was."""
         self.num_accepted += 1
-        if not self.matcher.is_terminated():
+        if self.waiting_for is not None:
+            if token == self.waiting_for:
+                self.waiting_for = None
+        elif not self.matcher.is_terminated():
             self.matcher.accept_token(token)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 bitmask [B, ceil(V/32)]
         on the CPU. After a stop token only stop tokens: the step after the one that sampled
         it is already planned when the host learns of it (its token is dropped), and a
-        request that ignores EOS goes on."""
+        request that ignores EOS goes on. Before the token the grammar starts after, all."""
+        if self.waiting_for is not None:
+            bitmask[row] = -1
+            return
         if not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(bitmask, row)
             return

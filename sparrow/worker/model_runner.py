@@ -129,9 +129,11 @@ class ModelRunner:
             slots = to_device([plan.state_slots[r] for r in plan.save], torch.long, device)
             self.cache.save(slots, to_device(list(plan.save.values()), torch.long, device))
 
-    def add_grammar(self, request_id: str, compiled, stop_token_ids: tuple[int, ...]) -> None:
-        """Constrain a request's output to a compiled grammar (`GrammarCompiler.compile`)."""
-        self.grammars[request_id] = Grammar(compiled, stop_token_ids)
+    def add_grammar(self, request_id: str, compiled, stop_token_ids: tuple[int, ...],
+                    after: int | None = None) -> None:  # fmt: skip
+        """Constrain a request's output to a compiled grammar (`GrammarCompiler.compile`),
+        from the token after `after` if given (`GrammarSpec.after`)."""
+        self.grammars[request_id] = Grammar(compiled, stop_token_ids, after)
 
     def free(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

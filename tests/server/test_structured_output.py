@@ -103,3 +103,20 @@ def test_bad_grammars_are_400s(client, fields, needle):
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["type"] == "invalid_request_error"
     assert needle in reply.json()["error"]["message"]
+
+
+def test_with_a_reasoning_parser_the_grammar_applies_after_the_think_block():
+    """The built-in template leaves the model inside a think block: the think text is free
+    (here closed at once: the end marker's logit is raised), the content follows the
+    grammar."""
+    from sparrow.server.reasoning import PARSERS
+
+    llm = LLM(model=None)
+    end = llm.tokenizer.token_id("</think>")
+    app = build_app(AsyncEngine(llm), llm.tokenizer, MODEL, reasoning=PARSERS["qwen3"])
+    with TestClient(app) as client:
+        reply = chat(client, structured_outputs={"choice": ["yes", "no"]},
+                     logit_bias={str(end): 40})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    assert message["content"] in ("yes", "no") and not message.get("reasoning_content")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -171,3 +172,17 @@ def test_apply_masks_matches_a_loop():
     assert torch.equal(apply_masks(logits, bitmask, [0, 2]), want)
     # the path GPUs take: the mask unpacked on the device
     assert torch.equal(_apply_unpacked(logits.clone(), bitmask, [0, 2]), want)
+
+
+def test_a_grammar_that_starts_after_the_think_block(llm):
+    """With `after` the output is free up to the think block's end marker (here forced first
+    by a logit bias) and follows the grammar from there; without it the grammar bars the
+    marker, bias or not."""
+    end = llm.tokenizer.token_id("</think>")
+    bias = ((end, 40.0),)
+    spec = GrammarSpec.choice(["yes", "no"])
+    gated, plain = llm.generate(["a", "a"], [
+        SamplingParams(max_tokens=8, logit_bias=bias, grammar=replace(spec, after=end)),
+        SamplingParams(max_tokens=8, logit_bias=bias, grammar=spec)])  # fmt: skip
+    assert gated.token_ids[0] == end and gated.text in ("</think>yes", "</think>no")
+    assert end not in plain.token_ids and plain.text in ("yes", "no")
