@@ -45,18 +45,24 @@ def test_model_info_load_and_health(worker):
     asyncio.run(engine.shutdown())
 
 
+def remote_deltas(worker, request_id: str, params: SamplingParams) -> list:
+    """The deltas of one request run through a RemoteEngine on the worker."""
+
+    async def run():
+        engine = remote(worker)
+        deltas = await collect(await engine.add(request_id, PROMPT, params))
+        await engine.shutdown()
+        return deltas
+
+    return asyncio.run(run())
+
+
 def test_greedy_tokens_equal_the_in_process_engine(worker):
     thread, llm = worker
     local = thread.call(thread.engine.add("local-greedy", PROMPT, GREEDY))
     local = thread.call(collect(local))
 
-    async def run():
-        engine = remote(worker)
-        deltas = await collect(await engine.add("remote-greedy", PROMPT, GREEDY))
-        await engine.shutdown()
-        return deltas
-
-    deltas = asyncio.run(run())
+    deltas = remote_deltas(worker, "remote-greedy", GREEDY)
     tokens = [t for d in deltas for t in d.token_ids]
     assert tokens == [t for d in local for t in d.token_ids] and len(tokens) == 9
     assert "".join(d.text for d in deltas) == "".join(d.text for d in local)
@@ -66,13 +72,8 @@ def test_greedy_tokens_equal_the_in_process_engine(worker):
 def test_logprobs_cross(worker):
     params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2)
 
-    async def run():
-        engine = remote(worker)
-        deltas = await collect(await engine.add("remote-logprobs", PROMPT, params))
-        await engine.shutdown()
-        return deltas
-
-    entries = [e for d in asyncio.run(run()) for e in d.logprobs or []]
+    entries = [e for d in remote_deltas(worker, "remote-logprobs", params)
+               for e in d.logprobs or []]
     assert len(entries) == 3 and all(len(e.top) == 2 and e.token.logprob <= 0 for e in entries)
 
 
@@ -88,13 +89,7 @@ def test_prompt_logprobs_and_skip_special_tokens_cross(worker):
     assert (unset.prompt_logprobs, unset.skip_special_tokens) == (None, True)
     local = thread.call(collect(thread.call(thread.engine.add("local-prompt", PROMPT, params))))
 
-    async def run():
-        engine = remote(worker)
-        deltas = await collect(await engine.add("remote-prompt", PROMPT, params))
-        await engine.shutdown()
-        return deltas
-
-    deltas = asyncio.run(run())
+    deltas = remote_deltas(worker, "remote-prompt", params)
     assert deltas[0].prompt_logprobs == local[0].prompt_logprobs
     assert len(deltas[0].prompt_logprobs) == len(PROMPT) - 1
     assert all(e.token.rank >= 1 and len(e.top) == 2 for e in deltas[0].prompt_logprobs)
