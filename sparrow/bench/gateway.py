@@ -11,6 +11,14 @@ send `--requests` completions whose token-id prompts share a `--prefix` and diff
 (greedy, `ignore_eos`): time to first token p50 / p99 and output tok/s of all clients.
 
     python -m sparrow.bench.gateway --out bench-out/gateway.json
+
+`--overhead` (GPU): the gateway's cost against `sparrow serve` on one model, one after the
+other on the same device: `sparrow serve` alone, then one `sparrow worker` behind a
+`sparrow gateway`; C streaming clients at each `--concurrency` as above. `--preset`
+serves random weights of a built-in config (`--quantize 4bit` for the 4-bit model):
+
+    python -m sparrow.bench.gateway --overhead --preset qwen3.6-35b-a3b --quantize 4bit \
+        --concurrency 1 8 32 64 --out bench-out/gateway-gpu.json
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ import time
 
 import httpx
 
+from sparrow.assets import default_checkpoint
 from sparrow.bench.media import sample_media
 from sparrow.bench.report import write_report
 from sparrow.bench.serve import PROMPT_IDS, _free_port, one_request, wait_healthy
 from sparrow.gateway.policies import POLICIES
+from sparrow.loader.random_checkpoint import PRESETS, preset_dir
 from sparrow.multimodal import QWEN3_5_MOE, MediaLimits
 from sparrow.multimodal.pipeline import MediaPipeline, media_pool
 from sparrow.multimodal.video import QWEN3_5_MOE_VIDEO
@@ -90,8 +100,7 @@ def routing(args) -> list[dict]:
     ports = [_free_port() for _ in range(args.workers)]
     workers = [_start("worker", "--device", "cpu", "--port", str(p), "--max-model-len", "4096",
                       *model) for p in ports]  # fmt: skip
-    rng = random.Random(0)
-    prefix = [rng.randrange(*PROMPT_IDS) for _ in range(args.prefix)]
+    prompts_for = _prompts(args.prefix)
     rows = []
     try:
         runs = [(policy, ports) for policy in args.policies] + [("round_robin", ports[:1])]
@@ -104,15 +113,11 @@ def routing(args) -> list[dict]:
             try:
                 wait_healthy(gateway, base, 300)
                 time.sleep(2.0)  # every worker polled healthy
-                warm = [prefix + [7] * 16 for _ in range(4 * len(over))]
-                asyncio.run(_load(base, warm, len(warm), 1, 4))  # compiled, caches warm
-                for c in args.concurrency:
-                    prompts = [prefix + [rng.randrange(*PROMPT_IDS) for _ in range(16)]
-                               for _ in range(c * args.requests)]  # fmt: skip
-                    row = {"policy": policy, "workers": len(over)} | asyncio.run(
-                        _load(base, prompts, c, args.requests, args.max_tokens))  # fmt: skip
+                for row in _measure(base, prompts_for, args.concurrency, args.requests,
+                                    args.max_tokens, warm=4 * len(over)):  # fmt: skip
+                    row = {"policy": policy, "workers": len(over)} | row
                     rows.append(row)
-                    print(f"[gateway] {policy:>12} x{len(over)} C={c:<3} TTFT p50 "
+                    print(f"[gateway] {policy:>12} x{len(over)} C={row['concurrency']:<3} TTFT p50 "
                           f"{row['ttft_p50_s'] * 1e3:7.1f} ms p99 {row['ttft_p99_s'] * 1e3:7.1f}"
                           f" ms  {row['output_tok_s']:7.1f} tok/s", flush=True)  # fmt: skip
             finally:
@@ -124,6 +129,64 @@ def routing(args) -> list[dict]:
         for w in workers:
             w.wait(30)
     return rows
+
+
+def _prompts(prefix_len: int):
+    """n -> n token-id prompts sharing a random prefix of prefix_len, then 16 of their own."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(*PROMPT_IDS) for _ in range(prefix_len)]
+    return lambda n: [prefix + [rng.randrange(*PROMPT_IDS) for _ in range(16)]
+                      for _ in range(n)]  # fmt: skip
+
+
+def _measure(base: str, prompts_for, concurrency: list[int], requests: int,
+             max_tokens: int, warm: int = 4) -> list[dict]:  # fmt: skip
+    """`warm` requests at once (kernels compiled, caches warm), then the load at each
+    concurrency (`prompts_for(n)`: n prompts)."""
+    asyncio.run(_load(base, prompts_for(warm), warm, 1, 4))
+    return [asyncio.run(_load(base, prompts_for(c * requests), c, requests, max_tokens))
+            for c in concurrency]  # fmt: skip
+
+
+def overhead(args) -> dict:
+    """`sparrow serve` alone, then a worker behind a gateway, on the same model and load:
+    rows per concurrency, and the gateway's TTFT and tok/s at each against serve's."""
+    model = ["--model", args.model] + (["--load-format", "dummy"] if args.preset else []) + (
+        ["--quantize", args.quantize] if args.quantize else [])  # fmt: skip
+    engine = [*model, "--max-model-len", "4096", "--max-num-seqs", str(max(args.concurrency))]
+    prompts_for = _prompts(args.prefix)
+    rows = {}
+    for side in ("serve", "gateway"):
+        port, worker_port = _free_port(), _free_port()
+        procs = []
+        if side == "serve":
+            procs.append(_start("serve", "--port", str(port), "--served-model-name", "bench",
+                                *engine))  # fmt: skip
+        else:
+            procs.append(_start("worker", "--port", str(worker_port), *engine))
+            procs.append(_start("gateway", "--port", str(port), "--model", args.model,
+                                "--served-model-name", "bench",
+                                "--worker", f"127.0.0.1:{worker_port}"))  # fmt: skip
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_healthy(procs[-1], base, args.start_timeout)
+            time.sleep(2.0)  # the gateway has polled its worker healthy
+            rows[side] = _measure(base, prompts_for, args.concurrency, args.requests,
+                                  args.max_tokens)  # fmt: skip
+            for row in rows[side]:
+                print(f"[gateway] {side:>8} C={row['concurrency']:<3} TTFT p50 "
+                      f"{row['ttft_p50_s'] * 1e3:7.1f} ms  {row['output_tok_s']:8.1f} tok/s",
+                      flush=True)  # fmt: skip
+        finally:
+            for proc in reversed(procs):
+                proc.terminate()
+                proc.wait(60)
+    ratios = [{"concurrency": s["concurrency"],
+               "ttft_added_ms": (g["ttft_p50_s"] - s["ttft_p50_s"]) * 1e3,
+               "output_tok_s_ratio": g["output_tok_s"] / s["output_tok_s"]}
+              for s, g in zip(rows["serve"], rows["gateway"], strict=True)]  # fmt: skip
+    return {"model": args.preset or args.model, "quantize": args.quantize, **rows,
+            "gateway_vs_serve": ratios}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -138,8 +201,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prefix", type=int, default=512, help="tokens every prompt shares")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--skip-media", action="store_true")
+    p.add_argument("--overhead", action="store_true",
+                   help="the gateway against `sparrow serve` on one model (GPU)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="random weights of a built-in config (with --overhead)")
+    p.add_argument("--quantize", default=None, help="with --overhead: 4bit or 8bit")
+    p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", default="bench-out/gateway.json")
     args = p.parse_args(argv)
+    if args.overhead:
+        if args.preset:
+            args.model = str(preset_dir(args.preset))
+        if args.model is None:
+            args.model = str(default_checkpoint())
+        report = overhead(args)
+        write_report(args.out, report)
+        return report
     report = {"preprocessing": [] if args.skip_media else preprocessing(args.processes,
                                                                          args.items),
               "routing": routing(args), "cpus": os.cpu_count()}  # fmt: skip
