@@ -169,19 +169,18 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor- and expert-parallel sizes: one GPU per engine today."""
+    """Tensor- and expert-parallel sizes: `tensor_parallel_size` processes per engine
+    (`sparrow.distributed`), each with a share of every layer; expert parallelism is not
+    available yet."""
 
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive(self, "tensor_parallel_size", "expert_parallel_size")
-        if self.tensor_parallel_size != 1 or self.expert_parallel_size != 1:
-            raise ConfigError(
-                "tensor and expert parallelism are not available yet: "
-                f"tensor_parallel_size={self.tensor_parallel_size}, "
-                f"expert_parallel_size={self.expert_parallel_size} (expected 1)"
-            )
+        if self.expert_parallel_size != 1:
+            raise ConfigError(f"expert parallelism is not available yet: "
+                              f"expert_parallel_size={self.expert_parallel_size} (expected 1)")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,9 @@ from sparrow.core.cache_spec import slot_bytes
 from sparrow.core.request import FinishReason, MediaSpan, Request
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler
+from sparrow.distributed import group
+from sparrow.distributed.ranks import RankedRunner, Ranks, rank_device
+from sparrow.distributed.shard import Shard
 from sparrow.engine.client import EngineInfo, EngineStats
 from sparrow.engine.output_processor import OutputProcessor, PromptLogprobEntry
 from sparrow.engine.resolve import resolve, resolve_device
@@ -56,6 +60,29 @@ class Completion:
     prompt_logprobs: list[PromptLogprobEntry] | None = None  # when asked for
 
 
+def checkpoint_dir(config: EngineConfig) -> Path:
+    return Path(config.model) if config.model is not None else default_checkpoint()
+
+
+def load_model(config: EngineConfig, progress: bool = False, shard: Shard | None = None,
+               device: torch.device | None = None) -> torch.nn.Module:  # fmt: skip
+    """The model `config` names, on its device (or `device`); with `shard`, one rank's share
+    of it under tensor parallelism (a checkpoint, not dummy weights)."""
+    model_dir = checkpoint_dir(config)
+    default_device, dtype = resolve_device(config.device)
+    if device is None:
+        device = rank_device(default_device, shard.rank) if shard else default_device
+    if config.load_format == "dummy":
+        if shard is not None:
+            raise ValueError("tensor parallelism loads checkpoints, not dummy weights")
+        return random_model(load_model_args(model_dir), config.seed, device, dtype,
+                            config.quantization)  # fmt: skip
+    model = load_checkpoint(model_dir, device, dtype, quantize=config.quantization,
+                            progress=progress, shard=shard)  # fmt: skip
+    attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
+    return model
+
+
 class LLM:
     def __init__(self, model: str | Path | torch.nn.Module | None = None,
                  config: EngineConfig | None = None, *, progress: bool = False,
@@ -73,16 +100,30 @@ class LLM:
         if config is None:
             config = EngineConfig.from_kwargs(model=None if in_memory else model, **settings)
         self.config = config
+        size = config.parallel.tensor_parallel_size
+        self._ranks = None
         if in_memory:
+            if size > 1:
+                raise ValueError("tensor parallelism loads a checkpoint: give its directory")
             self.model, self.tokenizer = model, None
         else:
-            self.model, self.tokenizer = self._load(config, progress)
+            shard = None
+            if size > 1:  # ranks 1..size-1 in processes of their own, this one rank 0
+                self._ranks = Ranks.start(config, resolve_device(config.device)[0])
+                weakref.finalize(self, self._ranks.stop)
+                shard = Shard(0, size)
+            self.model = load_model(config, progress, shard)
+            self.tokenizer = load_tokenizer(checkpoint_dir(config))
         args = self.model.config
         self.scheduler_config, self.cache_config = resolve(config, self.model)
+        if self._ranks is not None:  # every rank builds the same cache and runner
+            group.broadcast_object((self.scheduler_config, self.cache_config))
         recurrent = slot_bytes(self.model.cache_specs(), 1) > 0
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, recurrent)
         self.runner = ModelRunner(self.model, self.scheduler_config, self.cache_config,
                                   cuda_graphs=not config.device.enforce_eager)  # fmt: skip
+        if self._ranks is not None:
+            self.runner = RankedRunner(self.runner, self._ranks)
         self._in_flight: _InFlight | None = None  # launched, not read
         self._ids = itertools.count()
         special = {self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")
@@ -91,18 +132,6 @@ class LLM:
         self._grammars = None  # GrammarCompiler, built with the first structured request
         self._grammars_lock = threading.Lock()
 
-    @staticmethod
-    def _load(config: EngineConfig, progress: bool):
-        model_dir = Path(config.model) if config.model is not None else default_checkpoint()
-        device, dtype = resolve_device(config.device)
-        if config.load_format == "dummy":
-            model = random_model(load_model_args(model_dir), config.seed, device, dtype,
-                                 config.quantization)  # fmt: skip
-        else:
-            model = load_checkpoint(model_dir, device, dtype, quantize=config.quantization,
-                                    progress=progress)  # fmt: skip
-            attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
-        return model, load_tokenizer(model_dir)
 
     def warmup(self, lengths: tuple[int, ...] = (256, 1024, 4096), batch: int = 5) -> None:
         """Compile the kernels for prefill shapes before serving: one prompt of each length
@@ -176,6 +205,11 @@ class LLM:
         except ValueError:
             self.runner.free(request.request_id)
             raise
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do in one process)."""
+        if self._ranks is not None:
+            self._ranks.stop()
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The compiler of structured-output grammars over this engine's tokenizer, built on

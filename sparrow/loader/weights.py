@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from sparrow.config import QuantConfig
+from sparrow.distributed.shard import Cut, Shard, cut_shape, pieces, shard_args, take
 from sparrow.layers.linear import fuse_all
 from sparrow.layers.quantized import companion, quantize_modules
 from sparrow.loader.writer import INDEX_FILE
@@ -56,15 +57,20 @@ class Target:
     param: str
     index: tuple  # into the parameter: () whole, (e, rows) one expert, (slice(None), rows) all
     quantize: QuantSpec | None  # a float tensor to quantise into a packed parameter
+    cut: Cut | None = None  # the part of the tensor this rank reads (tensor parallelism)
 
 
 class WeightAssembler:
     """Collects checkpoint tensors into a model's parameters on `device` in `dtype`."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype,
-                 mlx_layout: bool = False):  # fmt: skip
+                 mlx_layout: bool = False,
+                 shard: tuple[Shard, ModelArgs] | None = None):  # fmt: skip
+        """shard: (this rank's share, the full model's config): `model` is the rank's model
+        and each tensor is read in the part the rank keeps (`distributed.shard`)."""
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.mlx_layout = mlx_layout
+        self.shard = shard
         self.arch = get_architecture(model.config.architecture)
         self.params = dict(model.named_parameters())
         self.specs = {  # packed parameter -> its quantisation
@@ -84,6 +90,13 @@ class WeightAssembler:
         param = self.arch.checkpoint_name(name)
         if param is None:
             return None
+        cut = None
+        if self.shard is not None:
+            if self.mlx_layout or src_dtype not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{source}: tensor {name!r}: tensor parallelism loads "
+                                      f"float checkpoints in HF layout (quantise on load)")
+            cut = pieces(param, len(src_shape), self.shard[1], self.shard[0])
+            src_shape = cut_shape(tuple(src_shape), cut)
         index: tuple = ()
         expert = self.arch.expert_target(param)
         if expert is not None:
@@ -117,7 +130,7 @@ class WeightAssembler:
                 f"{source}: tensor {name!r} has dtype {src_dtype}, expected {kind} "
                 f"with shape {list(shape)}"
             )
-        return Target(param, index, spec if float_src else None)
+        return Target(param, index, spec if float_src else None, cut)
 
     def add(self, target: Target, tensor: torch.Tensor, source: str) -> None:
         """Place one checked checkpoint tensor."""
@@ -219,21 +232,25 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     quantize: QuantConfig | None = None,
     progress: bool = True,
+    shard: Shard | None = None,
 ) -> torch.nn.Module:
     """Load `model_dir` (config.json + safetensors, HF or MLX layout) into a model on
     `device`. A float checkpoint is quantised on load when `quantize` is given; a quantised
-    checkpoint loads as stored."""
+    checkpoint loads as stored. `shard`: one rank's model under tensor parallelism, each
+    tensor read in the part the rank keeps."""
     model_dir = Path(model_dir)
     cfg = load_model_args(model_dir)
     if quantize is not None and cfg.quantization is None:
         cfg = cfg.replace(quantization=quantize)
+    full, cfg = cfg, shard_args(cfg, shard.size) if shard is not None else cfg
     headers = _headers(checkpoint_files(model_dir).values())
     arch = get_architecture(cfg.architecture)
     mlx = any(
         arch.is_mlx_conv(arch.checkpoint_name(n) or "", shape)
         for tensors in headers.values() for n, (shape, _) in tensors.items()
     )  # fmt: skip
-    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype, mlx_layout=mlx)
+    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype, mlx_layout=mlx,
+                                shard=(shard, full) if shard is not None else None)  # fmt: skip
     total = sum(len(t) for t in headers.values())
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
         for path, tensors in headers.items():
@@ -242,7 +259,9 @@ def load_checkpoint(
                 for name, (shape, src_dtype) in tensors.items():
                     target = assembler.target(name, shape, src_dtype, str(path))
                     if target is not None:
-                        assembler.add(target, f.get_tensor(name), str(path))
+                        tensor = (take(f.get_slice(name), len(shape), target.cut)
+                                  if target.cut is not None else f.get_tensor(name))
+                        assembler.add(target, tensor, str(path))
                     bar.update(1)
     return assembler.finish(str(model_dir)).eval()
 
@@ -254,17 +273,21 @@ def load_tensors(
     dtype: torch.dtype = torch.float32,
     where: str = "state dict",
     quantize: QuantConfig | None = None,
+    shard: Shard | None = None,
 ) -> torch.nn.Module:
     """Build a model from (HF name, tensor) pairs, e.g. an HF model's `state_dict()`: the same
     name mapping and checks as files. Tensors already on `device` in `dtype` are used as they
     are (no copy), so an HF model and ours can share one set of weights. With `quantize`,
-    float tensors are quantised as they arrive."""
+    float tensors are quantised as they arrive; with `shard`, one rank's model is built
+    from the parts of the tensors it keeps."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     if quantize is not None:
         cfg = cfg.replace(quantization=quantize)
-    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype)
+    full, cfg = cfg, shard_args(cfg, shard.size) if shard is not None else cfg
+    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype,
+                                shard=(shard, full) if shard is not None else None)  # fmt: skip
     for name, t in items:
         target = assembler.target(name, tuple(t.shape), t.dtype, where)
         if target is not None:
-            assembler.add(target, t, where)
+            assembler.add(target, take(t, t.dim(), target.cut) if target.cut else t, where)
     return assembler.finish(where).eval()

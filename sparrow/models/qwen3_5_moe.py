@@ -22,6 +22,7 @@ from torch import nn
 
 from sparrow.config import ConfigError, QuantConfig
 from sparrow.core.cache_spec import CacheSpec
+from sparrow.distributed import group
 from sparrow.kernels import use_triton
 from sparrow.layers.attention import GatedAttention
 from sparrow.layers.decoder import DecoderStack
@@ -316,8 +317,9 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, meta, cache)
         else:
             h = self.linear_attn(h, meta, cache)
-        residual, h = self.post_attention_layernorm.add(h, residual)
-        return self.mlp(h), residual
+        # under tensor parallelism each rank's mixer and MoE give partial sums
+        residual, h = self.post_attention_layernorm.add(group.all_reduce(h), residual)
+        return group.all_reduce(self.mlp(h)), residual
 
 
 class Qwen3_5MoeModel(DecoderStack):

@@ -37,6 +37,7 @@ from sparrow.config import CacheConfig, SchedulerConfig
 from sparrow.core.request import Request
 from sparrow.core.sampling_params import TokenLogprob
 from sparrow.core.scheduler import SchedulerOutput
+from sparrow.distributed import group
 from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 from sparrow.worker.grammar import Grammar, allocate_bitmask, apply_masks
@@ -197,7 +198,8 @@ class ModelRunner:
         # logprobs stay the model's (penalised) ones, as without a grammar
         if caught_up is not None:
             caught_up()
-        picked = sample_rows(self._masked(logits, done), params, gens, generated)
+        # under tensor parallelism every rank takes rank 0's tokens (no-op in one process)
+        picked = group.broadcast(sample_rows(self._masked(logits, done), params, gens, generated))
         done_slots = to_device([plan.state_slots[r] for r in done], torch.long, device)
         self.next_tokens[done_slots] = picked
         logprobs = {}

@@ -1,0 +1,63 @@
+"""The engine's process group: NCCL between GPUs, gloo between CPU processes, collectives
+with a timeout (a rank that dies fails the others' next collective instead of hanging
+them), and the collectives the model and runner call, which are no-ops in one process.
+
+NVLink multicast stays off in every rank: it can take a host's shared GPUs out of service.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+# set in each rank before NCCL initialises (the ranks are spawned: they inherit os.environ)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+TIMEOUT_S = 120.0  # a collective waits this long for the other ranks
+
+
+def init(rank: int, size: int, init_method: str, device: torch.device,
+         timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
+    """Join the engine's group as `rank` of `size` (a `tcp://` or `file://` rendezvous)."""
+    os.environ.update(NO_MULTICAST)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def size() -> int:
+    """Ranks in the engine's group (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's x (in place); x itself in one process."""
+    if size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x on every rank (in place); x itself in one process."""
+    if size() > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
+def broadcast_object(obj=None):
+    """Rank 0's picklable `obj` on every rank (the others pass None)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,77 @@
+"""Tensor parallelism on the CPU: two processes over gloo give the greedy tokens of one, on
+a tiny Qwen3.5/3.6 checkpoint (float, and quantised to 4 bits on load); a rank that dies
+fails the engine's next step with an error naming it."""
+
+import pytest
+import torch
+
+from sparrow import LLM, SamplingParams
+from sparrow.config import ConfigError, QuantConfig
+from sparrow.distributed.shard import Shard, pieces, shard_args
+from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
+
+# the tiny preset's heads (4 q, 2 kv, 2 key, 4 value) split in 2; the input dims each rank
+# keeps of the split projections (attention and value heads, the experts' intermediate) are
+# whole 4-bit groups of 64
+CFG = PRESETS["qwen3.6-tiny"].replace(linear_value_head_dim=32, moe_intermediate_size=128,
+                                      shared_expert_intermediate_size=128)
+PROMPTS = [[11, 42, 7, 99, 5, 1024, 3, 17, 250, 8], [5000, 6, 77]]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    write_random_checkpoint(out, CFG, seed=3, dtype=torch.float32, progress=False)
+    return out
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("quantize", [None, "4bit"])
+def test_two_ranks_give_the_tokens_of_one(checkpoint, quantize):
+    settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16,
+                "quantize": quantize}  # fmt: skip
+    one = tokens(LLM(str(checkpoint), **settings))
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, **settings)
+    try:
+        assert llm.model.config.num_attention_heads == CFG.num_attention_heads // 2
+        assert tokens(llm) == one
+    finally:
+        llm.close()
+
+
+def test_a_rank_that_dies_fails_the_engine_with_its_name(checkpoint):
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32",
+              max_model_len=64, block_size=16)  # fmt: skip
+    try:
+        llm._ranks.procs[0].kill()
+        llm._ranks.procs[0].join(10)
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            tokens(llm)
+    finally:
+        llm.close()
+
+
+def test_sizes_that_do_not_split_are_refused():
+    with pytest.raises(ConfigError, match="num_kv_heads 2 is not divisible by "
+                                          "tensor_parallel_size 4"):  # fmt: skip
+        shard_args(CFG, 4)
+    quantized = CFG.replace(quantization=QuantConfig.from_name("4bit"),
+                            moe_intermediate_size=64)  # fmt: skip
+    with pytest.raises(ConfigError, match="moe_intermediate_size 64 over tensor_parallel_size "
+                                          "2 is not a multiple"):  # fmt: skip
+        shard_args(quantized, 2)
+    with pytest.raises(ConfigError, match="runs Qwen3.5/3.6 MoE models, not minimax_m3"):
+        shard_args(PRESETS["minimax-m3-tiny"], 2)
+
+
+def test_the_gated_deltanet_projection_is_cut_per_part():
+    """[q | k | v] rows: rank 1 of 2 reads the second half of each part."""
+    kd = CFG.linear_num_key_heads * CFG.linear_key_head_dim
+    vd = CFG.linear_num_value_heads * CFG.linear_value_head_dim
+    dim, ranges = pieces("layers.0.linear_attn.in_proj_qkv.weight", 2, CFG, Shard(1, 2))
+    assert dim == 0 and ranges == [(kd // 2, kd), (kd + kd // 2, 2 * kd),
+                                   (2 * kd + vd // 2, 2 * kd + vd)]  # fmt: skip
