@@ -25,7 +25,7 @@ from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler
 from sparrow.distributed import group
 from sparrow.distributed.ranks import RankedRunner, Ranks, rank_device
-from sparrow.distributed.shard import Shard
+from sparrow.distributed.shard import Shard, shard_args
 from sparrow.engine.client import EngineInfo, EngineStats
 from sparrow.engine.output_processor import OutputProcessor, PromptLogprobEntry
 from sparrow.engine.resolve import resolve, resolve_device
@@ -67,16 +67,18 @@ def checkpoint_dir(config: EngineConfig) -> Path:
 def load_model(config: EngineConfig, progress: bool = False, shard: Shard | None = None,
                device: torch.device | None = None) -> torch.nn.Module:  # fmt: skip
     """The model `config` names, on its device (or `device`); with `shard`, one rank's share
-    of it under tensor parallelism (a checkpoint, not dummy weights)."""
+    of it under tensor parallelism (dummy weights: each rank draws its own share)."""
     model_dir = checkpoint_dir(config)
     default_device, dtype = resolve_device(config.device)
     if device is None:
         device = rank_device(default_device, shard.rank) if shard else default_device
     if config.load_format == "dummy":
+        args, seed = load_model_args(model_dir), config.seed
         if shard is not None:
-            raise ValueError("tensor parallelism loads checkpoints, not dummy weights")
-        return random_model(load_model_args(model_dir), config.seed, device, dtype,
-                            config.quantization)  # fmt: skip
+            quant = config.quantization or args.quantization
+            args = shard_args(args.replace(quantization=quant), shard.size)
+            seed += shard.rank
+        return random_model(args, seed, device, dtype, config.quantization)
     model = load_checkpoint(model_dir, device, dtype, quantize=config.quantization,
                             progress=progress, shard=shard)  # fmt: skip
     attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
