@@ -405,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"sparrow: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the server has stopped (and said so)
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 
@@ -134,6 +135,8 @@ def _rank_main(rank: int, size: int, init_method: str, config) -> None:
     from sparrow.engine.resolve import resolve_device
     from sparrow.worker.model_runner import ModelRunner
 
+    # Ctrl-C reaches every process of the terminal: rank 0 stops the others itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     device = rank_device(resolve_device(config.device)[0], rank)
     group.init(rank, size, init_method, device)
     try:
