@@ -141,7 +141,8 @@ class Handlers:
             raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
         # a prompt that leaves the model thinking: a grammar applies after the think block
-        after = self.tokenizer.token_id(self.reasoning.end) if inside else None
+        grammar = body.structured_outputs or body.response_format
+        after = self.tokenizer.token_id(self.reasoning.end) if inside and grammar else None
         job = await self._start(body, ids, max_tokens, chat=True, media=media,
                                 grammar_after=after)  # fmt: skip
         schemas = body.tool_schemas()
