@@ -50,6 +50,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(
         model=args.model, quantize=args.quantize, load_format=args.load_format,
         dtype=args.dtype, enforce_eager=args.enforce_eager,
+        enable_expert_parallel=args.enable_expert_parallel,
         enable_prefix_caching=not args.no_prefix_caching, **settings,
     )  # fmt: skip
 
@@ -63,6 +64,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="dummy: the checkpoint's config.json with random weights")
     group.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="auto: bfloat16 on a GPU, float32 on a CPU")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="with --tensor-parallel-size: share the routed experts out whole "
+                            "among the processes instead of by their columns")
     group.add_argument("--enforce-eager", action="store_true",
                        help="run decode steps eagerly, without CUDA graphs")  # fmt: skip
     group.add_argument("--no-prefix-caching", action="store_true",

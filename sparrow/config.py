@@ -169,18 +169,15 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor- and expert-parallel sizes: `tensor_parallel_size` processes per engine
-    (`sparrow.distributed`), each with a share of every layer; expert parallelism is not
-    available yet."""
+    """`tensor_parallel_size` processes per engine (`sparrow.distributed`), each with a share
+    of every layer; `enable_expert_parallel`: the routed experts are shared out whole among
+    them (as vLLM's flag) instead of by their intermediate columns."""
 
     tensor_parallel_size: int = 1
-    expert_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _positive(self, "tensor_parallel_size", "expert_parallel_size")
-        if self.expert_parallel_size != 1:
-            raise ConfigError(f"expert parallelism is not available yet: "
-                              f"expert_parallel_size={self.expert_parallel_size} (expected 1)")
+        _positive(self, "tensor_parallel_size")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def test_keywords_land_in_their_sections():
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"dtype": "int8"}, "dtype 'int8'"),
     ({"device": "tpu"}, "device 'tpu'"),
-    ({"expert_parallel_size": 2}, "not available yet"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
     ({"load_format": "gguf"}, "load_format 'gguf'"),
     ({"quantize": "3bit"}, "unknown quantisation"),
     ({"max_num_tokens": 5}, "unknown engine setting 'max_num_tokens'"),

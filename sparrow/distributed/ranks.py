@@ -140,7 +140,8 @@ def _rank_main(rank: int, size: int, init_method: str, config) -> None:
     device = rank_device(resolve_device(config.device)[0], rank)
     group.init(rank, size, init_method, device)
     try:
-        model = load_model(config, progress=False, shard=Shard(rank, size), device=device)
+        shard = Shard(rank, size, config.parallel.enable_expert_parallel)
+        model = load_model(config, progress=False, shard=shard, device=device)
         scheduler_config, cache_config = group.broadcast_object()
         runner = ModelRunner(model, scheduler_config, cache_config,
                              cuda_graphs=not config.device.enforce_eager)  # fmt: skip

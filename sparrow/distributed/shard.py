@@ -2,8 +2,11 @@
 attention heads, the Gated DeltaNet key and value heads (with their conv channels, gates
 and decay), and the intermediate dimension of every expert and of the shared expert are
 split in S contiguous blocks; the rest (embedding, norms, router, lm_head) is replicated.
-Each split block's output is a partial sum that the layer all-reduces (`group.all_reduce`
-after the token mixer and after the MoE); the routing itself is the same on every rank.
+With expert parallelism the routed experts are split instead (rank r holds experts r E / S
+to (r + 1) E / S whole; the router still scores all of them, and assignments to experts
+held elsewhere contribute nothing on this rank). Each split block's output is a partial sum
+that the layer all-reduces (`group.all_reduce` after the token mixer and after the MoE);
+the routing itself is the same on every rank.
 
 `pieces` names, for one checkpoint tensor, the dimension and the ranges of it that a rank
 reads (one range, or three for the [q | k | v] rows of the Gated DeltaNet's projection and
@@ -27,19 +30,23 @@ SPLIT = ("num_attention_heads", "num_kv_heads", "linear_num_key_heads",
 class Shard:
     rank: int
     size: int
+    experts: bool = False  # expert parallelism: whole experts per rank
 
 
 Cut = tuple[int, list[tuple[int, int]]]  # (dimension, [start, stop) ranges concatenated)
 
 
-def shard_args(cfg, size: int):
-    """The config of one rank's model: the split sizes divided by `size`."""
+def shard_args(cfg, shard: Shard):
+    """The config of one rank's model: the split sizes divided by the group's size, and
+    with expert parallelism the rank's range of experts."""
+    size = shard.size
     if size == 1:
         return cfg
     if not isinstance(cfg, ModelArgs):
         raise ConfigError(f"tensor parallelism runs Qwen3.5/3.6 MoE models, not "
                           f"{type(cfg).__module__.rsplit('.', 1)[-1]}")  # fmt: skip
-    for name in SPLIT:
+    split = [n for n in SPLIT if not (shard.experts and n == "moe_intermediate_size")]
+    for name in split + (["num_experts"] if shard.experts else []):
         if getattr(cfg, name) % size:
             raise ConfigError(f"{name} {getattr(cfg, name)} is not divisible by "
                               f"tensor_parallel_size {size}")  # fmt: skip
@@ -50,11 +57,15 @@ def shard_args(cfg, size: int):
                       cfg.linear_num_value_heads * cfg.linear_value_head_dim,
                   "moe_intermediate_size": cfg.moe_intermediate_size,
                   "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+        if shard.experts:  # whole experts: their input dims are not split
+            del inputs["moe_intermediate_size"]
         for what, k in inputs.items():
             if (k // size) % quant.group_size:
                 raise ConfigError(f"{what} {k} over tensor_parallel_size {size} is not a "
                                   f"multiple of the quantisation group {quant.group_size}")
-    return cfg.replace(**{name: getattr(cfg, name) // size for name in SPLIT})
+    held = cfg.num_experts // size
+    experts = {"expert_range": (shard.rank * held, held)} if shard.experts else {}
+    return cfg.replace(**{name: getattr(cfg, name) // size for name in split}, **experts)
 
 
 def pieces(param: str, ndim: int, cfg: ModelArgs, shard: Shard) -> Cut | None:
@@ -92,6 +103,9 @@ def pieces(param: str, ndim: int, cfg: ModelArgs, shard: Shard) -> Cut | None:
         if name == "out_proj":
             return 1, [block(vd)]
         return None
+    if ".mlp.experts." in param and shard.experts:  # fused: this rank's experts; one: whole
+        fused = param.endswith(("gate_up_proj", "experts.down_proj"))
+        return (0, [block(cfg.num_experts)]) if fused else None
     if ".mlp.experts." in param:
         inter = cfg.moe_intermediate_size
         if param.endswith("gate_up_proj"):  # fused [E, 2I, hidden]

@@ -76,7 +76,7 @@ def load_model(config: EngineConfig, progress: bool = False, shard: Shard | None
         args, seed = load_model_args(model_dir), config.seed
         if shard is not None:
             quant = config.quantization or args.quantization
-            args = shard_args(args.replace(quantization=quant), shard.size)
+            args = shard_args(args.replace(quantization=quant), shard)
             seed += shard.rank
         return random_model(args, seed, device, dtype, config.quantization)
     model = load_checkpoint(model_dir, device, dtype, quantize=config.quantization,
@@ -113,7 +113,7 @@ class LLM:
             if size > 1:  # ranks 1..size-1 in processes of their own, this one rank 0
                 self._ranks = Ranks.start(config, resolve_device(config.device)[0])
                 weakref.finalize(self, self._ranks.stop)
-                shard = Shard(0, size)
+                shard = Shard(0, size, config.parallel.enable_expert_parallel)
             self.model = load_model(config, progress, shard)
             self.tokenizer = load_tokenizer(checkpoint_dir(config))
         args = self.model.config

@@ -41,10 +41,25 @@ class Experts(nn.Module):
     """Routed experts stored fused, as HF keeps them in memory:
     gate_up_proj [E, 2I, hidden] (gate rows first), down_proj [E, hidden, I]."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 expert_range: tuple[int, int] | None = None):  # fmt: skip
+        """expert_range: (first, count) of the router's experts held here (expert
+        parallelism: the others' assignments contribute nothing here); None: all."""
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.expert_range = expert_range
+        held = expert_range[1] if expert_range else num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(held, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(held, hidden, intermediate))
+
+    def held(self, weights: torch.Tensor, ids: torch.Tensor):
+        """A routing (weights, ids [T, k] over all experts) as these experts take it: ids of
+        experts held elsewhere get weight 0 and stand on expert 0 (no host sync)."""
+        if self.expert_range is None:
+            return weights, ids
+        first, count = self.expert_range
+        local = ids - first
+        mine = (local >= 0) & (local < count)
+        return weights * mine, torch.where(mine, local, torch.zeros_like(local))
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Float (gate_up [2I, hidden], down [hidden, I]) of expert e."""
@@ -59,14 +74,14 @@ class Experts(nn.Module):
         from sparrow.layers.quantized import QuantizedExperts
 
         e, two_i, hidden = self.gate_up_proj.shape
-        return QuantizedExperts(e, hidden, two_i // 2, spec, dtype)
+        return QuantizedExperts(e, hidden, two_i // 2, spec, dtype, self.expert_range)
 
     def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
                       shared: SwiGLU | None = None,
                       shared_gate: torch.Tensor | None = None):  # fmt: skip
         """Route (softmax top-k) and run the experts: [T, hidden] -> [T, hidden]. With a
         shared expert and its gate logit [T, 1], add sigmoid(gate) * shared(x)."""
-        weights, ids = naive.route(router_logits, top_k)
+        weights, ids = self.held(*naive.route(router_logits, top_k))
         out = self(x, weights, ids)
         return out if shared is None else out + torch.sigmoid(shared_gate) * shared(x)
 
@@ -112,11 +127,12 @@ class SparseMoE(Projections, nn.Module):
     FUSED = {"gates": ("gate", "shared_expert_gate")}  # the router and the shared expert's
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
-                 shared_intermediate: int):  # fmt: skip
+                 shared_intermediate: int,
+                 expert_range: tuple[int, int] | None = None):  # fmt: skip
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
-        self.experts = Experts(num_experts, hidden, intermediate)
+        self.experts = Experts(num_experts, hidden, intermediate, expert_range)
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 

@@ -29,7 +29,8 @@ from torch import nn
 from sparrow.config import QuantConfig
 from sparrow.kernels import use_triton
 from sparrow.kernels.dequant.dequant import dequantize as dequantize_kernel
-from sparrow.kernels.moe.experts import moe_experts
+from sparrow.kernels.moe.experts import moe_experts, moe_experts_routed
+from sparrow.kernels.moe.routing import topk_route
 from sparrow.kernels.moe.shared import Shared
 from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
 from sparrow.layers.linear import fuse_all
@@ -104,9 +105,11 @@ class QuantizedExperts(Experts):
     """Experts with 4-bit gate_up [E, 2I, hidden] and down [E, hidden, I] weights."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, spec: QuantSpec,
-                 dtype: torch.dtype):  # fmt: skip
+                 dtype: torch.dtype,
+                 expert_range: tuple[int, int] | None = None):  # fmt: skip
+        """num_experts: those held here (`Experts`' expert_range)."""
         nn.Module.__init__(self)
-        self.spec = spec
+        self.spec, self.expert_range = spec, expert_range
         self.logical_shapes = {
             "gate_up_proj": (num_experts, 2 * intermediate, hidden),
             "down_proj": (num_experts, hidden, intermediate),
@@ -128,6 +131,11 @@ class QuantizedExperts(Experts):
         if not use_triton(x):
             return super().route_and_run(x, router_logits, top_k, shared, shared_gate)
         rows = x.reshape(-1, x.shape[-1])
+        if self.expert_range is not None:  # routed on all experts, run on those held here
+            weights, ids = self.held(*topk_route(router_logits, top_k))
+            side = None if shared is None else torch.sigmoid(shared_gate) * shared(x)
+            return moe_experts_routed(rows, weights, ids, *self.packed(), self.spec,
+                                      shared_output=side)  # fmt: skip
         side = None
         if shared is not None:
             weights = self._like_an_expert(shared)

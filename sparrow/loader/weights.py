@@ -101,6 +101,11 @@ class WeightAssembler:
         expert = self.arch.expert_target(param)
         if expert is not None:
             fused, e, proj, kind = expert
+            held = getattr(self.model.config, "expert_range", None) if self.shard else None
+            if held is not None and e is not None:  # one expert's tensor: this rank's?
+                if not held[0] <= e < held[0] + held[1]:
+                    return None
+                e -= held[0]
             param = fused if kind == "weight" else companion(fused, kind)
             if param in self.params:  # a piece of a fused [.., 2I, hidden] or down tensor
                 shape = self.params[param].shape
@@ -242,7 +247,7 @@ def load_checkpoint(
     cfg = load_model_args(model_dir)
     if quantize is not None and cfg.quantization is None:
         cfg = cfg.replace(quantization=quantize)
-    full, cfg = cfg, shard_args(cfg, shard.size) if shard is not None else cfg
+    full, cfg = cfg, shard_args(cfg, shard) if shard is not None else cfg
     headers = _headers(checkpoint_files(model_dir).values())
     arch = get_architecture(cfg.architecture)
     mlx = any(
@@ -283,7 +288,7 @@ def load_tensors(
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     if quantize is not None:
         cfg = cfg.replace(quantization=quantize)
-    full, cfg = cfg, shard_args(cfg, shard.size) if shard is not None else cfg
+    full, cfg = cfg, shard_args(cfg, shard) if shard is not None else cfg
     assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype,
                                 shard=(shard, full) if shard is not None else None)  # fmt: skip
     for name, t in items:

@@ -93,6 +93,9 @@ class ModelArgs:
     # Mixture of experts.
     num_experts: int = 256
     num_experts_per_tok: int = 8
+    # expert parallelism: (first, count) of the routed experts this rank holds (the router
+    # still scores all num_experts); None: all of them
+    expert_range: tuple[int, int] | None = None
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
     # Everything else.
@@ -282,7 +285,8 @@ def _validate(cfg: ModelArgs) -> None:
 def sparse_moe(cfg: ModelArgs) -> SparseMoE:
     """The MoE block of one layer (also built alone by benchmarks and tests)."""
     return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                     cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+                     cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+                     cfg.expert_range)  # fmt: skip
 
 
 class DecoderLayer(nn.Module):

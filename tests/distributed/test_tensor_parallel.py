@@ -31,16 +31,40 @@ def tokens(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("quantize", [None, "4bit"])
-def test_two_ranks_give_the_tokens_of_one(checkpoint, quantize):
+@pytest.mark.parametrize("experts", [False, True], ids=["tp", "tp+ep"])
+def test_two_ranks_give_the_tokens_of_one(checkpoint, quantize, experts):
+    """Heads and expert columns split (tp), or heads split and experts shared out whole
+    (tp+ep): the greedy tokens of one process."""
     settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16,
                 "quantize": quantize}  # fmt: skip
     one = tokens(LLM(str(checkpoint), **settings))
-    llm = LLM(str(checkpoint), tensor_parallel_size=2, **settings)
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, enable_expert_parallel=experts,
+              **settings)  # fmt: skip
     try:
-        assert llm.model.config.num_attention_heads == CFG.num_attention_heads // 2
+        cfg = llm.model.config
+        assert cfg.num_attention_heads == CFG.num_attention_heads // 2
+        assert cfg.expert_range == ((0, CFG.num_experts // 2) if experts else None)
+        assert llm.model.layers[0].mlp.experts.gate_up_proj.shape[0] == (
+            CFG.num_experts // 2 if experts else CFG.num_experts)
         assert tokens(llm) == one
     finally:
         llm.close()
+
+
+def test_per_expert_tensors_are_read_by_the_rank_that_holds_them(tmp_path):
+    """A checkpoint with one tensor per expert and projection: each rank reads its experts'
+    (tp+ep) or its columns of every expert's (tp)."""
+    write_random_checkpoint(tmp_path, CFG, seed=4, dtype=torch.float32, per_expert=True,
+                            progress=False)  # fmt: skip
+    settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16}
+    one = tokens(LLM(str(tmp_path), **settings))
+    for experts in (True, False):
+        llm = LLM(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=experts,
+                  **settings)  # fmt: skip
+        try:
+            assert tokens(llm) == one
+        finally:
+            llm.close()
 
 
 def test_a_rank_that_dies_fails_the_engine_with_its_name(checkpoint):
@@ -58,14 +82,14 @@ def test_a_rank_that_dies_fails_the_engine_with_its_name(checkpoint):
 def test_sizes_that_do_not_split_are_refused():
     with pytest.raises(ConfigError, match="num_kv_heads 2 is not divisible by "
                                           "tensor_parallel_size 4"):  # fmt: skip
-        shard_args(CFG, 4)
+        shard_args(CFG, Shard(0, 4))
     quantized = CFG.replace(quantization=QuantConfig.from_name("4bit"),
                             moe_intermediate_size=64)  # fmt: skip
     with pytest.raises(ConfigError, match="moe_intermediate_size 64 over tensor_parallel_size "
                                           "2 is not a multiple"):  # fmt: skip
-        shard_args(quantized, 2)
+        shard_args(quantized, Shard(0, 2))
     with pytest.raises(ConfigError, match="runs Qwen3.5/3.6 MoE models, not minimax_m3"):
-        shard_args(PRESETS["minimax-m3-tiny"], 2)
+        shard_args(PRESETS["minimax-m3-tiny"], Shard(0, 2))
 
 
 def test_the_gated_deltanet_projection_is_cut_per_part():
