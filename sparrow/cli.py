@@ -39,7 +39,7 @@ _ENGINE_FLAGS = (
     ("--num-state-snapshots", "num_state_snapshots", CacheConfig, int,
      "saved recurrent states prefix caching resumes from; None: one per sequence"),
     ("--tensor-parallel-size", "tensor_parallel_size", ParallelConfig, int,
-     "processes (GPUs) per engine, each with a share of every layer (Qwen3.5/3.6)"),
+     "processes (GPUs) per engine, each with a share of every layer"),
     ("--device", "device", DeviceConfig, str, "auto, cpu, cuda or cuda:N"),
 )  # fmt: skip
 

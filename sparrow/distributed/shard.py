@@ -1,7 +1,9 @@
-"""Each rank's share of a Qwen3.5/3.6 MoE model under tensor parallelism of size S: the
-attention heads, the Gated DeltaNet key and value heads (with their conv channels, gates
-and decay), and the intermediate dimension of every expert and of the shared expert are
-split in S contiguous blocks; the rest (embedding, norms, router, lm_head) is replicated.
+"""Each rank's share of a Qwen3.5/3.6 MoE or MiniMax M3 model under tensor parallelism of
+size S: the attention heads (and M3's index heads, one per KV group), the Gated DeltaNet
+key and value heads (with their conv channels, gates and decay), and the intermediate
+dimension of every expert, of the shared expert and of M3's dense MLPs are split in S
+contiguous blocks; the rest (embedding, norms, router, M3's index key, lm_head) is
+replicated.
 With expert parallelism the routed experts are split instead (rank r holds experts r E / S
 to (r + 1) E / S whole; the router still scores all of them, and assignments to experts
 held elsewhere contribute nothing on this rank). Each split block's output is a partial sum
@@ -20,10 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.config import ConfigError
-from sparrow.models.qwen3_5_moe import ModelArgs
-
-SPLIT = ("num_attention_heads", "num_kv_heads", "linear_num_key_heads",
-         "linear_num_value_heads", "moe_intermediate_size", "shared_expert_intermediate_size")
+from sparrow.models import minimax_m3, qwen3_5_moe
 
 
 @dataclass(frozen=True)
@@ -36,39 +35,54 @@ class Shard:
 Cut = tuple[int, list[tuple[int, int]]]  # (dimension, [start, stop) ranges concatenated)
 
 
+def _sizes(cfg, experts: bool) -> tuple[list[str], dict[str, int]]:
+    """The config fields split across ranks, and the input dims of the split projections
+    (each rank's part must be whole quantisation groups)."""
+    heads = ["num_attention_heads", "num_kv_heads"]
+    attention = cfg.num_attention_heads * cfg.head_dim
+    if isinstance(cfg, qwen3_5_moe.ModelArgs):
+        fields = heads + ["linear_num_key_heads", "linear_num_value_heads",
+                          "shared_expert_intermediate_size"]  # fmt: skip
+        inputs = {"attention heads x head_dim": attention,
+                  "value heads x linear_value_head_dim":
+                      cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+                  "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+    elif isinstance(cfg, minimax_m3.ModelArgs):
+        fields = heads + ["index_n_heads", "shared_intermediate_size", "dense_intermediate_size"]
+        inputs = {"attention heads x head_dim": attention,
+                  "shared_intermediate_size": cfg.shared_intermediate_size,
+                  "dense_intermediate_size": cfg.dense_intermediate_size}
+    else:
+        raise ConfigError(f"tensor parallelism runs Qwen3.5/3.6 and MiniMax M3, not "
+                          f"{type(cfg).__module__}")  # fmt: skip
+    if not experts:  # the experts' columns split too
+        fields.append("moe_intermediate_size")
+        inputs["moe_intermediate_size"] = cfg.moe_intermediate_size
+    return fields, inputs
+
+
 def shard_args(cfg, shard: Shard):
     """The config of one rank's model: the split sizes divided by the group's size, and
     with expert parallelism the rank's range of experts."""
     size = shard.size
     if size == 1:
         return cfg
-    if not isinstance(cfg, ModelArgs):
-        raise ConfigError(f"tensor parallelism runs Qwen3.5/3.6 MoE models, not "
-                          f"{type(cfg).__module__.rsplit('.', 1)[-1]}")  # fmt: skip
-    split = [n for n in SPLIT if not (shard.experts and n == "moe_intermediate_size")]
-    for name in split + (["num_experts"] if shard.experts else []):
+    fields, inputs = _sizes(cfg, shard.experts)
+    for name in fields + (["num_experts"] if shard.experts else []):
         if getattr(cfg, name) % size:
             raise ConfigError(f"{name} {getattr(cfg, name)} is not divisible by "
                               f"tensor_parallel_size {size}")  # fmt: skip
     quant = cfg.quantization
-    if quant is not None:  # the split input dims: each rank's quantisation groups are whole
-        inputs = {"attention heads x head_dim": cfg.num_attention_heads * cfg.head_dim,
-                  "value heads x linear_value_head_dim":
-                      cfg.linear_num_value_heads * cfg.linear_value_head_dim,
-                  "moe_intermediate_size": cfg.moe_intermediate_size,
-                  "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
-        if shard.experts:  # whole experts: their input dims are not split
-            del inputs["moe_intermediate_size"]
-        for what, k in inputs.items():
-            if (k // size) % quant.group_size:
-                raise ConfigError(f"{what} {k} over tensor_parallel_size {size} is not a "
-                                  f"multiple of the quantisation group {quant.group_size}")
+    for what, k in inputs.items() if quant is not None else ():
+        if (k // size) % quant.group_size:
+            raise ConfigError(f"{what} {k} over tensor_parallel_size {size} is not a "
+                              f"multiple of the quantisation group {quant.group_size}")
     held = cfg.num_experts // size
     experts = {"expert_range": (shard.rank * held, held)} if shard.experts else {}
-    return cfg.replace(**{name: getattr(cfg, name) // size for name in split}, **experts)
+    return cfg.replace(**{name: getattr(cfg, name) // size for name in fields}, **experts)
 
 
-def pieces(param: str, ndim: int, cfg: ModelArgs, shard: Shard) -> Cut | None:
+def pieces(param: str, ndim: int, cfg, shard: Shard) -> Cut | None:
     """What rank `shard.rank` reads of the checkpoint tensor that maps to `param` (our name,
     before experts are fused) with `ndim` dimensions, for the full model `cfg`; None: the
     whole tensor (replicated)."""
@@ -78,31 +92,37 @@ def pieces(param: str, ndim: int, cfg: ModelArgs, shard: Shard) -> Cut | None:
         n = total // s
         return offset + r * n, offset + (r + 1) * n
 
-    head, tail = param.rsplit(".", 1)[0], param.rsplit(".", 1)[-1]
+    def mlp(proj: str, inter: int) -> Cut | None:
+        """A gated MLP's projections: [gate | up] rows (fused or apart), down's columns."""
+        if proj == "gate_up_proj":
+            return 0, [block(inter), block(inter, inter)]
+        if proj in ("gate_proj", "up_proj"):
+            return 0, [block(inter)]
+        return (1, [block(inter)]) if proj == "down_proj" else None
+
+    parts = param.split(".")
+    module = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
+    qwen = isinstance(cfg, qwen3_5_moe.ModelArgs)
+    if ".self_attn.indexer." in param:  # M3: one index head per KV group
+        return (0, [block(cfg.index_n_heads * cfg.index_head_dim)]) if module == "q_proj" \
+            else None  # fmt: skip
     if ".self_attn." in param:
         d = cfg.head_dim
-        rows = {"q_proj": 2 * cfg.num_attention_heads * d, "k_proj": cfg.num_kv_heads * d,
-                "v_proj": cfg.num_kv_heads * d}  # fmt: skip
-        name = head.rsplit(".", 1)[-1]
-        if name in rows:
-            return 0, [block(rows[name])]
-        if name == "o_proj":
-            return 1, [block(cfg.num_attention_heads * d)]
-        return None
+        rows = {"q_proj": (2 if qwen else 1) * cfg.num_attention_heads * d,  # Qwen: q | gate
+                "k_proj": cfg.num_kv_heads * d, "v_proj": cfg.num_kv_heads * d}  # fmt: skip
+        if module in rows:
+            return 0, [block(rows[module])]
+        return (1, [block(cfg.num_attention_heads * d)]) if module == "o_proj" else None
     if ".linear_attn." in param:
         kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        heads = cfg.linear_num_value_heads
-        name = head.rsplit(".", 1)[-1] if tail in ("weight",) else tail
-        if name in ("in_proj_qkv", "conv1d"):
+        if module in ("in_proj_qkv", "conv1d"):
             return 0, [block(kd), block(kd, kd), block(vd, 2 * kd)]
-        if name == "in_proj_z":
+        if module == "in_proj_z":
             return 0, [block(vd)]
-        if name in ("in_proj_b", "in_proj_a", "dt_bias", "A_log"):
-            return 0, [block(heads)]
-        if name == "out_proj":
-            return 1, [block(vd)]
-        return None
+        if module in ("in_proj_b", "in_proj_a", "dt_bias", "A_log"):
+            return 0, [block(cfg.linear_num_value_heads)]
+        return (1, [block(vd)]) if module == "out_proj" else None
     if ".mlp.experts." in param and shard.experts:  # fused: this rank's experts; one: whole
         fused = param.endswith(("gate_up_proj", "experts.down_proj"))
         return (0, [block(cfg.num_experts)]) if fused else None
@@ -112,12 +132,12 @@ def pieces(param: str, ndim: int, cfg: ModelArgs, shard: Shard) -> Cut | None:
             return 1, [block(inter), block(inter, inter)]
         if param.endswith("experts.down_proj"):  # fused [E, hidden, I]
             return 2, [block(inter)]
-        proj = head.rsplit(".", 1)[-1]  # per expert: [I, hidden] or [hidden, I]
-        return (0, [block(inter)]) if proj in ("gate_proj", "up_proj") else (1, [block(inter)])
-    if ".mlp.shared_expert." in param:
-        proj = head.rsplit(".", 1)[-1]
-        inter = cfg.shared_expert_intermediate_size
-        return (0, [block(inter)]) if proj in ("gate_proj", "up_proj") else (1, [block(inter)])
+        return mlp(module, inter)  # one expert's [I, hidden] or [hidden, I]
+    if ".mlp.shared_expert." in param or ".mlp.shared_experts." in param:
+        return mlp(module, cfg.shared_expert_intermediate_size if qwen
+                   else cfg.shared_intermediate_size)  # fmt: skip
+    if ".mlp." in param and not qwen:  # M3's dense layers (the router stays whole)
+        return mlp(module, cfg.dense_intermediate_size)
     return None
 
 

@@ -47,8 +47,8 @@ class OAIExperts(Experts):
     """Routed experts with the SwiGLU-OAI activation (fused [E, 2I, H] / [E, H, I])."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float,
-                 limit: float):  # fmt: skip
-        super().__init__(num_experts, hidden, intermediate)
+                 limit: float, expert_range: tuple[int, int] | None = None):  # fmt: skip
+        super().__init__(num_experts, hidden, intermediate, expert_range)
         self.alpha, self.limit = alpha, limit
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,8 @@ class OAIExperts(Experts):
 
     def quantized(self, spec, dtype: torch.dtype) -> nn.Module:
         e, two_i, hidden = self.gate_up_proj.shape
-        return QuantizedOAIExperts(e, hidden, two_i // 2, spec, dtype, self.alpha, self.limit)
+        return QuantizedOAIExperts(e, hidden, two_i // 2, spec, dtype, self.alpha, self.limit,
+                                   self.expert_range)  # fmt: skip
 
 
 class QuantizedOAIExperts(QuantizedExperts):
@@ -76,8 +77,9 @@ class QuantizedOAIExperts(QuantizedExperts):
     routing on the host)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, spec, dtype,
-                 alpha: float, limit: float):  # fmt: skip
-        super().__init__(num_experts, hidden, intermediate, spec, dtype)
+                 alpha: float, limit: float,
+                 expert_range: tuple[int, int] | None = None):  # fmt: skip
+        super().__init__(num_experts, hidden, intermediate, spec, dtype, expert_range)
         self.alpha, self.limit = alpha, limit
 
     activation = OAIExperts.activation
@@ -125,11 +127,11 @@ class SigmoidMoE(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
                  shared_intermediate: int, routed_scale: float, alpha: float,
-                 limit: float):  # fmt: skip
+                 limit: float, expert_range: tuple[int, int] | None = None):  # fmt: skip
         super().__init__()
         self.top_k, self.routed_scale = top_k, routed_scale
         self.gate = SigmoidRouter(hidden, num_experts)
-        self.experts = OAIExperts(num_experts, hidden, intermediate, alpha, limit)
+        self.experts = OAIExperts(num_experts, hidden, intermediate, alpha, limit, expert_range)
         self.shared_experts = DenseMLP(hidden, shared_intermediate, alpha, limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +139,6 @@ class SigmoidMoE(nn.Module):
         accumulates in x's dtype on the reference path (HF's eager experts), in fp32 on the
         GPU's grouped path (HF's `grouped_mm`) and in the fused 4-bit kernels, which also
         add the shared expert's output before rounding (`QuantizedOAIExperts.scaled_sum`)."""
-        weights, ids = self.gate(x, self.top_k)
+        weights, ids = self.experts.held(*self.gate(x, self.top_k))
         return self.experts.scaled_sum(x, weights, ids, self.routed_scale,
                                        self.shared_experts(x))  # fmt: skip

@@ -27,6 +27,7 @@ from torch import nn
 
 from sparrow.config import ConfigError, QuantConfig
 from sparrow.core.cache_spec import CacheSpec
+from sparrow.distributed import group
 from sparrow.layers.decoder import DecoderStack
 from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.msa import M3Attention
@@ -103,6 +104,9 @@ class ModelArgs:
     # MLPs.
     num_experts: int = 128
     num_experts_per_tok: int = 4
+    # expert parallelism: (first, count) of the routed experts this rank holds (the router
+    # still scores all num_experts); None: all of them
+    expert_range: tuple[int, int] | None = None
     moe_intermediate_size: int = 3072
     dense_intermediate_size: int = 12288
     shared_intermediate_size: int = 3072
@@ -267,7 +271,8 @@ def _mlp(cfg: ModelArgs, mlp_type: str) -> nn.Module:
                         cfg.swiglu_limit)  # fmt: skip
     return SigmoidMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                       cfg.moe_intermediate_size, cfg.shared_intermediate_size,
-                      cfg.routed_scaling_factor, cfg.swiglu_alpha, cfg.swiglu_limit)  # fmt: skip
+                      cfg.routed_scaling_factor, cfg.swiglu_alpha, cfg.swiglu_limit,
+                      cfg.expert_range)  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
@@ -289,8 +294,9 @@ class DecoderLayer(nn.Module):
         else:
             residual, h = self.input_layernorm.add(x, residual)
         h = self.self_attn(h, cos, sin, meta, cache)
-        residual, h = self.post_attention_layernorm.add(h, residual)
-        return self.mlp(h), residual
+        # under tensor parallelism each rank's attention and MLP give partial sums
+        residual, h = self.post_attention_layernorm.add(group.all_reduce(h), residual)
+        return group.all_reduce(self.mlp(h)), residual
 
 
 class MiniMaxM3Model(DecoderStack):

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: two processes over gloo give the greedy tokens of one, on
-a tiny Qwen3.5/3.6 checkpoint (float, and quantised to 4 bits on load); a rank that dies
-fails the engine's next step with an error naming it."""
+tiny Qwen3.5/3.6 and MiniMax M3 checkpoints (float, and quantised to 4 bits on load), with
+the experts split by columns or shared out whole; a rank that dies fails the engine's next
+step with an error naming it."""
 
 import pytest
 import torch
@@ -51,6 +52,36 @@ def test_two_ranks_give_the_tokens_of_one(checkpoint, quantize, experts):
         llm.close()
 
 
+# the tiny M3 preset's heads (4 q, 2 kv, 2 index) split in 2, its MLPs widened so that
+# each rank's input dims are whole 4-bit groups
+M3 = PRESETS["minimax-m3-tiny"].replace(moe_intermediate_size=128, shared_intermediate_size=128,
+                                        dense_intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def m3_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp-m3")
+    write_random_checkpoint(out, M3, seed=5, dtype=torch.float32, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("quantize", [None, "4bit"])
+def test_minimax_m3_on_two_ranks(m3_checkpoint, quantize):
+    """MSA layers split by KV group (each rank's index heads choose its groups' blocks),
+    dense MLPs and experts by columns, or experts whole."""
+    settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16,
+                "quantize": quantize}  # fmt: skip
+    one = tokens(LLM(str(m3_checkpoint), **settings))
+    for experts in (False, True):
+        llm = LLM(str(m3_checkpoint), tensor_parallel_size=2, enable_expert_parallel=experts,
+                  **settings)  # fmt: skip
+        try:
+            assert llm.model.config.index_n_heads == M3.index_n_heads // 2
+            assert tokens(llm) == one
+        finally:
+            llm.close()
+
+
 def test_per_expert_tensors_are_read_by_the_rank_that_holds_them(tmp_path):
     """A checkpoint with one tensor per expert and projection: each rank reads its experts'
     (tp+ep) or its columns of every expert's (tp)."""
@@ -88,8 +119,11 @@ def test_sizes_that_do_not_split_are_refused():
     with pytest.raises(ConfigError, match="moe_intermediate_size 64 over tensor_parallel_size "
                                           "2 is not a multiple"):  # fmt: skip
         shard_args(quantized, Shard(0, 2))
-    with pytest.raises(ConfigError, match="runs Qwen3.5/3.6 MoE models, not minimax_m3"):
-        shard_args(PRESETS["minimax-m3-tiny"], Shard(0, 2))
+    with pytest.raises(ConfigError, match="num_experts 8 is not divisible by "
+                                          "tensor_parallel_size 3"):  # fmt: skip
+        shard_args(CFG.replace(num_attention_heads=6, num_kv_heads=3, linear_num_key_heads=3,
+                               linear_num_value_heads=6, moe_intermediate_size=192,
+                               shared_expert_intermediate_size=192), Shard(0, 3, True))
 
 
 def test_the_gated_deltanet_projection_is_cut_per_part():
