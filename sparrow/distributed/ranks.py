@@ -5,10 +5,11 @@ its share of the checkpoint, builds the same cache and runner, and then does wha
 expert columns; the layers all-reduce), and takes rank 0's sampled tokens
 (`group.broadcast` in the runner), so no rank's sampling can drift from rank 0's.
 
-A step's message carries the plan and the requests it names, pickled: simple, and as large
-as those requests' token lists. A rank that dies fails rank 0's next step with an error
-naming it (rank 0 checks the processes before each message; a collective that waits
-longer than `group.TIMEOUT_S` raises too).
+A step's message carries the plan and, for each request it names, the request whole the
+first time and then only what changed (`RequestUpdate`: the tokens sampled since, the
+computed and pending counts), so a long context crosses once. A rank that dies fails rank
+0's next step with an error naming it (rank 0 checks the processes before each message; a
+collective that waits longer than `group.TIMEOUT_S` raises too).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 
 import torch
 
+from sparrow.core.request import Request, RequestStatus
 from sparrow.distributed import group
 from sparrow.distributed.shard import Shard
 
@@ -92,6 +95,22 @@ class Ranks:
         group.close()
 
 
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What changed in a request the other ranks hold since rank 0 last sent it."""
+
+    new_output_ids: list[int]
+    num_computed_tokens: int
+    num_pending: int
+    status: RequestStatus
+
+    def apply(self, request: Request) -> None:
+        request.output_token_ids.extend(self.new_output_ids)
+        request.num_computed_tokens, request.num_pending = (self.num_computed_tokens,
+                                                            self.num_pending)  # fmt: skip
+        request.status = self.status
+
+
 class RankedRunner:
     """Rank 0's runner: each call that changes what the runner holds or computes is sent to
     the other ranks first, then run here."""
@@ -99,14 +118,25 @@ class RankedRunner:
     def __init__(self, runner, ranks: Ranks):
         self.runner, self.ranks = runner, ranks
         self.media = _RankedMedia(runner.media, ranks)
+        self.sent: dict[str, int] = {}  # request -> output tokens the other ranks hold
 
     def execute(self, plan, requests):
-        named = {rid: requests[rid] for rid in plan.num_scheduled_tokens}
-        self.ranks.send("execute", plan, named)
+        self.ranks.send("execute", plan, {rid: self._update(requests[rid])
+                                          for rid in plan.num_scheduled_tokens})  # fmt: skip
         return self.runner.execute(plan, requests)
+
+    def _update(self, request: Request) -> Request | RequestUpdate:
+        """The request whole the first time (or if its output shrank), else what changed."""
+        out, sent = request.output_token_ids, self.sent.get(request.request_id)
+        self.sent[request.request_id] = len(out)
+        if sent is None or sent > len(out):
+            return request
+        return RequestUpdate(out[sent:], request.num_computed_tokens, request.num_pending,
+                             request.status)  # fmt: skip
 
     def free(self, request_id: str) -> None:
         self.ranks.send("free", request_id)
+        self.sent.pop(request_id, None)
         self.runner.free(request_id)
 
     def add_grammar(self, *args, **kwargs) -> None:
@@ -145,13 +175,21 @@ def _rank_main(rank: int, size: int, init_method: str, config) -> None:
         scheduler_config, cache_config = group.broadcast_object()
         runner = ModelRunner(model, scheduler_config, cache_config,
                              cuda_graphs=not config.device.enforce_eager)  # fmt: skip
+        requests: dict[str, Request] = {}  # as rank 0 sent them
         while True:
             op, *args = group.broadcast_object()
             if op == "stop":
                 break
             if op == "execute":
-                runner.execute(*args)
+                plan, updates = args
+                for rid, update in updates.items():
+                    if isinstance(update, Request):
+                        requests[rid] = update
+                    else:
+                        update.apply(requests[rid])
+                runner.execute(plan, requests)
             elif op == "free":
+                requests.pop(args[0], None)
                 runner.free(*args)
             elif op == "media":
                 runner.media.add(*args)

@@ -145,3 +145,29 @@ def test_dummy_weights_are_drawn_per_rank(checkpoint):
         assert all(len(t) == 8 for t in tokens(llm))
     finally:
         llm.close()
+
+
+def test_a_request_crosses_whole_once_then_as_its_changes():
+    """Rank 0 sends a request whole the first time it runs, then only what changed: the
+    prompt does not cross again."""
+    from types import SimpleNamespace
+
+    from sparrow.core.request import Request
+    from sparrow.distributed.ranks import RankedRunner, RequestUpdate
+
+    sent = []
+    ranks = SimpleNamespace(send=lambda *message: sent.append(message))
+    runner = RankedRunner(SimpleNamespace(media=None, execute=lambda plan, reqs: None,
+                                          free=lambda rid: None), ranks)  # fmt: skip
+    request = Request("r", list(range(1000)))
+    plan = SimpleNamespace(num_scheduled_tokens={"r": 1000})
+    runner.execute(plan, {"r": request})
+    request.output_token_ids += [7, 8]
+    request.num_computed_tokens = 1001
+    runner.execute(plan, {"r": request})
+    first, second = sent[0][2]["r"], sent[1][2]["r"]
+    assert first is request and isinstance(second, RequestUpdate)
+    assert (second.new_output_ids, second.num_computed_tokens) == ([7, 8], 1001)
+    runner.free("r")
+    runner.execute(plan, {"r": request})  # a freed request crosses whole again
+    assert sent[-1][2]["r"] is request
