@@ -44,6 +44,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x, concatenated in rank order along the last dimension."""
+    if size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
 def broadcast(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x on every rank (in place); x itself in one process."""
     if size() > 1:

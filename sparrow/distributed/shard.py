@@ -1,9 +1,9 @@
 """Each rank's share of a Qwen3.5/3.6 MoE or MiniMax M3 model under tensor parallelism of
 size S: the attention heads (and M3's index heads, one per KV group), the Gated DeltaNet
 key and value heads (with their conv channels, gates and decay), and the intermediate
-dimension of every expert, of the shared expert and of M3's dense MLPs are split in S
-contiguous blocks; the rest (embedding, norms, router, M3's index key, lm_head) is
-replicated.
+dimension of every expert, of the shared expert and of M3's dense MLPs, and the vocabulary
+rows of the embedding and lm_head are split in S contiguous blocks; the rest (norms,
+router, M3's index key) is replicated.
 With expert parallelism the routed experts are split instead (rank r holds experts r E / S
 to (r + 1) E / S whole; the router still scores all of them, and assignments to experts
 held elsewhere contribute nothing on this rank). Each split block's output is a partial sum
@@ -77,9 +77,13 @@ def shard_args(cfg, shard: Shard):
         if (k // size) % quant.group_size:
             raise ConfigError(f"{what} {k} over tensor_parallel_size {size} is not a "
                               f"multiple of the quantisation group {quant.group_size}")
-    held = cfg.num_experts // size
+    if cfg.vocab_size % size:
+        raise ConfigError(f"vocab_size {cfg.vocab_size} is not divisible by "
+                          f"tensor_parallel_size {size}")  # fmt: skip
+    rows, held = cfg.vocab_size // size, cfg.num_experts // size
     experts = {"expert_range": (shard.rank * held, held)} if shard.experts else {}
-    return cfg.replace(**{name: getattr(cfg, name) // size for name in fields}, **experts)
+    return cfg.replace(**{name: getattr(cfg, name) // size for name in fields}, **experts,
+                       vocab_range=(shard.rank * rows, rows))  # fmt: skip
 
 
 def pieces(param: str, ndim: int, cfg, shard: Shard) -> Cut | None:
@@ -102,6 +106,8 @@ def pieces(param: str, ndim: int, cfg, shard: Shard) -> Cut | None:
 
     parts = param.split(".")
     module = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
+    if param in ("embed_tokens.weight", "lm_head.weight"):  # a block of the vocabulary
+        return 0, [block(cfg.vocab_size)]
     qwen = isinstance(cfg, qwen3_5_moe.ModelArgs)
     if ".self_attn.indexer." in param:  # M3: one index head per KV group
         return (0, [block(cfg.index_n_heads * cfg.index_head_dim)]) if module == "q_proj" \

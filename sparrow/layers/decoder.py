@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparrow.distributed import group
 from sparrow.layers.metadata import StepMetadata
 
 
@@ -33,7 +34,7 @@ class DecoderStack(nn.Module):
         """Run the step's new tokens (meta.input_ids [T], media placeholders' rows replaced by
         meta.media_embeds); reads and extends the cache (`cache.layers[i]`: layer i's
         tensors). Returns final-norm hidden states [T, hidden]."""
-        x = self.embed_tokens(meta.input_ids)
+        x = self.embed(meta.input_ids)
         if meta.media_rows is not None:  # image and video placeholders
             x[meta.media_rows] = meta.media_embeds.to(x.dtype)
         rope = meta.rope_positions if meta.rope_positions is not None else meta.positions
@@ -55,6 +56,20 @@ class DecoderStack(nn.Module):
         grid = torch.tensor(grids, device=pixel_values.device)
         return visual(pixel_values.to(dtype), grid).to(self.dtype)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> embeddings [T, hidden]. Under tensor parallelism each rank holds
+        a block of the vocabulary (`config.vocab_range`): its rows for the ids in it, zeros
+        for the rest, summed over the ranks."""
+        held = self.config.vocab_range
+        if held is None:
+            return self.embed_tokens(ids)
+        local = ids - held[0]
+        mine = (local >= 0) & (local < held[1])
+        x = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
+        return group.all_reduce(x * mine[:, None].to(x.dtype))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """hidden: [N, hidden] -> fp32 logits [N, vocab] (under tensor parallelism each
+        rank's block of the vocabulary, gathered)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.config.vocab_range is None else group.all_gather(logits)

@@ -107,6 +107,9 @@ class ModelArgs:
     # expert parallelism: (first, count) of the routed experts this rank holds (the router
     # still scores all num_experts); None: all of them
     expert_range: tuple[int, int] | None = None
+    # tensor parallelism: (first, count) of the vocabulary rows of the embedding and lm_head
+    # this rank holds; None: all of them
+    vocab_range: tuple[int, int] | None = None
     moe_intermediate_size: int = 3072
     dense_intermediate_size: int = 12288
     shared_intermediate_size: int = 3072
@@ -303,11 +306,12 @@ class MiniMaxM3Model(DecoderStack):
     def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab = cfg.vocab_range[1] if cfg.vocab_range else cfg.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t, m) for t, m in
                                     zip(cfg.layer_types, cfg.mlp_layer_types, strict=True))
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         # Plain 1-D RoPE: every frequency takes the token's (text) position.
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, (cfg.rotary_dim // 2, 0, 0))
         self.requires_grad_(False)

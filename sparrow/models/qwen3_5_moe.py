@@ -96,6 +96,9 @@ class ModelArgs:
     # expert parallelism: (first, count) of the routed experts this rank holds (the router
     # still scores all num_experts); None: all of them
     expert_range: tuple[int, int] | None = None
+    # tensor parallelism: (first, count) of the vocabulary rows of the embedding and lm_head
+    # this rank holds; None: all of them
+    vocab_range: tuple[int, int] | None = None
     moe_intermediate_size: int = 512
     shared_expert_intermediate_size: int = 512
     # Everything else.
@@ -332,10 +335,11 @@ class Qwen3_5MoeModel(DecoderStack):
     def __init__(self, cfg: ModelArgs):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab = cfg.vocab_range[1] if cfg.vocab_range else cfg.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section,
                                       cfg.rope_scaling)  # fmt: skip
         self.requires_grad_(False)

@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU: two processes over gloo give the greedy tokens of one, on
 tiny Qwen3.5/3.6 and MiniMax M3 checkpoints (float, and quantised to 4 bits on load), with
-the experts split by columns or shared out whole; a rank that dies fails the engine's next
-step with an error naming it."""
+the experts split by columns or shared out whole and the vocabulary rows of the embedding
+and lm_head split; a rank that dies fails the engine's next step with an error naming it."""
 
 import pytest
 import torch
@@ -47,6 +47,8 @@ def test_two_ranks_give_the_tokens_of_one(checkpoint, quantize, experts):
         assert cfg.expert_range == ((0, CFG.num_experts // 2) if experts else None)
         assert llm.model.layers[0].mlp.experts.gate_up_proj.shape[0] == (
             CFG.num_experts // 2 if experts else CFG.num_experts)
+        assert cfg.vocab_range == (0, CFG.vocab_size // 2)
+        assert llm.model.lm_head.weight.shape[0] == CFG.vocab_size // 2
         assert tokens(llm) == one
     finally:
         llm.close()
