@@ -24,6 +24,8 @@ def init(rank: int, size: int, init_method: str, device: torch.device,
     """Join the engine's group as `rank` of `size` (a `tcp://` or `file://` rendezvous)."""
     os.environ.update(NO_MULTICAST)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":  # NCCL's communicator and object collectives use this device
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
 
