@@ -173,3 +173,41 @@ def test_a_request_crosses_whole_once_then_as_its_changes():
     runner.free("r")
     runner.execute(plan, {"r": request})  # a freed request crosses whole again
     assert sent[-1][2]["r"] is request
+
+
+def test_serve_with_two_ranks_answers_and_stops_on_ctrl_c(checkpoint, tmp_path):
+    """`sparrow serve --tensor-parallel-size 2`: a completion over HTTP with the tokens of
+    one process, then Ctrl-C stops the server and its rank (status 130)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from sparrow.bench.serve import _free_port, wait_healthy
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sparrow", "serve", "--model", str(checkpoint),
+                             "--tensor-parallel-size", "2", "--device", "cpu", "--dtype",
+                             "float32", "--port", str(port), "--max-model-len", "64",
+                             "--block-size", "16"], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, base, 240)
+        body = {"model": checkpoint.name, "prompt": PROMPTS[0], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        reply = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        one = LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=64,
+                  block_size=16).generate([PROMPTS[0]], GREEDY)[0].token_ids  # fmt: skip
+        assert reply.json()["choices"][0]["token_ids"] == one
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.returncode == 130, proc.stderr.read()
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
