@@ -17,6 +17,9 @@ import torch.distributed as dist
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 TIMEOUT_S = 120.0  # a collective waits this long for the other ranks
+# whether this process joined an engine's group (`init`): a process group the program made
+# for its own ends (one engine per process under torchrun, say) leaves the engine alone
+_joined = False
 
 
 def init(rank: int, size: int, init_method: str, device: torch.device,
@@ -28,15 +31,17 @@ def init(rank: int, size: int, init_method: str, device: torch.device,
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    global _joined
+    _joined = True
 
 
 def size() -> int:
     """Ranks in the engine's group (1 without one)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if _joined else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if _joined else 0
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -70,5 +75,7 @@ def broadcast_object(obj=None):
 
 
 def close() -> None:
-    if dist.is_initialized():
+    global _joined
+    if _joined:
         dist.destroy_process_group()
+        _joined = False

@@ -211,3 +211,25 @@ def test_serve_with_two_ranks_answers_and_stops_on_ctrl_c(checkpoint, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_process_group_of_the_program_leaves_one_engine_alone(checkpoint, tmp_path,
+                                                                monkeypatch):  # fmt: skip
+    """A program that made a process group of its own (here one that says it has 4 ranks,
+    as one engine per process under torchrun would see): the engine does not take it for
+    its tensor-parallel group, and gives the tokens it gives alone."""
+    import torch.distributed as dist
+
+    from sparrow.distributed import group
+
+    settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16}
+    alone = tokens(LLM(str(checkpoint), **settings))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda *args: 4)
+        assert group.size() == 1
+        assert tokens(LLM(str(checkpoint), **settings)) == alone
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
