@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-# set in each rank before NCCL initialises (the ranks are spawned: they inherit os.environ)
+# set in each rank by `init`, before NCCL initialises
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 TIMEOUT_S = 120.0  # a collective waits this long for the other ranks
@@ -40,8 +40,12 @@ def size() -> int:
     return dist.get_world_size() if _joined else 1
 
 
-def rank() -> int:
-    return dist.get_rank() if _joined else 0
+def local_ids(ids: torch.Tensor, held: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a block of ids held here, (first, count) (a rank's experts or vocabulary rows):
+    (ids - first where held, 0 elsewhere; whether each is held). No host sync."""
+    local = ids - held[0]
+    mine = (local >= 0) & (local < held[1])
+    return torch.where(mine, local, torch.zeros_like(local)), mine
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

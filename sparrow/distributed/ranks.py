@@ -15,7 +15,6 @@ collective that waits longer than `group.TIMEOUT_S` raises too).
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import socket
 import sys
@@ -56,7 +55,6 @@ class Ranks:
         """Spawn ranks 1..S-1 for `config` (an EngineConfig), then join the group as rank 0."""
         size = config.parallel.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        os.environ.update(group.NO_MULTICAST)  # the spawned ranks inherit it
         ctx = multiprocessing.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, size, init_method, config),
                              name=f"sparrow-rank-{r}", daemon=True)

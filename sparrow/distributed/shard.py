@@ -68,7 +68,7 @@ def shard_args(cfg, shard: Shard):
     if size == 1:
         return cfg
     fields, inputs = _sizes(cfg, shard.experts)
-    for name in fields + (["num_experts"] if shard.experts else []):
+    for name in fields + (["num_experts"] if shard.experts else []) + ["vocab_size"]:
         if getattr(cfg, name) % size:
             raise ConfigError(f"{name} {getattr(cfg, name)} is not divisible by "
                               f"tensor_parallel_size {size}")  # fmt: skip
@@ -77,19 +77,16 @@ def shard_args(cfg, shard: Shard):
         if (k // size) % quant.group_size:
             raise ConfigError(f"{what} {k} over tensor_parallel_size {size} is not a "
                               f"multiple of the quantisation group {quant.group_size}")
-    if cfg.vocab_size % size:
-        raise ConfigError(f"vocab_size {cfg.vocab_size} is not divisible by "
-                          f"tensor_parallel_size {size}")  # fmt: skip
     rows, held = cfg.vocab_size // size, cfg.num_experts // size
     experts = {"expert_range": (shard.rank * held, held)} if shard.experts else {}
     return cfg.replace(**{name: getattr(cfg, name) // size for name in fields}, **experts,
                        vocab_range=(shard.rank * rows, rows))  # fmt: skip
 
 
-def pieces(param: str, ndim: int, cfg, shard: Shard) -> Cut | None:
+def pieces(param: str, cfg, shard: Shard) -> Cut | None:
     """What rank `shard.rank` reads of the checkpoint tensor that maps to `param` (our name,
-    before experts are fused) with `ndim` dimensions, for the full model `cfg`; None: the
-    whole tensor (replicated)."""
+    before experts are fused), for the full model `cfg`; None: the whole tensor
+    (replicated)."""
     r, s = shard.rank, shard.size
 
     def block(total: int, offset: int = 0) -> tuple[int, int]:

@@ -60,12 +60,10 @@ class DecoderStack(nn.Module):
         """Token ids [T] -> embeddings [T, hidden]. Under tensor parallelism each rank holds
         a block of the vocabulary (`config.vocab_range`): its rows for the ids in it, zeros
         for the rest, summed over the ranks."""
-        held = self.config.vocab_range
-        if held is None:
+        if self.config.vocab_range is None:
             return self.embed_tokens(ids)
-        local = ids - held[0]
-        mine = (local >= 0) & (local < held[1])
-        x = self.embed_tokens(torch.where(mine, local, torch.zeros_like(local)))
+        local, mine = group.local_ids(ids, self.config.vocab_range)
+        x = self.embed_tokens(local)
         return group.all_reduce(x * mine[:, None].to(x.dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparrow.distributed import group
 from sparrow.kernels import use_triton
 from sparrow.kernels.moe import naive
 from sparrow.layers.linear import Projections
@@ -56,10 +57,8 @@ class Experts(nn.Module):
         experts held elsewhere get weight 0 and stand on expert 0 (no host sync)."""
         if self.expert_range is None:
             return weights, ids
-        first, count = self.expert_range
-        local = ids - first
-        mine = (local >= 0) & (local < count)
-        return weights * mine, torch.where(mine, local, torch.zeros_like(local))
+        local, mine = group.local_ids(ids, self.expert_range)
+        return weights * mine, local
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Float (gate_up [2I, hidden], down [hidden, I]) of expert e."""

@@ -95,7 +95,7 @@ class WeightAssembler:
             if self.mlx_layout or src_dtype not in _FLOAT_DTYPES:
                 raise CheckpointError(f"{source}: tensor {name!r}: tensor parallelism loads "
                                       f"float checkpoints in HF layout (quantise on load)")
-            cut = pieces(param, len(src_shape), self.shard[1], self.shard[0])
+            cut = pieces(param, self.shard[1], self.shard[0])
             src_shape = cut_shape(tuple(src_shape), cut)
         index: tuple = ()
         expert = self.arch.expert_target(param)
@@ -278,21 +278,17 @@ def load_tensors(
     dtype: torch.dtype = torch.float32,
     where: str = "state dict",
     quantize: QuantConfig | None = None,
-    shard: Shard | None = None,
 ) -> torch.nn.Module:
     """Build a model from (HF name, tensor) pairs, e.g. an HF model's `state_dict()`: the same
     name mapping and checks as files. Tensors already on `device` in `dtype` are used as they
     are (no copy), so an HF model and ours can share one set of weights. With `quantize`,
-    float tensors are quantised as they arrive; with `shard`, one rank's model is built
-    from the parts of the tensors it keeps."""
+    float tensors are quantised as they arrive."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     if quantize is not None:
         cfg = cfg.replace(quantization=quantize)
-    full, cfg = cfg, shard_args(cfg, shard) if shard is not None else cfg
-    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype,
-                                shard=(shard, full) if shard is not None else None)  # fmt: skip
+    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype)
     for name, t in items:
         target = assembler.target(name, tuple(t.shape), t.dtype, where)
         if target is not None:
-            assembler.add(target, take(t, t.dim(), target.cut) if target.cut else t, where)
+            assembler.add(target, t, where)
     return assembler.finish(where).eval()

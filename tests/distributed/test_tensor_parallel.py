@@ -132,7 +132,7 @@ def test_the_gated_deltanet_projection_is_cut_per_part():
     """[q | k | v] rows: rank 1 of 2 reads the second half of each part."""
     kd = CFG.linear_num_key_heads * CFG.linear_key_head_dim
     vd = CFG.linear_num_value_heads * CFG.linear_value_head_dim
-    dim, ranges = pieces("layers.0.linear_attn.in_proj_qkv.weight", 2, CFG, Shard(1, 2))
+    dim, ranges = pieces("layers.0.linear_attn.in_proj_qkv.weight", CFG, Shard(1, 2))
     assert dim == 0 and ranges == [(kd // 2, kd), (kd + kd // 2, 2 * kd),
                                    (2 * kd + vd // 2, 2 * kd + vd)]  # fmt: skip
 
