@@ -140,11 +140,7 @@ class Handlers:
         except ValueError as e:  # MediaError is one
             raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
-        # a prompt that leaves the model thinking: a grammar applies after the think block
-        grammar = body.structured_outputs or body.response_format
-        after = self.tokenizer.token_id(self.reasoning.end) if inside and grammar else None
-        job = await self._start(body, ids, max_tokens, chat=True, media=media,
-                                grammar_after=after)  # fmt: skip
+        job = await self._start(body, ids, max_tokens, chat=True, media=media, thinking=inside)
         schemas = body.tool_schemas()
         for c in job.choices:
             if self.reasoning is not None:
@@ -242,7 +238,9 @@ class Handlers:
                            param="n")  # fmt: skip
 
     def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
-                grammar_after: int | None = None):  # fmt: skip
+                thinking: bool = False):  # fmt: skip
+        """The request's SamplingParams; `thinking`: the prompt leaves the model inside a
+        think block, so a grammar applies after its end marker."""
         limit = self.engine.info.request_limit
         if prompt_len >= limit:
             raise ApiError(400, f"the prompt has {prompt_len} tokens; the limit of {limit} "
@@ -252,8 +250,9 @@ class Handlers:
                            else "prompt")  # fmt: skip
         try:
             grammar = structured.from_request(body.structured_outputs, body.response_format)
-            if grammar is not None and grammar_after is not None:
-                grammar = dataclasses.replace(grammar, after=grammar_after)
+            if grammar is not None and thinking:
+                end = self.tokenizer.token_id(self.reasoning.end)
+                grammar = dataclasses.replace(grammar, after=end)
             return SamplingParams(
                 max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, limit - prompt_len),
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -271,11 +270,11 @@ class Handlers:
 
     async def _start(self, body: SamplingFields, ids: list[int], max_tokens: int | None,
                      chat: bool, media: list | None = None,
-                     grammar_after: int | None = None) -> Job:  # fmt: skip
+                     thinking: bool = False) -> Job:  # fmt: skip
         """Add the n choices (seeds seed, seed + 1, ... so they differ reproducibly; the first
         alone computes the prompt logprobs, when asked for); on any refusal the ones added are
         aborted and the error becomes the response."""
-        params = self._params(body, len(ids), max_tokens, grammar_after)
+        params = self._params(body, len(ids), max_tokens, thinking)
         job = Job(body, chat, ids, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
         try:
             for i in range(body.n):
