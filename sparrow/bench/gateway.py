@@ -39,12 +39,13 @@ import httpx
 from sparrow.assets import default_checkpoint
 from sparrow.bench.media import sample_media
 from sparrow.bench.report import write_report
-from sparrow.bench.serve import PROMPT_IDS, _free_port, one_request, wait_healthy
+from sparrow.bench.serve import PROMPT_IDS, one_request, wait_healthy
 from sparrow.gateway.policies import POLICIES
 from sparrow.loader.random_checkpoint import PRESETS, preset_dir
 from sparrow.multimodal import QWEN3_5_MOE, MediaLimits
 from sparrow.multimodal.pipeline import MediaPipeline, media_pool
 from sparrow.multimodal.video import QWEN3_5_MOE_VIDEO
+from sparrow.net import free_port
 
 
 def preprocessing(processes: list[int], items: int) -> list[dict]:
@@ -97,7 +98,7 @@ async def _load(base: str, prompts: list[list[int]], concurrency: int, requests:
 def routing(args) -> list[dict]:
     """Each policy over all workers, and round-robin over one, at each concurrency."""
     model = ["--model", args.model] if args.model else []
-    ports = [_free_port() for _ in range(args.workers)]
+    ports = [free_port() for _ in range(args.workers)]
     workers = [_start("worker", "--device", "cpu", "--port", str(p), "--max-model-len", "4096",
                       *model) for p in ports]  # fmt: skip
     prompts_for = _prompts(args.prefix)
@@ -105,7 +106,7 @@ def routing(args) -> list[dict]:
     try:
         runs = [(policy, ports) for policy in args.policies] + [("round_robin", ports[:1])]
         for policy, over in runs:
-            port = _free_port()
+            port = free_port()
             gateway = _start("gateway", "--port", str(port), "--policy", policy, *model,
                              "--served-model-name", "bench",
                              *[a for p in over for a in ("--worker", f"127.0.0.1:{p}")])
@@ -157,7 +158,7 @@ def overhead(args) -> dict:
     prompts_for = _prompts(args.prefix)
     rows = {}
     for side in ("serve", "gateway"):
-        port, worker_port = _free_port(), _free_port()
+        port, worker_port = free_port(), free_port()
         procs = []
         if side == "serve":
             procs.append(_start("serve", "--port", str(port), "--served-model-name", "bench",

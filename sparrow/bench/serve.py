@@ -28,7 +28,6 @@ import gc
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,16 +41,11 @@ from sparrow.bench.report import write_report
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
 from sparrow.loader.random_checkpoint import PRESETS, preset_dir
+from sparrow.net import free_port
 
 # prompt token ids are drawn from this range: ids of every served vocabulary (the built-in
 # model has 4,096)
 PROMPT_IDS = (100, 4000)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def offline(args, prompt: list[int]) -> dict:
@@ -82,7 +76,7 @@ def start_server(args, extra: tuple[str, ...] = ("--no-prefix-caching",)
                  ) -> tuple[subprocess.Popen, str]:  # fmt: skip
     """`sparrow serve` on the benchmark's model (by default without prefix caching: the
     requests repeat one prompt), once /health answers."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sparrow", "serve", "--port", str(port),
            "--served-model-name", "bench", "--max-waiting", "4096",
            "--load-format", args.load_format, *extra]  # fmt: skip

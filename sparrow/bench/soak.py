@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from sparrow.bench.report import write_report
+from sparrow.net import free_port
 
 WORDS = ("the", "a", "river", "stone", "quick", "model", "token", "seven", "blue", "and",
          "of", "under", "light", "cache", "night", ".", ",", "\n")  # fmt: skip
@@ -313,15 +313,9 @@ def rss_summary(series: list[tuple[float, float]], warmup_s: float,
 # -- the run -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_server(timeout_s: float, log) -> tuple[subprocess.Popen, str]:
     """`sparrow serve` on the built-in model on a free port, once /health answers."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sparrow", "serve", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -25,16 +24,11 @@ import torch
 from sparrow.core.request import Request, RequestStatus
 from sparrow.distributed import group
 from sparrow.distributed.shard import Shard
+from sparrow.net import free_port
 
 
 class RankFailed(RuntimeError):
     """A rank of the engine stopped: the engine cannot run another step."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_device(device: torch.device | str, rank: int) -> torch.device:
@@ -54,7 +48,7 @@ class Ranks:
     def start(cls, config, device: torch.device) -> Ranks:
         """Spawn ranks 1..S-1 for `config` (an EngineConfig), then join the group as rank 0."""
         size = config.parallel.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, size, init_method, config),
                              name=f"sparrow-rank-{r}", daemon=True)

@@ -185,9 +185,10 @@ def test_serve_with_two_ranks_answers_and_stops_on_ctrl_c(checkpoint, tmp_path):
 
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from sparrow.bench.serve import _free_port, wait_healthy
+    from sparrow.bench.serve import wait_healthy
+    from sparrow.net import free_port
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sparrow", "serve", "--model", str(checkpoint),
                              "--tensor-parallel-size", "2", "--device", "cpu", "--dtype",
                              "float32", "--port", str(port), "--max-model-len", "64",

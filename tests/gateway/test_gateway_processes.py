@@ -7,7 +7,6 @@ the other, and the worker once restarted is admitted again."""
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,9 @@ import time
 import httpx
 import pytest
 
+from sparrow.net import free_port
+
 openai = pytest.importorskip("openai")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -37,9 +32,9 @@ def _worker(port: int) -> subprocess.Popen:
 
 class Cluster:
     def __init__(self):
-        self.ports = [_free_port(), _free_port()]
+        self.ports = [free_port(), free_port()]
         self.workers = [_worker(p) for p in self.ports]
-        self.port = _free_port()
+        self.port = free_port()
         self.gateway = _start("gateway", "--port", str(self.port), "--policy", "round_robin",
                               *[a for p in self.ports for a in ("--worker", f"127.0.0.1:{p}")])
         self.url = f"http://127.0.0.1:{self.port}"

@@ -4,7 +4,6 @@ answers a request through `RemoteEngine`, and exits 0 on SIGTERM."""
 import asyncio
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -14,13 +13,8 @@ import pytest
 from sparrow import cli
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.client import EngineError
+from sparrow.net import free_port
 from sparrow.rpc.client import RemoteEngine
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def connect(target: str, timeout: float = 120.0) -> RemoteEngine:

@@ -4,13 +4,14 @@ openai client (and raw HTTP for the error cases)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 import pytest
+
+from sparrow.net import free_port
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -19,14 +20,8 @@ KEY = "test-key"
 MODEL = "default"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(cache_dir) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     env = os.environ | {"SPARROW_CACHE": str(cache_dir)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparrow", "serve", "--port", str(port), "--api-key", KEY,
