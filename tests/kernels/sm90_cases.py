@@ -21,6 +21,7 @@ from sparrow.kernels.causal_conv1d import conv
 from sparrow.kernels.dequant import dequant
 from sparrow.kernels.gated_delta_rule import chunk, fused_recurrent
 from sparrow.kernels.moe import combine, expert_gemv, grouped_gemm, routing
+from sparrow.kernels.msa import decode as msa_decode
 from sparrow.kernels.msa import decode_select as msa_decode_select
 from sparrow.kernels.msa import prefill as msa_prefill
 from sparrow.kernels.msa import select as msa_select
@@ -186,6 +187,10 @@ CASES = {
                         {"HKV": 4, "K": 16, "G": 16, "D": 128, "BS": 128, "ROWS": 64,
                          "BLOCK_M": 4, "TILE": 64, "BLOCK_N": 128, "PRECISION": "tf32"},
                         {"num_warps": 4, "num_stages": 1}),
+    "msa_head_tables": (msa_decode._head_tables_kernel,
+                        {"*": "i64", "tables_ptr": "i32", "virtual_ptr": "i32", "ctx_ptr": "i32"},
+                        {"HKV": 4, "K": 16, "K_PAD": 16, "BS": 128, "ROWS": 16},
+                        {"num_warps": 4}),
     "msa_merge": (msa_prefill._merge_kernel, {"*": "fp32", "o_ptr": "bf16", "out_ptr": "bf16"},
                   {"HKV": 4, "K": 16, "G": 16, "ROWS": 64, "BLOCK_T": 4, "D": 128},
                   {"num_warps": 4}),

@@ -9,9 +9,9 @@ with one KV head and G query heads:
   stride(2) (D) and token step stride(1) (Hkv * D) turns page p, head h into the virtual page
   p * (stride(0) / stride(2)) + h of a [virtual pages, bs, 1, D] view of the same memory;
 - the (t, h) row of the page table lists the virtual pages of the selected blocks in
-  ascending block order (sorted with torch ops), so the query's own block, possibly
-  partial, comes last; its context length is bs per selected block, less the own block's
-  slots after the query's position.
+  ascending block order (sorted by one small kernel, `per_head_tables`), so the query's own
+  block, possibly partial, comes last; its context length is bs per selected block, less
+  the own block's slots after the query's position.
 
 Softmax does not depend on the order of the keys, and every selected block before the own
 block is full, so this equals attention over the selected blocks with the token-level causal
@@ -22,10 +22,13 @@ take T x Hkv x K int32 (256 bytes per query at the real shapes).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from sparrow.kernels.attention.paged import DecodeTiles, paged_decode_attention
+from sparrow.kernels.launch import fast
 
-_UNUSED = 1 << 40  # sorts after every block id
+_UNUSED = tl.constexpr(1 << 40)  # sorts after every block id
 
 
 def per_head_pages(cache: torch.Tensor) -> torch.Tensor:
@@ -42,26 +45,48 @@ def per_head_pages(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((n_virtual, bs, 1, d), (s2, s1, s2, 1), cache.storage_offset())
 
 
+@triton.jit
+def _head_tables_kernel(
+    blocks_ptr, tables_ptr, pos_ptr, virtual_ptr, ctx_ptr, n_rows, stride_tt, heads_per_page,
+    HKV: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BS: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # a row is (query t, KV group h)
+    m_r = rows < n_rows
+    t, h = rows // HKV, rows % HKV
+    o_k = tl.arange(0, K_PAD)
+    m_k = m_r[:, None] & (o_k < K)[None, :]
+    ids = tl.load(blocks_ptr + rows[:, None] * K + o_k[None, :], mask=m_k, other=-1)
+    ids = tl.sort(tl.where(ids < 0, _UNUSED, ids).to(tl.int64), dim=1)
+    valid = ids != _UNUSED
+    logical = tl.where(valid, ids, 0)
+    pages = tl.load(tables_ptr + t[:, None].to(tl.int64) * stride_tt + logical,
+                    mask=m_r[:, None], other=0).to(tl.int64)  # fmt: skip
+    tl.store(virtual_ptr + rows[:, None] * K + o_k[None, :],
+             (pages * heads_per_page + h[:, None]).to(tl.int32), mask=m_k)  # fmt: skip
+    last = tl.max(tl.where(valid, ids, -1), axis=1)
+    pos = tl.load(pos_ptr + t, mask=m_r, other=0).to(tl.int64)
+    tail = tl.where(last == pos // BS, BS - 1 - pos % BS, 0)
+    n_valid = tl.sum(valid.to(tl.int32), axis=1)
+    tl.store(ctx_ptr + rows, (n_valid * BS - tail).to(tl.int32), mask=m_r)
+
+
 def per_head_tables(tables: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
                     cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """tables: [T, W] each query's block table; positions: [T]; blocks: [T, Hkv, K] logical
-    ids <= position // bs, -1 unused. Returns the virtual page tables [T * Hkv, K] int32 of
-    `per_head_pages(cache)` and the context lengths [T * Hkv] int32."""
+    ids <= position // bs, -1 unused. Returns the virtual page tables
+    [T * Hkv, K] int32 of `per_head_pages(cache)` (each row's valid blocks in ascending
+    order, then filler) and the context lengths [T * Hkv] int32. One launch."""
     t, hkv, k = blocks.shape
-    bs = cache.shape[1]
-    heads_per_page = cache.stride(0) // cache.stride(2)
-    ids = blocks.long().masked_fill(blocks < 0, _UNUSED).sort(-1).values
-    valid = ids != _UNUSED
-    n_valid = valid.sum(-1)  # [T, Hkv]
-    logical = ids.masked_fill(~valid, 0)
-    pages = tables.gather(1, logical.flatten(1)).long().view(t, hkv, k)
-    heads = torch.arange(hkv, device=blocks.device)[:, None]
-    virtual = pages * heads_per_page + heads
-    last = logical.gather(-1, (n_valid - 1).clamp(min=0)[..., None])[..., 0]
-    pos = positions.long()[:, None]
-    tail = torch.where(last == pos // bs, bs - 1 - pos % bs, 0)
-    ctx = n_valid * bs - tail
-    return virtual.view(t * hkv, k).to(torch.int32), ctx.view(t * hkv).to(torch.int32)
+    virtual = torch.empty(t * hkv, k, device=blocks.device, dtype=torch.int32)
+    ctx = torch.empty(t * hkv, device=blocks.device, dtype=torch.int32)
+    rows = 16
+    fast(_head_tables_kernel)[(triton.cdiv(t * hkv, rows),)](
+        blocks.contiguous(), tables, positions, virtual, ctx, t * hkv, tables.stride(0),
+        cache.stride(0) // cache.stride(2), HKV=hkv, K=k, K_PAD=triton.next_power_of_2(k),
+        BS=cache.shape[1], ROWS=rows,
+    )  # fmt: skip
+    return virtual, ctx
 
 
 def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
