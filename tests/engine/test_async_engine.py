@@ -155,7 +155,10 @@ def test_a_failing_engine_loop_ends_streams_with_an_error(llm, monkeypatch):
 
     asyncio.run(go())
     assert not engine.health().alive
-    llm.abort("a")  # the scheduler still holds it: the loop died before stepping it
+    # The loop releases what it held once it has told the streams: wait for that, or it
+    # could abort the next test's requests.
+    assert engine.dead.wait(30)
+    assert not any(held(llm, engine).values()), held(llm, engine)
 
 
 # -- failures and what stays held -------------------------------------------------------
