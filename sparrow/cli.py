@@ -10,6 +10,7 @@ from pathlib import Path
 
 from sparrow.config import (
     DTYPES,
+    INDEX_CACHE_DTYPES,
     LOAD_FORMATS,
     CacheConfig,
     ConfigError,
@@ -51,7 +52,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, quantize=args.quantize, load_format=args.load_format,
         dtype=args.dtype, enforce_eager=args.enforce_eager,
         enable_expert_parallel=args.enable_expert_parallel,
-        enable_prefix_caching=not args.no_prefix_caching, **settings,
+        enable_prefix_caching=not args.no_prefix_caching,
+        index_cache_dtype=args.index_cache_dtype, **settings,
     )  # fmt: skip
 
 
@@ -64,6 +66,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="dummy: the checkpoint's config.json with random weights")
     group.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="auto: bfloat16 on a GPU, float32 on a CPU")
+    group.add_argument("--index-cache-dtype", choices=INDEX_CACHE_DTYPES, default="auto",
+                       help="MSA index keys: auto (the activation dtype) or fp8_e4m3 (e4m3 "
+                            "codes, a scale per token); models with MSA layers only")  # fmt: skip
     group.add_argument("--enable-expert-parallel", action="store_true",
                        help="with --tensor-parallel-size: share the routed experts out whole "
                             "among the processes instead of by their columns")

@@ -110,6 +110,7 @@ class QuantConfig:
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+INDEX_CACHE_DTYPES = ("auto", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -146,7 +147,9 @@ class CacheConfig:
     `enable_prefix_caching`: full KV blocks are kept by content and reused by requests that
     share their prefix. `num_state_snapshots`: saved recurrent states a shared prefix resumes
     from (models with recurrent layers; None: one per sequence the scheduler may run, 0 with
-    prefix caching off)."""
+    prefix caching off). `index_cache_dtype`: how MSA layers keep their index keys, "auto" in
+    the activation dtype, "fp8_e4m3" as e4m3 codes with an fp32 scale per token (about half
+    the bytes decode's block selection reads; models without MSA layers take "auto" only)."""
 
     block_size: int | None = None  # tokens per KV block
     num_blocks: int | None = None
@@ -154,9 +157,13 @@ class CacheConfig:
     num_state_slots: int | None = None  # per-request slots (recurrent state, next token)
     enable_prefix_caching: bool = True
     num_state_snapshots: int | None = None
+    index_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "num_blocks", "num_state_slots")
+        if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
+            raise ConfigError(f"index_cache_dtype {self.index_cache_dtype!r}: expected one of "
+                              f"{list(INDEX_CACHE_DTYPES)}")  # fmt: skip
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ConfigError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.block_size is not None and self.block_size & (self.block_size - 1):

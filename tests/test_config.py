@@ -28,6 +28,7 @@ def test_keywords_land_in_their_sections():
     ({"block_size": 24}, "block_size must be a power of two"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"dtype": "int8"}, "dtype 'int8'"),
+    ({"index_cache_dtype": "fp8"}, "index_cache_dtype 'fp8'"),
     ({"device": "tpu"}, "device 'tpu'"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
     ({"load_format": "gguf"}, "load_format 'gguf'"),

@@ -26,7 +26,7 @@ import torch
 from sparrow import kernels
 from sparrow.bench.e2e import _sync_time, engine_settings, run_engine
 from sparrow.bench.report import write_report
-from sparrow.config import QuantConfig
+from sparrow.config import INDEX_CACHE_DTYPES, QuantConfig
 from sparrow.engine.llm import LLM
 from sparrow.eval.hf_compare import agreement
 from sparrow.loader.random_checkpoint import PRESETS, random_model
@@ -51,27 +51,41 @@ def speed(args: argparse.Namespace, lengths: list[int], base: ModelArgs, device:
     max_len = max(lengths) + args.decode + 1
     bs = cfg.index_block_size  # a cache page is one MSA block
     llm = LLM(model, **engine_settings(max_len, 1, args.chunk)
-              | {"block_size": bs, "num_blocks": -(-max_len // bs) + 8})  # fmt: skip
+              | {"block_size": bs, "num_blocks": -(-max_len // bs) + 8,
+                 "index_cache_dtype": args.index_cache_dtype})  # fmt: skip
     gen = torch.Generator().manual_seed(0)
+    # one warm-up prompt of two chunks and a bit compiles every kernel the timed runs take
+    # (first chunk, chunks after a prefix, decode graphs)
+    warm = min(max(lengths), 2 * args.chunk + 7)
+    run_engine(llm, [torch.randint(0, cfg.vocab_size - 64, (warm,), generator=gen).tolist()],
+               args.decode + 1)  # fmt: skip
     rows = {}
     for length in lengths:
         prompt = torch.randint(0, cfg.vocab_size - 64, (length,), generator=gen).tolist()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         runs = []
-        for _ in range(args.rounds + 1):  # the first compiles
+        for _ in range(args.rounds):
             t_pre, t_dec, n = run_engine(llm, [prompt], args.decode + 1)
-            runs.append((length / t_pre, n / t_dec))
-        pre = statistics.median(r[0] for r in runs[1:])
-        dec = statistics.median(r[1] for r in runs[1:])
+            runs.append((length / t_pre, n / t_dec, t_pre))
+        pre = statistics.median(r[0] for r in runs)
+        dec = statistics.median(r[1] for r in runs)
         scale = args.layers / FULL_LAYERS  # layer time dominates; embedding/head not scaled
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
         rows[length] = {"prefill_tok_s": pre, "decode_tok_s": dec,
+                        "prefill_s": statistics.median(r[2] for r in runs),
+                        "peak_gib": peak,
                         "prefill_tok_s_60_layers_extrapolated": pre * scale,
                         "decode_tok_s_60_layers_extrapolated": dec * scale}  # fmt: skip
-        print(f"[m3] {args.layers} layers, {length:>6} tokens: prefill {pre:8.0f} tok/s, "
-              f"decode {dec:6.1f} tok/s (60 layers, extrapolated: {pre * scale:7.0f} / "
+        print(f"[m3] {args.layers} layers, {length:>6} tokens: prefill {pre:8.0f} tok/s "
+              f"({rows[length]['prefill_s']:.1f} s), decode {dec:6.1f} tok/s, peak "
+              f"{peak or 0:.1f} GiB (60 layers, extrapolated: {pre * scale:7.0f} / "
               f"{dec * scale:5.1f})", flush=True)  # fmt: skip
+    cache_gib = sum(t.numel() * t.element_size() for layer in llm.runner.cache.layers
+                    if layer is not None for t in layer) / 2**30  # fmt: skip
     del llm, model
     _empty_cache()
-    return {"layers": args.layers, "weights_gib": gib, "rows": rows}
+    return {"layers": args.layers, "weights_gib": gib, "kv_cache_gib": cache_gib, "rows": rows}
 
 
 def _ours_logits(model, prompt: torch.Tensor, backend: str) -> tuple[float, torch.Tensor]:
@@ -136,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
+    p.add_argument("--index-cache-dtype", choices=INDEX_CACHE_DTYPES, default="auto",
+                   help="MSA index keys in the activation dtype or as fp8 codes")  # fmt: skip
     p.add_argument("--parity-len", type=int, default=4096, help="0: skip the HF comparison")
     p.add_argument("--preset", choices=("minimax-m3", "minimax-m3-tiny"), default="minimax-m3",
                    help="minimax-m3-tiny: a smoke test (also on CPU)")

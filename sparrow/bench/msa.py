@@ -19,6 +19,11 @@ per-head page views); dense = SDPA over contiguous caches (a KV group's 16 query
 pages.
 Decode times are CUDA-graph replays (`timing.graph_time_us`); batches whose caches exceed
 --max-gib are skipped.
+fp8 index keys (default; --no-fp8-index skips them): the same index keys as e4m3 codes with
+a per-token scale (`naive.quantize_index_keys`, half the bytes selection reads). Decode
+times the fused select on them (`select_fp8`, and `sparse_fp8` with the attention) in the
+same rounds; prefill and decode report `agreement`: the fraction of the blocks bf16
+selection picks per (query, index head) that fp8 selection picks too.
 
 Sparse and dense run in the same process, alternating round by round; times are medians.
 
@@ -38,6 +43,7 @@ from sparrow.bench.timing import graph_time_us
 from sparrow.kernels.attention.paged import paged_decode_attention
 from sparrow.kernels.msa.decode import sparse_decode_attention
 from sparrow.kernels.msa.decode_select import fused_decode_select_blocks
+from sparrow.kernels.msa.naive import quantize_index_keys
 from sparrow.kernels.msa.prefill import sparse_prefill_attention
 from sparrow.kernels.msa.select import decode_select_blocks, select_blocks
 
@@ -76,12 +82,30 @@ def _paged(batch: int, ctx: int, gen: torch.Generator):
     return k, v, ik, tables
 
 
+def _fp8(ik: torch.Tensor, pages: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes [pages, BS, DI] and scales [pages, BS] of the index keys, a few thousand
+    pages at a time (the quantiser's fp32 temporaries stay small)."""
+    codes = torch.empty(ik.shape, device=ik.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(ik.shape[:2], device=ik.device, dtype=torch.float32)
+    for p0 in range(0, ik.shape[0], pages):
+        codes[p0 : p0 + pages], scale[p0 : p0 + pages] = quantize_index_keys(ik[p0 : p0 + pages])
+    return codes, scale
+
+
+def selection_agreement(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The fraction of ref's selected blocks [..., topk] (ids >= 0) that ours selects in the
+    same row."""
+    picked = ref >= 0
+    shared = (ref[..., :, None] == ours[..., None, :]).any(-1) & picked
+    return shared.sum().item() / max(1, picked.sum().item())
+
+
 def _contiguous(cache: torch.Tensor, tables: torch.Tensor, ctx: int) -> torch.Tensor:
     """[pages, BS, HKV, D] -> [B, HKV, ctx, D] in table order (the dense side's layout)."""
     return cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
 
 
-def bench_prefill(ctx: int, dense_max: int, rounds: int, gen) -> dict:
+def bench_prefill(ctx: int, dense_max: int, rounds: int, gen, fp8: bool) -> dict:
     k, v, ik, tables = _paged(1, ctx, gen)
     q = torch.randn(ctx, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     iq = torch.randn(ctx, HI, DI, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -103,12 +127,17 @@ def bench_prefill(ctx: int, dense_max: int, rounds: int, gen) -> dict:
     t = _alternate(fns, rounds, reps)
     dense = t["dense"] * (ctx / n_dense) ** 2
     sparse = t["select"] + t["attend"]
-    return {"context": ctx, "select_ms": t["select"], "attend_ms": t["attend"],
-            "sparse_ms": sparse, "dense_ms": dense, "dense_extrapolated": n_dense < ctx,
-            "dense_measured_tokens": n_dense, "speedup": dense / sparse}  # fmt: skip
+    row = {"context": ctx, "select_ms": t["select"], "attend_ms": t["attend"],
+           "sparse_ms": sparse, "dense_ms": dense, "dense_extrapolated": n_dense < ctx,
+           "dense_measured_tokens": n_dense, "speedup": dense / sparse}  # fmt: skip
+    if fp8:
+        codes, scale = _fp8(ik)
+        fp8_blocks = select_blocks(iq, codes, tables[0], range(ctx), TOPK, LOCAL, ik_scale=scale)
+        row["agreement"] = selection_agreement(fp8_blocks, blocks)
+    return row
 
 
-def bench_decode(ctx: int, batch: int, rounds: int, gen) -> dict:
+def bench_decode(ctx: int, batch: int, rounds: int, gen, fp8: bool) -> dict:
     k, v, ik, tables = _paged(batch, ctx, gen)
     q = torch.randn(batch, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
     iq = torch.randn(batch, HI, DI, generator=gen, device="cuda", dtype=torch.bfloat16)
@@ -130,6 +159,15 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen) -> dict:
         "dense_sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd),
         "dense_paged": lambda: paged_decode_attention(q, k, v, tables, ctx_lens, SCALE),
     }
+    if fp8:
+        codes, scale = _fp8(ik)
+
+        def select_fp8():
+            return fused_decode_select_blocks(iq, codes, tables, pos, TOPK, LOCAL, ik_scale=scale)
+
+        fns["select_fp8"] = select_fp8
+        fns["sparse_fp8"] = lambda: sparse_decode_attention(q, k, v, tables, pos, select_fp8(),
+                                                            SCALE)  # fmt: skip
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -138,29 +176,38 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen) -> dict:
     row |= {f"{name}_us": statistics.median(t) for name, t in times.items()}
     row["speedup_vs_sdpa"] = row["dense_sdpa_us"] / row["sparse_us"]
     row["speedup_vs_paged"] = row["dense_paged_us"] / row["sparse_us"]
+    if fp8:
+        fused = fused_decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
+        row["agreement"] = selection_agreement(select_fp8(), fused)
     return row
 
 
-def _decode_gib(ctx: int, batch: int) -> float:
-    """Paged caches plus the dense side's contiguous K/V copies."""
-    return batch * ctx * (4 * HKV * D + DI) * 2 / 2**30
+def _decode_gib(ctx: int, batch: int, fp8: bool) -> float:
+    """Paged caches plus the dense side's contiguous K/V copies (and the fp8 index keys)."""
+    return batch * ctx * ((4 * HKV * D + DI) * 2 + (DI + 4) * fp8) / 2**30
 
 
-def _print(prefill: list[dict], decode: list[dict]) -> None:
+def _print(prefill: list[dict], decode: list[dict], fp8: bool) -> None:
+    head = f"{'fp8 agree':>11}" if fp8 else ""
     print(f"{'prefill ctx':>12}{'select ms':>11}{'attend ms':>11}{'sparse ms':>11}"
-          f"{'dense ms':>11}{'speedup':>9}")  # fmt: skip
+          f"{'dense ms':>11}{'speedup':>9}{head}")  # fmt: skip
     for r in prefill:
         mark = " (extrapolated)" if r["dense_extrapolated"] else ""
+        agree = f"{r['agreement']:>11.4f}" if fp8 else ""
         print(f"{r['context']:>12}{r['select_ms']:>11.2f}{r['attend_ms']:>11.2f}"
-              f"{r['sparse_ms']:>11.2f}{r['dense_ms']:>11.2f}{r['speedup']:>9.2f}{mark}")
+              f"{r['sparse_ms']:>11.2f}{r['dense_ms']:>11.2f}{r['speedup']:>9.2f}"
+              f"{agree}{mark}")  # fmt: skip
+    head = f"{'fp8 sel us':>12}{'fp8 sparse us':>15}{'fp8 agree':>11}" if fp8 else ""
     print(f"{'decode ctx':>12}{'batch':>7}{'select us':>11}{'unfused us':>12}{'attend us':>11}"
           f"{'sparse us':>11}{'sdpa us':>10}{'paged us':>10}{'vs sdpa':>9}"
-          f"{'vs paged':>10}")  # fmt: skip
+          f"{'vs paged':>10}{head}")  # fmt: skip
     for r in decode:
+        fp8_cols = (f"{r['select_fp8_us']:>12.1f}{r['sparse_fp8_us']:>15.1f}"
+                    f"{r['agreement']:>11.4f}") if fp8 else ""  # fmt: skip
         print(f"{r['context']:>12}{r['batch']:>7}{r['select_us']:>11.1f}"
               f"{r['select_unfused_us']:>12.1f}{r['attend_us']:>11.1f}"
               f"{r['sparse_us']:>11.1f}{r['dense_sdpa_us']:>10.1f}{r['dense_paged_us']:>10.1f}"
-              f"{r['speedup_vs_sdpa']:>9.2f}{r['speedup_vs_paged']:>10.2f}")  # fmt: skip
+              f"{r['speedup_vs_sdpa']:>9.2f}{r['speedup_vs_paged']:>10.2f}{fp8_cols}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -171,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="longest dense prefill run; longer ones are extrapolated")
     p.add_argument("--max-gib", type=float, default=60.0, help="decode cache budget")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--fp8-index", action=argparse.BooleanOptionalAction, default=True,
+                   help="also select on fp8 index keys: decode times, agreement")  # fmt: skip
     p.add_argument("--out", default="bench-out/msa.json")
     args = p.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -179,16 +228,16 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.inference_mode():
         for ctx in contexts:
             for batch in map(int, args.batches.split(",")):
-                if _decode_gib(ctx, batch) <= args.max_gib:
-                    decode.append(bench_decode(ctx, batch, args.rounds, gen))
+                if _decode_gib(ctx, batch, args.fp8_index) <= args.max_gib:
+                    decode.append(bench_decode(ctx, batch, args.rounds, gen, args.fp8_index))
                 torch.cuda.empty_cache()
         for ctx in contexts:
-            prefill.append(bench_prefill(ctx, args.dense_max, args.rounds, gen))
+            prefill.append(bench_prefill(ctx, args.dense_max, args.rounds, gen, args.fp8_index))
             torch.cuda.empty_cache()
-    _print(prefill, decode)
+    _print(prefill, decode, args.fp8_index)
     report = {"gpu": torch.cuda.get_device_name(),
               "shapes": f"Hq={HQ} Hkv={HKV} D={D} Hi={HI} Di={DI} block={BS} topk={TOPK}",
-              "prefill": prefill, "decode": decode}  # fmt: skip
+              "fp8_index": args.fp8_index, "prefill": prefill, "decode": decode}  # fmt: skip
     write_report(args.out, report)
     return report
 

@@ -2,7 +2,8 @@
 
 A model lists one spec per layer (`Model.cache_specs()`, None for a layer that keeps
 nothing). Two kinds of storage follow from them:
-- paged, per token: K/V rows (and, for MSA layers, one index key) in fixed-size blocks
+- paged, per token: K/V rows (and, for MSA layers, one index key, in the activation dtype or
+  as fp8 codes with a scale) in fixed-size blocks
   that every paged layer addresses through the same per-request block table; the block manager
   (`core/block_pool.py`) counts blocks, the worker's `ModelCache` holds one tensor set per
   layer;
@@ -14,7 +15,7 @@ Specs are plain data: sizes here, tensors in `sparrow/worker/cache.py`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 
@@ -52,16 +53,22 @@ class RecurrentStateSpec:
 class SparseKVSpec:
     """An MSA layer: K and V as `PagedKVSpec`, plus one index key per token
     [num_blocks, block_size, index_head_dim], in pages of exactly `block_size` tokens (one
-    page is one MSA block: selection picks pages)."""
+    page is one MSA block: selection picks pages). `index_dtype` "auto": the keys in the
+    activation dtype; "fp8_e4m3": float8_e4m3fn codes of that shape and one fp32 scale per
+    token [num_blocks, block_size]."""
 
     paged: ClassVar[bool] = True
     num_kv_heads: int
     head_dim: int
     index_head_dim: int
     block_size: int
+    index_dtype: str = "auto"
 
     def bytes_per_token(self, itemsize: int) -> int:
-        return (2 * self.num_kv_heads * self.head_dim + self.index_head_dim) * itemsize
+        kv = 2 * self.num_kv_heads * self.head_dim * itemsize
+        if self.index_dtype == "fp8_e4m3":
+            return kv + self.index_head_dim + 4
+        return kv + self.index_head_dim * itemsize
 
 
 CacheSpec = PagedKVSpec | RecurrentStateSpec | SparseKVSpec
@@ -74,6 +81,17 @@ def required_block_size(specs: Sequence[CacheSpec | None]) -> int | None:
     if len(sizes) > 1:
         raise ValueError(f"layers need different cache page sizes: {sorted(sizes)}")
     return sizes.pop() if sizes else None
+
+
+def with_index_dtype(specs: Sequence[CacheSpec | None],
+                     index_dtype: str) -> list[CacheSpec | None]:  # fmt: skip
+    """The specs with every MSA layer's index keys kept as `index_dtype`; ValueError for an
+    index dtype other than "auto" when no layer has index keys."""
+    if index_dtype != "auto" and not any(isinstance(s, SparseKVSpec) for s in specs):
+        raise ValueError(f"index cache dtype {index_dtype!r} applies to MSA index keys, and "
+                         "this model has no MSA layers (use 'auto')")  # fmt: skip
+    return [replace(s, index_dtype=index_dtype) if isinstance(s, SparseKVSpec) else s
+            for s in specs]  # fmt: skip
 
 
 def paged_bytes_per_block(specs: Sequence[CacheSpec | None], block_size: int,

@@ -5,19 +5,27 @@ context limit (the model's own unless set lower; longer is an error, as in vLLM)
 per-request slots (one per sequence the scheduler may run), the block size (the model's MSA
 block where it has one, which is then the only size allowed, else 128) and the number of KV
 blocks: what fits in `gpu_memory_utilization` of the GPU's memory after the weights and the
-per-slot states (on a CPU: 8K tokens' worth).
+per-slot states (on a CPU: 8K tokens' worth), a block's bytes counting MSA index keys in the
+index cache dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from sparrow.config import CacheConfig, ConfigError, DeviceConfig, EngineConfig, SchedulerConfig
-from sparrow.core.cache_spec import paged_bytes_per_block, required_block_size, slot_bytes
+from sparrow.core.cache_spec import (
+    CacheSpec,
+    paged_bytes_per_block,
+    required_block_size,
+    slot_bytes,
+    with_index_dtype,
+)
 
 CPU_CACHE_TOKENS = 8192
 DEFAULT_BLOCK_SIZE = 128
@@ -39,8 +47,13 @@ def resolve_device(device: DeviceConfig) -> tuple[str, torch.dtype]:
 
 def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConfig, CacheConfig]:
     """The scheduler and cache settings with every None filled in for `model` (loaded: its
-    weights already take their memory). Prints the KV cache budget."""
+    weights already take their memory). Prints the KV cache budget. ConfigError for an index
+    cache dtype on a model without MSA layers."""
     args, sched, cache = model.config, config.scheduler, config.cache
+    try:
+        specs = with_index_dtype(model.cache_specs(), cache.index_cache_dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     limit = model_context(args)
     if sched.max_model_len is not None and sched.max_model_len > limit:
         raise ConfigError(f"max_model_len {sched.max_model_len} exceeds the model's context "
@@ -54,7 +67,7 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
     cache = dataclasses.replace(cache, num_state_slots=slots, block_size=block_size,
                                 num_state_snapshots=snapshots)  # fmt: skip
     if cache.num_blocks is None:
-        blocks = _blocks_for_memory(cache, model, sched.max_model_len * slots)
+        blocks = _blocks_for_memory(cache, model, specs, sched.max_model_len * slots)
         cache = dataclasses.replace(cache, num_blocks=blocks)
     if snapshots:
         size = snapshots * slot_bytes(model.cache_specs(), model.dtype.itemsize)
@@ -88,8 +101,9 @@ def _block_size(asked: int | None, model: torch.nn.Module) -> int:
     return asked or needed or DEFAULT_BLOCK_SIZE
 
 
-def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module, most_tokens: int) -> int:
-    specs, itemsize = model.cache_specs(), model.dtype.itemsize
+def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module,
+                       specs: Sequence[CacheSpec | None], most_tokens: int) -> int:  # fmt: skip
+    itemsize = model.dtype.itemsize
     per_block = paged_bytes_per_block(specs, cache.block_size, itemsize)
     if per_block == 0:  # no paged layer: blocks hold nothing, they only count tokens
         return -(-most_tokens // cache.block_size)

@@ -30,15 +30,29 @@ class Indexer(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ik_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                ik_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x: [T, hidden]. Writes the index keys to ik_cache [pages, bs, Di] at slot_mapping
-        [T]; returns the index queries [T, Hi, Di]."""
-        t = x.shape[0]
-        cos, sin = cos[:, : self.head_dim].contiguous(), sin[:, : self.head_dim].contiguous()
-        iq = self.q_norm.with_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        ik = self.k_norm.with_rope(self.k_proj(x).view(t, 1, self.head_dim), cos, sin)
-        ik_cache.view(-1, self.head_dim).index_copy_(0, slot_mapping, ik[:, 0])
+        [T] (with ik_scale [pages, bs]: their fp8 codes there and their scales in ik_scale);
+        returns the index queries [T, Hi, Di]."""
+        t, di = x.shape[0], self.head_dim
+        cos, sin = cos[:, :di].contiguous(), sin[:, :di].contiguous()
+        iq = self.q_norm.with_rope(self.q_proj(x).view(t, self.num_heads, di), cos, sin)
+        ik = self.k_norm.with_rope(self.k_proj(x).view(t, 1, di), cos, sin)[:, 0]
+        if ik_scale is None:
+            ik_cache.view(-1, di).index_copy_(0, slot_mapping, ik)
+            return iq
+        codes, scale = msa.quantize_index_keys(ik)
+        rows = ik_cache.view(torch.uint8).view(-1, di)  # bytes: no float8 index_copy_ on a CPU
+        rows.index_copy_(0, slot_mapping, codes.view(torch.uint8))
+        ik_scale.view(-1).index_copy_(0, slot_mapping, scale)
         return iq
+
+
+def index_cache(cache: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sparse layer's index keys [pages, bs, Di] and, for fp8 keys, their scales [pages,
+    bs] (else None): cache is (k, v, keys) or (k, v, codes, scales)."""
+    return cache[2], cache[3] if len(cache) > 3 else None
 
 
 class M3Attention(nn.Module):
@@ -68,8 +82,8 @@ class M3Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: StepMetadata, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
         """x: [T, hidden]; cos, sin: [T, rotary]; cache: this layer's paged K and V
-        [pages, bs, Hkv, D] (and index keys [pages, bs, Di] on sparse layers), written here
-        for the step's tokens, then read."""
+        [pages, bs, Hkv, D] (and on sparse layers the index keys, `index_cache`), written
+        here for the step's tokens, then read."""
         t, hkv, d = x.shape[0], self.num_kv_heads, self.head_dim
         q = self.q_norm.with_rope(self.q_proj(x).view(t, self.num_heads, d), cos, sin)
         v = self.v_proj(x).view(t, hkv, d)
@@ -79,7 +93,8 @@ class M3Attention(nn.Module):
         if self.sparse is None:
             out = self._dense(q, k_cache, v_cache, meta)
         else:
-            iq = self.indexer(x, cos, sin, cache[2], meta.slot_mapping)
+            ik_cache, ik_scale = index_cache(cache)
+            iq = self.indexer(x, cos, sin, ik_cache, meta.slot_mapping, ik_scale)
             out = self._sparse(q, iq, cache, meta)
         return self.o_proj(out.reshape(t, -1))
 
@@ -101,28 +116,31 @@ class M3Attention(nn.Module):
     def _sparse(self, q, iq, cache, meta: StepMetadata) -> torch.Tensor:
         """The MSA kernels (`kernels.msa.kernels`) with the Triton backend where the dims
         suit them, else the reference (`kernels.msa.naive`): the same functions."""
-        k_cache, v_cache, ik_cache = cache
+        k_cache, v_cache = cache[0], cache[1]
+        ik_cache, ik_scale = index_cache(cache)
         topk, local = self.sparse["topk"], self.sparse["local_blocks"]
         dims = (self.head_dim, self.sparse["index_head_dim"], self.sparse["block_size"])
         ops = msa_kernels if use_triton(q) and fits_tiles(*dims) else msa
         if meta.max_q_len == 1:  # one query per sequence: no host reads
             blocks = ops.decode_select_blocks(iq, ik_cache, meta.block_tables, meta.positions,
-                                              topk, local)  # fmt: skip
+                                              topk, local, ik_scale=ik_scale)  # fmt: skip
             tables = meta.block_tables
         else:
-            blocks = self._select_per_sequence(ops, iq, ik_cache, meta, topk, local)
+            blocks = self._select_per_sequence(ops, iq, ik_cache, ik_scale, meta, topk, local)
             tables = ops.token_tables(meta.block_tables, meta.cu_seqlens, q.shape[0])
         return ops.sparse_attention(q, k_cache, v_cache, tables, meta.positions, blocks,
                                     self.scale)  # fmt: skip
 
     @staticmethod
-    def _select_per_sequence(ops, iq, ik_cache, meta: StepMetadata, topk: int, local: int):
+    def _select_per_sequence(ops, iq, ik_cache, ik_scale, meta: StepMetadata, topk: int,
+                             local: int):  # fmt: skip
         """Prompts and chunks: each sequence's queries score its keys (read once per chunk);
         reads the context lengths on the host."""
         out, start = [], 0
         for b, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens.tolist(),
                                          strict=True)):  # fmt: skip
             out.append(ops.select_blocks(iq[start : start + n], ik_cache, meta.block_tables[b],
-                                         range(ctx - n, ctx), topk, local))  # fmt: skip
+                                         range(ctx - n, ctx), topk, local,
+                                         ik_scale=ik_scale))  # fmt: skip
             start += n
         return torch.cat(out)

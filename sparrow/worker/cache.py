@@ -3,8 +3,9 @@ that indexes them.
 
 Paged layers (`PagedKVSpec`) keep K/V in a block pool per layer ([num_blocks, block_size,
 Hkv, D], a request's blocks listed in its block table, shared by all paged layers); MSA
-layers (`SparseKVSpec`) keep an index-key pool [num_blocks, block_size, Di] beside their K/V,
-and need `block_size` to be their MSA block;
+layers (`SparseKVSpec`) keep an index-key pool [num_blocks, block_size, Di] beside their K/V
+(fp8 index keys: e4m3 codes of that shape and fp32 scales [num_blocks, block_size]), and need
+`block_size` to be their MSA block;
 slot layers (`RecurrentStateSpec`) keep conv and recurrent states in slot pools ([num_slots,
 ...] per layer, one slot per running request; the conv pool position-major in memory,
 `state_pool`). Which block and which slot a request owns is decided on the CPU
@@ -30,8 +31,9 @@ from sparrow.layers.metadata import StepMetadata, to_device
 
 class ModelCache:
     """`layers[i]`: what layer i keeps, per its spec: (k, v) block pools for a paged layer,
-    (k, v, index keys) for an MSA layer, (conv, state) slot pools for a recurrent one, None
-    for a layer that keeps nothing. ValueError if `block_size` is not the MSA block.
+    (k, v, index keys) for an MSA layer ((k, v, index codes, index scales) with fp8 index
+    keys), (conv, state) slot pools for a recurrent one, None for a layer that keeps nothing.
+    ValueError if `block_size` is not the MSA block.
 
     One block and one state slot beyond those the scheduler hands out (`pad_block`,
     `pad_slot`) are scratch: padding rows of a captured decode step write there.
@@ -65,8 +67,13 @@ class ModelCache:
         if isinstance(spec, SparseKVSpec):
             kv = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
             index = (num_blocks, self.block_size, spec.index_head_dim)
-            return tuple(torch.zeros(shape, device=device, dtype=dtype)
-                         for shape in (kv, kv, index))  # fmt: skip
+            k, v = (torch.zeros(kv, device=device, dtype=dtype) for _ in range(2))
+            if spec.index_dtype == "auto":
+                return k, v, torch.zeros(index, device=device, dtype=dtype)
+            if spec.index_dtype == "fp8_e4m3":
+                return (k, v, torch.zeros(index, device=device, dtype=torch.float8_e4m3fn),
+                        torch.zeros(index[:2], device=device, dtype=torch.float32))  # fmt: skip
+            raise ValueError(f"index dtype {spec.index_dtype!r}: expected 'auto' or 'fp8_e4m3'")
         if isinstance(spec, RecurrentStateSpec):
             conv = state_pool(num_slots, spec.conv_channels, spec.conv_kernel, device, dtype)
             state = torch.zeros(num_slots, *spec.state_shape, device=device,

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparrow.config import CacheConfig, SchedulerConfig
+from sparrow.core.cache_spec import with_index_dtype
 from sparrow.core.request import Request
 from sparrow.core.sampling_params import TokenLogprob
 from sparrow.core.scheduler import SchedulerOutput
@@ -90,7 +91,8 @@ class ModelRunner:
         prefills (where `prefill_graphs`, if any, is true too); False runs every step
         eagerly."""
         self.model = model
-        self.cache = ModelCache(model.cache_specs(), cache.num_blocks, cache.block_size,
+        specs = with_index_dtype(model.cache_specs(), cache.index_cache_dtype)
+        self.cache = ModelCache(specs, cache.num_blocks, cache.block_size,
                                 cache.num_state_slots, model.device, model.dtype,
                                 cache.num_state_snapshots or 0)  # fmt: skip
         self.generators: dict[str, torch.Generator] = {}

@@ -7,21 +7,23 @@ from collections.abc import Sequence
 
 import torch
 
-from sparrow.core.cache_spec import required_block_size
+from sparrow.core.cache_spec import required_block_size, with_index_dtype
 from sparrow.worker.cache import ModelCache, build_metadata
 
 
 class SequenceBatch:
     """Sequence b owns a contiguous run of blocks and recurrent-state slot b. Blocks are of
-    `block_size` tokens (None: the model's MSA block if it has one, else 16)."""
+    `block_size` tokens (None: the model's MSA block if it has one, else 16); MSA index keys
+    are kept as `index_dtype` (`CacheConfig.index_cache_dtype`)."""
 
     def __init__(self, model: torch.nn.Module, num_seqs: int, max_len: int,
-                 block_size: int | None = None):  # fmt: skip
+                 block_size: int | None = None, index_dtype: str = "auto"):  # fmt: skip
         self.model = model
-        block_size = block_size or required_block_size(model.cache_specs()) or 16
+        specs = with_index_dtype(model.cache_specs(), index_dtype)
+        block_size = block_size or required_block_size(specs) or 16
         per_seq = -(-max_len // block_size)
-        self.cache = ModelCache(model.cache_specs(), num_seqs * per_seq, block_size, num_seqs,
-                                model.device, model.dtype)  # fmt: skip
+        self.cache = ModelCache(specs, num_seqs * per_seq, block_size, num_seqs, model.device,
+                                model.dtype)  # fmt: skip
         self.tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(num_seqs)]
         self.computed = [0] * num_seqs
         self.max_len = max_len

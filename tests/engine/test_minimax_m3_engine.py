@@ -1,7 +1,8 @@
 """MiniMax M3 through the engine's front doors: `sparrow checkpoint random --preset
 minimax-m3-tiny` (tokenizer with M3's special tokens at their ids, MiniMax chat template),
-`sparrow generate`, `LLM` with the checkpoint's own chat template, and the HTTP app over the
-AsyncEngine (what `sparrow serve` runs), all on the same scheduler."""
+`sparrow generate` (index keys in the activation dtype and in fp8), `LLM` with the
+checkpoint's own chat template, and the HTTP app over the AsyncEngine (what `sparrow serve`
+runs), all on the same scheduler."""
 
 import asyncio
 import json
@@ -38,9 +39,11 @@ def test_random_checkpoint_is_m3_with_its_tokens(checkpoint):
     assert ids[:2] == [200034, 200019] and ids[-3:-1] == [200019, tokenizer.encode("ai")[0]]
 
 
-def test_generate_command(checkpoint, capsys):
+@pytest.mark.parametrize("index_dtype", ["auto", "fp8_e4m3"])
+def test_generate_command(checkpoint, capsys, index_dtype):
     assert cli.main(["generate", "--model", str(checkpoint), "--prompt", "hi",
-                     "--max-tokens", "4", "--device", "cpu"]) == 0  # fmt: skip
+                     "--max-tokens", "4", "--device", "cpu",
+                     "--index-cache-dtype", index_dtype]) == 0  # fmt: skip
     assert "decode: 4 tokens" in capsys.readouterr().out
 
 

@@ -1,5 +1,6 @@
 """The context limit: max_model_len up to what the model's positions reach (YaRN's original
-length x factor), longer an error, as in vLLM; and the CLI's `--max-model-len 1010000`."""
+length x factor), longer an error, as in vLLM; and the CLI's `--max-model-len 1010000`.
+An fp8 index cache on a model without MSA layers is refused."""
 
 import json
 
@@ -61,3 +62,12 @@ def test_cli_max_model_len_1m(yarn, tmp_path, capsys):
     else:
         assert status == 2
         assert "max_model_len 1010000 exceeds the model's context of 262144" in captured.err
+
+
+def test_fp8_index_cache_needs_msa_layers(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="fp8_e4m3.*no MSA layers"):
+        _resolve(TINY, index_cache_dtype="fp8_e4m3")
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_config()))
+    status = main(["generate", "--model", str(tmp_path), "--load-format", "dummy",
+                   "--index-cache-dtype", "fp8_e4m3", "--prompt", "hi", "--raw"])  # fmt: skip
+    assert status == 2 and "no MSA layers" in capsys.readouterr().err

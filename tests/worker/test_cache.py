@@ -1,11 +1,17 @@
 """Per-step metadata from hand-made plans (positions, slot mapping, cu_seqlens, padded block
-tables) and the cache tensors: scratch block and slot, slot resets."""
+tables) and the cache tensors: scratch block and slot, slot resets, fp8 index keys."""
 
 import random
 
 import pytest
 import torch
 
+from sparrow.core.cache_spec import (
+    PagedKVSpec,
+    SparseKVSpec,
+    paged_bytes_per_block,
+    with_index_dtype,
+)
 from sparrow.loader.weights import load_checkpoint
 from sparrow.worker.cache import ModelCache, build_metadata
 
@@ -98,3 +104,23 @@ def test_reset_slots_zeroes_only_those_slots(model):
         assert t[[1, 4]].abs().sum() == 0
         assert (t[[0, 2, 3, 5]] == 1.5).all()
     assert all((t == 1.5).all() for t in paged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_index_keys_layout_and_bytes(dtype):
+    """An MSA layer with fp8 index keys holds (k, v, e4m3 codes, fp32 scales); a block's
+    bytes as the specs count them are the bytes the tensors take."""
+    specs = [SparseKVSpec(2, 8, 20, 16), PagedKVSpec(2, 8), None]
+    for index_dtype, itemsize in (("auto", dtype.itemsize), ("fp8_e4m3", 1)):
+        fp8 = with_index_dtype(specs, index_dtype)
+        cache = ModelCache(fp8, 5, 16, 2, "cpu", dtype)
+        sparse = cache.layers[0]
+        assert sparse[2].shape == (6, 16, 20) and sparse[2].element_size() == itemsize
+        if index_dtype == "fp8_e4m3":
+            assert sparse[2].dtype == torch.float8_e4m3fn
+            assert sparse[3].shape == (6, 16) and sparse[3].dtype == torch.float32
+        paged = [t for layer in cache.layers[:2] for t in layer]
+        assert sum(t.nbytes for t in paged) == 6 * paged_bytes_per_block(fp8, 16, dtype.itemsize)
+    assert fp8[0].bytes_per_token(2) == 2 * 2 * 8 * 2 + 20 + 4
+    with pytest.raises(ValueError, match="no MSA layers"):
+        with_index_dtype(specs[1:], "fp8_e4m3")

@@ -11,6 +11,9 @@ its own top-k per head by k rounds of max-and-remove, and writes them as candida
 atomic, so the candidates are visible); the program that brings the counter to `splits`
 merges the sequence's candidates per head by the same k rounds and writes [B, Hi, k].
 
+fp8 index keys (SCALED): codes converted to the query dtype in registers, each key's column
+of the dot multiplied by its fp32 scale before the block max, as in `select.py`.
+
 Ties go to the lower block id (`torch.topk` in the reference leaves their order open), slots
 whose score is -inf hold -1. Scratch: 2 x B x Hi x splits x k x 4 bytes (64 KiB per sequence
 at 1M) and B int32 counters.
@@ -23,17 +26,18 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels.launch import fast
+from sparrow.kernels.msa.select import check_index_scales
 
 SPLITS = 128  # most splits per sequence
 
 
 @triton.jit
 def _select_topk_kernel(
-    iq_ptr, ik_ptr, tables_ptr, pos_ptr, cand_s_ptr, cand_i_ptr, count_ptr, out_ptr, n_splits,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_tb,
+    iq_ptr, ik_ptr, scale_ptr, tables_ptr, pos_ptr, cand_s_ptr, cand_i_ptr, count_ptr, out_ptr,
+    n_splits, stride_qb, stride_qh, stride_kb, stride_kt, stride_sb, stride_tb,
     HI: tl.constexpr, ROWS: tl.constexpr, DI: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, TOPK: tl.constexpr, CW: tl.constexpr,
-    LOCAL: tl.constexpr, PRECISION: tl.constexpr,
+    LOCAL: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_b, i_s = tl.program_id(0), tl.program_id(1)
     pos = tl.load(pos_ptr + i_b)
@@ -52,7 +56,10 @@ def _select_topk_kernel(
         b_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         for n0 in tl.static_range(0, BS, BLOCK_N):
             p_k = ik_ptr + page * stride_kb + (n0 + o_n)[:, None] * stride_kt + o_d[None, :]
-            b_s = tl.dot(b_q, tl.trans(tl.load(p_k)), input_precision=PRECISION)
+            b_k = tl.load(p_k).to(b_q.dtype)  # fp8 codes: converted here
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+            if SCALED:
+                b_s *= tl.load(scale_ptr + page * stride_sb + n0 + o_n)[None, :]
             causal = ((j_lo + jj) * BS + n0 + o_n)[None, :] <= pos
             b_max = tl.maximum(b_max, tl.max(tl.where(causal, b_s, float("-inf")), axis=1))
         local = (q_block - j_lo - jj) < LOCAL
@@ -88,26 +95,30 @@ def _select_topk_kernel(
 def fused_decode_select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor,
                                block_tables: torch.Tensor, positions: torch.Tensor, topk: int,
                                local_blocks: int,
-                               kv_blocks: int | None = None) -> torch.Tensor:  # fmt: skip
+                               kv_blocks: int | None = None,
+                               ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`naive.decode_select_blocks` in one launch. iq: [B, Hi, Di]; ik_cache: [pages, bs,
-    Di]; block_tables: [B, W]; positions: [B]. Returns int64 [B, Hi, topk], best first.
-    kv_blocks: blocks per split (default: the power of two giving at most SPLITS)."""
+    Di] (fp8 codes if ik_scale [pages, bs] is given); block_tables: [B, W]; positions: [B].
+    Returns int64 [B, Hi, topk], best first. kv_blocks: blocks per split (default: the power
+    of two giving at most SPLITS)."""
     bsz, hi, di = iq.shape
     bs, w = ik_cache.shape[1], block_tables.shape[1]
     if ik_cache.shape[-1] != di or iq.stride(-1) != 1 or ik_cache.stride(-1) != 1:
         raise ValueError(f"iq {list(iq.shape)} does not fit ik_cache {list(ik_cache.shape)}")
+    check_index_scales(ik_cache, ik_scale)
     nb = kv_blocks or max(16, triton.next_power_of_2(triton.cdiv(w, SPLITS)))
     n_splits = triton.cdiv(w, nb)
     cand_s = torch.empty(bsz, hi, n_splits * topk, device=iq.device, dtype=torch.float32)
     cand_i = torch.empty(bsz, hi, n_splits * topk, device=iq.device, dtype=torch.int32)
     count = torch.zeros(bsz, device=iq.device, dtype=torch.int32)
     out = torch.empty(bsz, hi, topk, device=iq.device, dtype=torch.int64)
+    scale = ik_cache if ik_scale is None else ik_scale  # not read unless SCALED
     fast(_select_topk_kernel)[(bsz, n_splits)](
-        iq, ik_cache, block_tables, positions, cand_s, cand_i, count, out, n_splits,
-        iq.stride(0), iq.stride(1), ik_cache.stride(0), ik_cache.stride(1),
+        iq, ik_cache, scale, block_tables, positions, cand_s, cand_i, count, out, n_splits,
+        iq.stride(0), iq.stride(1), ik_cache.stride(0), ik_cache.stride(1), scale.stride(0),
         block_tables.stride(0),
         HI=hi, ROWS=max(16, triton.next_power_of_2(hi)), DI=di, BS=bs, BLOCK_N=min(bs, 64),
         NB=nb, TOPK=topk, CW=triton.next_power_of_2(n_splits * topk), LOCAL=local_blocks,
-        PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
+        SCALED=ik_scale is not None, PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

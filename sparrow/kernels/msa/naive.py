@@ -17,6 +17,10 @@ hold -1. Index head h selects for KV group h (Hi == Hkv), so attention head j re
 blocks of index head j // (Hq / Hkv). Attention is exact softmax (fp32) over the selected
 blocks' tokens at positions <= the query's.
 
+fp8 index keys (`quantize_index_keys`): the cache holds float8_e4m3fn codes [pages, bs, Di]
+and an fp32 scale per token [pages, bs], the key being codes * scale; selection takes the
+scales as `ik_scale` and scores the dequantised keys.
+
 Everything runs chunk by chunk: `q_chunk` queries by `kv_blocks` key blocks at a time for the
 scores, one selected block per step (merged online) for the attention. Memory stays
 O(q_chunk * kv_blocks * bs); no [S, S] mask or score matrix exists at any length.
@@ -28,6 +32,27 @@ import torch
 
 Q_CHUNK = 256  # queries per scoring / attention step
 KV_BLOCKS = 32  # key blocks per scoring step
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_index_keys(ik: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ik: [..., Di] -> (float8_e4m3fn codes [..., Di], fp32 scales [...]), ik ~ codes *
+    scale: a key's scale is its largest |value| / 448 (1 for an all-zero key)."""
+    amax = ik.float().abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    codes = (ik.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    return codes.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_index_keys(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes [..., Di], scale [...] -> the keys [..., Di] in fp32."""
+    return codes.float() * scale[..., None]
+
+
+def _index_keys(ik_cache: torch.Tensor, ik_scale: torch.Tensor | None, pages: torch.Tensor):
+    """The index keys of `pages` ([...] page ids): [..., bs, Di], dequantised where scaled."""
+    keys = ik_cache[pages]
+    return keys if ik_scale is None else dequantize_index_keys(keys, ik_scale[pages])
 
 
 def token_tables(block_tables: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int):
@@ -63,11 +88,13 @@ def _top_blocks(scores: torch.Tensor, q_pos: torch.Tensor, bs: int, topk: int,
 
 def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
                   q_pos: list[int] | range, topk: int, local_blocks: int,
-                  q_chunk: int = Q_CHUNK, kv_blocks: int = KV_BLOCKS) -> torch.Tensor:  # fmt: skip
+                  q_chunk: int = Q_CHUNK, kv_blocks: int = KV_BLOCKS,
+                  ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One sequence's queries (a prompt, a prompt chunk or one decode token). iq: [Q, Hi, Di]
     index queries at host positions q_pos [Q]; ik_cache: [pages, bs, Di] holding the
-    sequence's index keys up to its last query; table: [W] its pages. Returns int64 block ids
-    [Q, Hi, topk], -1 padded. Key blocks past a query chunk's last position are skipped."""
+    sequence's index keys up to its last query (fp8 codes if ik_scale [pages, bs] is given);
+    table: [W] its pages. Returns int64 block ids [Q, Hi, topk], -1 padded. Key blocks past a
+    query chunk's last position are skipped."""
     bs = ik_cache.shape[1]
     pos = torch.as_tensor(list(q_pos), device=iq.device)
     out = []
@@ -77,7 +104,7 @@ def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
         scores = []
         for j0 in range(0, n_blocks, kv_blocks):
             pages = table[j0 : min(j0 + kv_blocks, n_blocks)].long()
-            keys = ik_cache[pages].flatten(0, 1)[None]
+            keys = _index_keys(ik_cache, ik_scale, pages).flatten(0, 1)[None]
             scores.append(_block_max(q, keys, p, j0 * bs, bs))
         out.append(_top_blocks(torch.cat(scores, -1), p, bs, topk, local_blocks)[0])
     return torch.cat(out)
@@ -85,15 +112,18 @@ def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
 
 def decode_select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, block_tables: torch.Tensor,
                          positions: torch.Tensor, topk: int, local_blocks: int,
-                         kv_blocks: int = KV_BLOCKS) -> torch.Tensor:  # fmt: skip
+                         kv_blocks: int = KV_BLOCKS,
+                         ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """One query per sequence, all sequences at once, with no host reads (capturable).
-    iq: [B, Hi, Di]; block_tables: [B, W]; positions: [B]. Table columns past a sequence's
-    last block score -inf whatever their pages hold. Returns [B, Hi, topk] int64."""
+    iq: [B, Hi, Di]; block_tables: [B, W]; positions: [B]; ik_scale: as `select_blocks`.
+    Table columns past a sequence's last block score -inf whatever their pages hold.
+    Returns [B, Hi, topk] int64."""
     bs = ik_cache.shape[1]
     p = positions[:, None]
     scores = []
     for j0 in range(0, block_tables.shape[1], kv_blocks):
-        keys = ik_cache[block_tables[:, j0 : j0 + kv_blocks].long()].flatten(1, 2)
+        pages = block_tables[:, j0 : j0 + kv_blocks].long()
+        keys = _index_keys(ik_cache, ik_scale, pages).flatten(1, 2)
         scores.append(_block_max(iq[:, None], keys, p, j0 * bs, bs))
     return _top_blocks(torch.cat(scores, -1), p, bs, topk, local_blocks)[:, 0]
 

@@ -13,6 +13,10 @@ no scale), +inf for the query's own block and the `local_blocks - 1` before it, 
 [Q, Hi, W] fp32 buffer (W = max(blocks, topk)); blocks after a tile's last position are
 never read and keep the buffer's -inf. torch.topk then picks the blocks.
 
+fp8 index keys (`naive.quantize_index_keys`, SCALED): the tile loads the e4m3 codes,
+converts them to the query dtype in registers, and multiplies each key's column of the dot
+by its fp32 scale before the block max (the scale factors out of iq . ik).
+
 Prompt tiles share one block table row (stride 0); decode tiles are one query each with its
 own row. The buffer is bounded by chunking queries: SCORE_BYTES (128 MiB) per chunk, that is
 8,192 queries per chunk at 128K context (W = 1,024) and 1,024 at 1M (W = 8,192). Decode needs
@@ -40,11 +44,11 @@ KV_BLOCKS = 16  # key blocks per program
 
 @triton.jit
 def _block_scores_kernel(
-    iq_ptr, ik_ptr, tables_ptr, pos_ptr, out_ptr, T,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_tq, stride_ot, stride_oh,
+    iq_ptr, ik_ptr, scale_ptr, tables_ptr, pos_ptr, out_ptr, T,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_tq, stride_ot, stride_oh,
     HI: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, LOCAL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_m, i_j = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, ROWS)
@@ -65,8 +69,10 @@ def _block_scores_kernel(
         b_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         for n0 in tl.static_range(0, BS, BLOCK_N):
             p_k = ik_ptr + page * stride_kb + (n0 + o_n)[:, None] * stride_kt + o_d[None, :]
-            b_k = tl.load(p_k)
+            b_k = tl.load(p_k).to(b_q.dtype)  # fp8 codes: converted here
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)  # [ROWS, BLOCK_N]
+            if SCALED:
+                b_s *= tl.load(scale_ptr + page * stride_sb + n0 + o_n)[None, :]
             causal = (j * BS + n0 + o_n)[None, :] <= pos[:, None]
             b_max = tl.maximum(b_max, tl.max(tl.where(causal, b_s, float("-inf")), axis=1))
         local = (q_block - j >= 0) & (q_block - j < LOCAL)
@@ -76,16 +82,19 @@ def _block_scores_kernel(
 
 def block_scores(iq: torch.Tensor, ik_cache: torch.Tensor, tables: torch.Tensor,
                  positions: torch.Tensor, width: int, local_blocks: int,
-                 block_m: int, kv_blocks: int = KV_BLOCKS) -> torch.Tensor:  # fmt: skip
-    """iq: [Q, Hi, Di]; ik_cache: [pages, bs, Di]; tables: [W'] one sequence's pages (every
-    query reads it) or [Q, W'] one row per query (then block_m must be 1); positions: [Q].
-    Returns fp32 block scores [Q, Hi, width], -inf past each query's own block, +inf on its
-    local blocks. Launches one kernel; reads nothing on the host."""
+                 block_m: int, kv_blocks: int = KV_BLOCKS,
+                 ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """iq: [Q, Hi, Di]; ik_cache: [pages, bs, Di] (fp8 codes if ik_scale [pages, bs] is
+    given); tables: [W'] one sequence's pages (every query reads it) or [Q, W'] one row per
+    query (then block_m must be 1); positions: [Q]. Returns fp32 block scores [Q, Hi, width],
+    -inf past each query's own block, +inf on its local blocks. Launches one kernel; reads
+    nothing on the host."""
     nq, hi, di = iq.shape
     bs = ik_cache.shape[1]
     if ik_cache.shape[-1] != di or iq.stride(-1) != 1 or ik_cache.stride(-1) != 1:
         raise ValueError(f"iq {list(iq.shape)}, ik_cache {list(ik_cache.shape)}: expected "
                          "[Q, Hi, Di] and [pages, bs, Di] with unit stride on Di")  # fmt: skip
+    check_index_scales(ik_cache, ik_scale)
     if tables.dim() == 2 and block_m != 1:
         raise ValueError("per-query tables need one query per tile (block_m = 1)")
     out = torch.full((nq, hi, width), -torch.inf, device=iq.device, dtype=torch.float32)
@@ -93,15 +102,29 @@ def block_scores(iq: torch.Tensor, ik_cache: torch.Tensor, tables: torch.Tensor,
         return out
     stride_tq = tables.stride(0) if tables.dim() == 2 else 0
     grid = (triton.cdiv(nq, block_m), triton.cdiv(width, kv_blocks))
+    scale = ik_cache if ik_scale is None else ik_scale  # not read unless SCALED
     fast(_block_scores_kernel)[grid](
-        iq, ik_cache, tables, positions, out, nq,
-        iq.stride(0), iq.stride(1), ik_cache.stride(0), ik_cache.stride(1), stride_tq,
-        out.stride(0), out.stride(1),
+        iq, ik_cache, scale, tables, positions, out, nq,
+        iq.stride(0), iq.stride(1), ik_cache.stride(0), ik_cache.stride(1), scale.stride(0),
+        stride_tq, out.stride(0), out.stride(1),
         HI=hi, DI=di, ROWS=max(16, triton.next_power_of_2(block_m * hi)), BLOCK_M=block_m,
         BS=bs, BLOCK_N=min(bs, 64), NB=kv_blocks, LOCAL=local_blocks,
-        PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
+        SCALED=ik_scale is not None, PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
+
+
+def check_index_scales(ik_cache: torch.Tensor, ik_scale: torch.Tensor | None) -> None:
+    """ValueError unless ik_scale is None or fp32 [pages, bs] (unit stride on bs) beside
+    float8_e4m3fn codes ik_cache [pages, bs, Di]."""
+    if ik_scale is None:
+        return
+    codes_ok = ik_cache.dtype == torch.float8_e4m3fn
+    scale_ok = ik_scale.dtype == torch.float32 and ik_scale.shape == ik_cache.shape[:2]
+    if not (codes_ok and scale_ok and ik_scale.stride(-1) == 1):
+        raise ValueError(f"ik_scale {ik_scale.dtype} {list(ik_scale.shape)}: expected float32 "
+                         f"{list(ik_cache.shape[:2])} with unit stride beside float8_e4m3fn "
+                         f"codes (ik_cache: {ik_cache.dtype})")  # fmt: skip
 
 
 def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -118,11 +141,12 @@ def _device_positions(q_pos: list[int] | range, device: torch.device) -> torch.T
 
 def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
                   q_pos: list[int] | range, topk: int, local_blocks: int,
-                  q_chunk: int | None = None,
-                  kv_blocks: int = KV_BLOCKS) -> torch.Tensor:  # fmt: skip
+                  q_chunk: int | None = None, kv_blocks: int = KV_BLOCKS,
+                  ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`naive.select_blocks` in Triton. iq: [Q, Hi, Di] at host positions q_pos [Q];
-    ik_cache: [pages, bs, Di]; table: [W] the sequence's pages. Returns int64 [Q, Hi, topk],
-    -1 padded. q_chunk: queries per score buffer (default: SCORE_BYTES of scores)."""
+    ik_cache: [pages, bs, Di] (fp8 codes if ik_scale [pages, bs] is given); table: [W] the
+    sequence's pages. Returns int64 [Q, Hi, topk], -1 padded. q_chunk: queries per score
+    buffer (default: SCORE_BYTES of scores)."""
     nq, hi, _ = iq.shape
     bs = ik_cache.shape[1]
     q_pos = list(q_pos) if not isinstance(q_pos, range) else q_pos
@@ -135,7 +159,7 @@ def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
         c1 = min(c0 + q_chunk, nq)
         width = max(max(q_pos[c0:c1]) // bs + 1, topk)
         scores = block_scores(iq[c0:c1], ik_cache, table, pos[c0:c1], width, local_blocks,
-                              block_m, kv_blocks)  # fmt: skip
+                              block_m, kv_blocks, ik_scale)  # fmt: skip
         out.append(top_blocks(scores, topk))
     if not out:
         return torch.empty(0, hi, topk, device=iq.device, dtype=torch.int64)
@@ -144,11 +168,12 @@ def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
 
 def decode_select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, block_tables: torch.Tensor,
                          positions: torch.Tensor, topk: int, local_blocks: int,
-                         kv_blocks: int = KV_BLOCKS) -> torch.Tensor:  # fmt: skip
+                         kv_blocks: int = KV_BLOCKS,
+                         ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`naive.decode_select_blocks` in Triton: one query per sequence, one scoring launch for
     the batch and a torch.topk, no host reads (capturable). iq: [B, Hi, Di]; block_tables:
-    [B, W]; positions: [B]. Returns int64 [B, Hi, topk]."""
+    [B, W]; positions: [B]; ik_scale: as `select_blocks`. Returns int64 [B, Hi, topk]."""
     width = max(block_tables.shape[1], topk)
     scores = block_scores(iq, ik_cache, block_tables, positions, width, local_blocks, 1,
-                          kv_blocks)  # fmt: skip
+                          kv_blocks, ik_scale)  # fmt: skip
     return top_blocks(scores, topk)
