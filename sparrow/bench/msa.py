@@ -11,19 +11,19 @@ causal, over contiguous [1, Hq, C, D] tensors (K/V heads repeated: the flash bac
 Dense above --dense-max tokens (default 128K) is not run but extrapolated as the
 --dense-max time x (C / dense_max)^2 (causal attention is quadratic: 512K = 128K x 16, 1M =
 128K x 64), and marked so in the table and the JSON.
-Decode: one step of a batch of sequences of C tokens. Sparse =
-`decode_select.fused_decode_select_blocks` (also timed: `select.decode_select_blocks`, the
-scores then torch.topk) and `decode.sparse_decode_attention` (the paged decode kernel on
-per-head page views); dense = SDPA over contiguous caches (a KV group's 16 query heads as
-16 query rows of one head, no mask) and the engine's paged split-K decode over the same
-pages.
+Decode: one step of a batch of sequences of C tokens. Sparse = what the engine runs:
+`select.decode_select_blocks` (the scores, then torch.topk; also timed:
+`decode_select.fused_decode_select_blocks`, the top-k in the scoring launch) and
+`decode.sparse_decode_attention` (the paged decode kernel on per-head page views); dense =
+SDPA over contiguous caches (a KV group's 16 query heads as 16 query rows of one head, no
+mask) and the engine's paged split-K decode over the same pages.
 Decode times are CUDA-graph replays (`timing.graph_time_us`); batches whose caches exceed
 --max-gib are skipped.
 fp8 index keys (default; --no-fp8-index skips them): the same index keys as e4m3 codes with
 a per-token scale (`naive.quantize_index_keys`, half the bytes selection reads). Decode
-times the fused select on them (`select_fp8`, and `sparse_fp8` with the attention) in the
-same rounds; prefill and decode report `agreement`: the fraction of the blocks bf16
-selection picks per (query, index head) that fp8 selection picks too.
+times both selections on them (`select_fp8`, `select_fp8_fused`, and `sparse_fp8` with the
+attention) in the same rounds; prefill and decode report `agreement`: the fraction of the
+blocks bf16 selection picks per (query, index head) that fp8 selection picks too.
 
 Sparse and dense run in the same process, alternating round by round; times are medians.
 
@@ -147,15 +147,17 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen, fp8: bool) -> dict:
     qd = q.view(batch, HKV, HQ // HKV, D)  # a group's query heads as rows: GQA, no mask
     blocks = decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
 
-    def sparse():
-        b = fused_decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
-        return sparse_decode_attention(q, k, v, tables, pos, b, SCALE)
+    def sparse(select):
+        return lambda: sparse_decode_attention(q, k, v, tables, pos, select(), SCALE)
+
+    def select():
+        return decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
 
     fns = {
-        "select": lambda: fused_decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL),
-        "select_unfused": lambda: decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL),
+        "select": select,
+        "select_fused": lambda: fused_decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL),
         "attend": lambda: sparse_decode_attention(q, k, v, tables, pos, blocks, SCALE),
-        "sparse": sparse,
+        "sparse": sparse(select),
         "dense_sdpa": lambda: F.scaled_dot_product_attention(qd, kd, vd),
         "dense_paged": lambda: paged_decode_attention(q, k, v, tables, ctx_lens, SCALE),
     }
@@ -163,11 +165,12 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen, fp8: bool) -> dict:
         codes, scale = _fp8(ik)
 
         def select_fp8():
-            return fused_decode_select_blocks(iq, codes, tables, pos, TOPK, LOCAL, ik_scale=scale)
+            return decode_select_blocks(iq, codes, tables, pos, TOPK, LOCAL, ik_scale=scale)
 
         fns["select_fp8"] = select_fp8
-        fns["sparse_fp8"] = lambda: sparse_decode_attention(q, k, v, tables, pos, select_fp8(),
-                                                            SCALE)  # fmt: skip
+        fns["select_fp8_fused"] = lambda: fused_decode_select_blocks(
+            iq, codes, tables, pos, TOPK, LOCAL, ik_scale=scale)
+        fns["sparse_fp8"] = sparse(select_fp8)
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -177,8 +180,8 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen, fp8: bool) -> dict:
     row["speedup_vs_sdpa"] = row["dense_sdpa_us"] / row["sparse_us"]
     row["speedup_vs_paged"] = row["dense_paged_us"] / row["sparse_us"]
     if fp8:
-        fused = fused_decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
-        row["agreement"] = selection_agreement(select_fp8(), fused)
+        row["speedup_fp8_vs_paged"] = row["dense_paged_us"] / row["sparse_fp8_us"]
+        row["agreement"] = selection_agreement(select_fp8(), blocks)
     return row
 
 
@@ -197,15 +200,17 @@ def _print(prefill: list[dict], decode: list[dict], fp8: bool) -> None:
         print(f"{r['context']:>12}{r['select_ms']:>11.2f}{r['attend_ms']:>11.2f}"
               f"{r['sparse_ms']:>11.2f}{r['dense_ms']:>11.2f}{r['speedup']:>9.2f}"
               f"{agree}{mark}")  # fmt: skip
-    head = f"{'fp8 sel us':>12}{'fp8 sparse us':>15}{'fp8 agree':>11}" if fp8 else ""
-    print(f"{'decode ctx':>12}{'batch':>7}{'select us':>11}{'unfused us':>12}{'attend us':>11}"
+    head = (f"{'fp8 sel us':>12}{'fp8 fused us':>14}{'fp8 sparse us':>15}{'fp8 vs paged':>14}"
+            f"{'fp8 agree':>11}") if fp8 else ""  # fmt: skip
+    print(f"{'decode ctx':>12}{'batch':>7}{'select us':>11}{'fused us':>10}{'attend us':>11}"
           f"{'sparse us':>11}{'sdpa us':>10}{'paged us':>10}{'vs sdpa':>9}"
           f"{'vs paged':>10}{head}")  # fmt: skip
     for r in decode:
-        fp8_cols = (f"{r['select_fp8_us']:>12.1f}{r['sparse_fp8_us']:>15.1f}"
+        fp8_cols = (f"{r['select_fp8_us']:>12.1f}{r['select_fp8_fused_us']:>14.1f}"
+                    f"{r['sparse_fp8_us']:>15.1f}{r['speedup_fp8_vs_paged']:>14.2f}"
                     f"{r['agreement']:>11.4f}") if fp8 else ""  # fmt: skip
         print(f"{r['context']:>12}{r['batch']:>7}{r['select_us']:>11.1f}"
-              f"{r['select_unfused_us']:>12.1f}{r['attend_us']:>11.1f}"
+              f"{r['select_fused_us']:>10.1f}{r['attend_us']:>11.1f}"
               f"{r['sparse_us']:>11.1f}{r['dense_sdpa_us']:>10.1f}{r['dense_paged_us']:>10.1f}"
               f"{r['speedup_vs_sdpa']:>9.2f}{r['speedup_vs_paged']:>10.2f}{fp8_cols}")  # fmt: skip
 

@@ -4,7 +4,10 @@ either module with one switch:
     ops = kernels if use_triton(q) and fits_tiles(head_dim, index_head_dim) else naive
 
 - `select_blocks`: `select.py` (index scores in Triton per query chunk, torch.topk);
-- `decode_select_blocks`: `decode_select.py` (scores and top-k in one launch);
+- `decode_select_blocks`: `select.py`'s (one scoring launch for the batch, then torch.topk):
+  on the H200 it beats `decode_select.py`'s fused form (scores and top-k in one launch) in
+  every row of bench/msa.py, 115.8 against 186.3 us at 1M and batch 1, 525.7 against 554.0
+  at batch 8 (bf16 keys; docs/PERF.md);
 - `sparse_attention`: `decode.py` (the paged decode kernel, one (query, KV group) per
   sequence) for up to DECODE_ROWS queries, else `prefill.py` (KV-block major with an LSE
   merge). The choice depends on the query count only (known on the host, the same for every
@@ -17,10 +20,9 @@ from __future__ import annotations
 import torch
 
 from sparrow.kernels.msa.decode import sparse_decode_attention
-from sparrow.kernels.msa.decode_select import fused_decode_select_blocks as decode_select_blocks
 from sparrow.kernels.msa.naive import token_tables
 from sparrow.kernels.msa.prefill import Q_CHUNK, sparse_prefill_attention
-from sparrow.kernels.msa.select import select_blocks
+from sparrow.kernels.msa.select import decode_select_blocks, select_blocks
 
 __all__ = ["decode_select_blocks", "select_blocks", "sparse_attention", "token_tables"]
 

@@ -22,8 +22,8 @@ own row. The buffer is bounded by chunking queries: SCORE_BYTES (128 MiB) per ch
 8,192 queries per chunk at 128K context (W = 1,024) and 1,024 at 1M (W = 8,192). Decode needs
 B x Hi x W x 4 bytes: 8 MiB for 64 sequences at 1M.
 
-`decode_select.py` fuses the top-k into the scoring launch for decode (what
-`kernels.decode_select_blocks` takes); this unfused form is its baseline in bench/msa.py.
+`decode_select.py` fuses the top-k into the scoring launch for decode; this unfused form is
+faster on the H200 (bench/msa.py) and is what `kernels.decode_select_blocks` takes.
 
 Ties: torch.topk orders equal scores in no documented way, the reference uses the same
 call; the local blocks all score +inf, so which of them comes first is not part of the
