@@ -28,6 +28,7 @@ from sparrow.bench.e2e import _sync_time, engine_settings, run_engine
 from sparrow.bench.report import write_report
 from sparrow.config import INDEX_CACHE_DTYPES, QuantConfig
 from sparrow.engine.llm import LLM
+from sparrow.engine.resolve import model_context
 from sparrow.eval.hf_compare import agreement
 from sparrow.loader.random_checkpoint import PRESETS, random_model
 from sparrow.loader.weights import load_tensors
@@ -160,6 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
     base = ModelArgs() if args.preset == "minimax-m3" else PRESETS[args.preset]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = [int(x) for x in args.lengths.split(",") if x]
+    room = model_context(base) - args.decode - 1  # the prompt, then the decoded tokens
+    if any(n > room for n in lengths):
+        p.error(f"prompts of up to {room} tokens leave room for --decode {args.decode} in the "
+                f"model's context of {model_context(base)}")  # fmt: skip
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "preset": args.preset, "torch": torch.__version__,
               "decode_tokens": args.decode, "rounds": args.rounds}  # fmt: skip
