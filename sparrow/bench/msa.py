@@ -145,13 +145,14 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen, fp8: bool) -> dict:
     ctx_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     kd, vd = _contiguous(k, tables, ctx), _contiguous(v, tables, ctx)
     qd = q.view(batch, HKV, HQ // HKV, D)  # a group's query heads as rows: GQA, no mask
-    blocks = decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
 
     def sparse(select):
         return lambda: sparse_decode_attention(q, k, v, tables, pos, select(), SCALE)
 
     def select():
         return decode_select_blocks(iq, ik, tables, pos, TOPK, LOCAL)
+
+    blocks = select()
 
     fns = {
         "select": select,

@@ -61,7 +61,7 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
     sched = dataclasses.replace(sched, max_model_len=sched.max_model_len or limit)
     slots = cache.num_state_slots or sched.max_num_seqs
     block_size = _block_size(cache.block_size, model)
-    recurrent = slot_bytes(model.cache_specs(), 1) > 0
+    recurrent = slot_bytes(specs, 1) > 0
     snapshots = cache.num_state_snapshots if cache.num_state_snapshots is not None else slots
     snapshots = snapshots if cache.enable_prefix_caching and recurrent else 0
     cache = dataclasses.replace(cache, num_state_slots=slots, block_size=block_size,
@@ -70,7 +70,7 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
         blocks = _blocks_for_memory(cache, model, specs, sched.max_model_len * slots)
         cache = dataclasses.replace(cache, num_blocks=blocks)
     if snapshots:
-        size = snapshots * slot_bytes(model.cache_specs(), model.dtype.itemsize)
+        size = snapshots * slot_bytes(specs, model.dtype.itemsize)
         print(f"[sparrow] prefix caching: {snapshots} recurrent-state snapshots "
               f"({size / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
     return sched, cache
