@@ -12,10 +12,11 @@ Quantised parameters sit beside each other: `<module>.weight` (packed int32 word
 `gate_up_proj_scales` / `gate_up_proj_biases` (and the same for `down_proj`).
 
 Forward passes: the reference path dequantises, then runs a float matmul; with the Triton
-backend, linear layers on up to 16 rows (decode) run the fused-dequant GEMV instead (one row:
-the row GEMV; 2-16: tensor cores), on more rows a one-pass dequantisation kernel then the
-matmul, and the routed experts run GPU routing + fused-dequant expert GEMVs or grouped GEMMs
-(`QuantizedExperts.route_and_run`; MiniMax M3's own routing: `sigmoid_moe`).
+backend, linear layers at decode sizes run the fused-dequant GEMV instead (one row: the row
+GEMV; 2-64: tensor cores) where it is the faster (`gemv.fused_pays`), otherwise a one-pass
+dequantisation kernel then the matmul, and the routed experts run GPU routing + fused-dequant
+expert GEMVs or grouped GEMMs (`QuantizedExperts.route_and_run`; MiniMax M3's own routing:
+`sigmoid_moe`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from sparrow.kernels.dequant.dequant import dequantize as dequantize_kernel
 from sparrow.kernels.moe.experts import moe_experts, moe_experts_routed
 from sparrow.kernels.moe.routing import topk_route
 from sparrow.kernels.moe.shared import Shared
-from sparrow.kernels.quant_gemv.gemv import MAX_ROWS, quant_gemv
+from sparrow.kernels.quant_gemv.gemv import fused_pays, quant_gemv
 from sparrow.layers.linear import fuse_all
 from sparrow.layers.moe import Experts
 from sparrow.quant.affine import QuantSpec, dequantize, quantize
@@ -68,7 +69,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if use_triton(x) and rows.shape[0] <= MAX_ROWS:
+        if use_triton(x) and fused_pays(rows.shape[0], self.out_features, self.in_features):
             y = quant_gemv(rows, self.weight, self.scales, self.biases, self.spec)
             return y.reshape(*x.shape[:-1], self.out_features)
         if use_triton(x):  # more rows: one-pass dequantisation, then one GEMM
@@ -81,7 +82,7 @@ class QuantizedLinear(nn.Module):
         [2I, K]. With the Triton backend the GEMV computes it in its epilogue (one kernel
         instead of three at decode)."""
         rows = x.reshape(-1, self.in_features)
-        if use_triton(x) and rows.shape[0] <= MAX_ROWS:
+        if use_triton(x) and fused_pays(rows.shape[0], self.out_features, self.in_features):
             h = quant_gemv(rows, self.weight, self.scales, self.biases, self.spec, gated=True)
             return h.reshape(*x.shape[:-1], self.out_features // 2)
         gate, up = self(x).chunk(2, dim=-1)

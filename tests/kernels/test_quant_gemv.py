@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from sparrow.kernels.causal_conv1d.conv import state_pool
 from sparrow.kernels.causal_conv1d.naive import causal_conv1d
 from sparrow.kernels.quant_gemv.gdn import quant_gemv_conv, quant_gemv_rms_scaled
-from sparrow.kernels.quant_gemv.gemv import GemvTiles, launch_gemv, quant_gemv
+from sparrow.kernels.quant_gemv.gemv import GemvTiles, fused_pays, launch_gemv, quant_gemv
 from sparrow.kernels.quant_gemv.mma import MmaTiles, quant_mma
 from sparrow.kernels.quant_gemv.naive import quant_matmul
 from sparrow.layers.norms import GatedRMSNorm
@@ -52,6 +52,29 @@ def test_mma_configs_match_reference(config):
     y = quant_mma(x, packed, scales, biases, spec, replace(MmaTiles.for_shape(40, 768), **config))
     expected = quant_matmul(x.float(), packed, scales.float(), biases.float(), spec)
     assert rel_err(y, expected) < 2e-3
+
+
+@pytest.mark.parametrize("m, split", [(17, 1), (40, 2), (64, 1)])
+def test_mma_takes_up_to_64_rows(m, split):
+    """Rows padded to 32 or 64, both kernels."""
+    spec = QuantSpec(4, 64)
+    x, packed, scales, biases = _case(m, 24, 256, spec, torch.float16, "cpu")
+    tiles = MmaTiles(block_n=16, block_k=128, split=split, num_warps=2)
+    y = quant_mma(x, packed, scales, biases, spec, tiles)
+    expected = quant_matmul(x.float(), packed, scales.float(), biases.float(), spec)
+    assert rel_err(y, expected) < 2e-3
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        quant_mma(x[:1].expand(65, -1), packed, scales, biases, spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [24, 32, 64])
+@pytest.mark.parametrize("n, k", [(12352, 2048), (2048, 4096), (248320, 2048), (2048, 512)])
+def test_mma_many_rows_real_sizes_gpu(m, n, k):
+    spec = QuantSpec(4, 64)
+    x, packed, scales, biases = _case(m, n, k, spec, torch.bfloat16, "cuda")
+    y = quant_mma(x, packed, scales, biases, spec)
+    assert rel_err(y, quant_matmul(x, packed, scales, biases, spec)) < 1e-2
 
 
 @pytest.mark.parametrize("n, k, bits, block_k, gated", [(37, 320, 4, 128, False),
@@ -182,8 +205,16 @@ def test_gemv_rejects_bad_shapes():
     x, packed, scales, biases = _case(2, 8, 128, spec, torch.float32, "cpu")
     with pytest.raises(ValueError, match="does not fit"):
         quant_gemv(x[:, :64], packed, scales, biases, spec)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        quant_gemv(x.repeat(9, 1), packed, scales, biases, spec)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        quant_gemv(x.repeat(33, 1), packed, scales, biases, spec)
+
+
+def test_fused_or_dequantised_by_shape():
+    """Wide matrices fused up to 64 rows, 4096 -> 2048 dequantised from 8, others to 16."""
+    assert fused_pays(1, 2048, 4096) and fused_pays(64, 248320, 2048)
+    assert not fused_pays(65, 12352, 2048)
+    assert fused_pays(4, 2048, 4096) and not fused_pays(8, 2048, 4096)
+    assert fused_pays(16, 1024, 2048) and not fused_pays(17, 1024, 2048)
 
 
 @pytest.mark.gpu

@@ -20,10 +20,12 @@ from sparrow.kernels.moe.routing import topk_route
 from sparrow.kernels.moe.shared import Shared
 from sparrow.quant.affine import QuantSpec
 
-# Up to this many tokens each assignment runs as a GEMV (decode batches). The whole layer in a
-# CUDA graph on the H200, GEMVs vs grouped GEMM: 8 tokens 64.8 vs 150.1 us, 16: 106.2 vs 195.4,
-# 32: 192.0 vs 283.8, 48: 275.4 vs 309.0, 64: 359.7 vs 347.7 (the GEMM's tiles: best of 48).
-GEMV_TOKENS = 48
+# Up to this many tokens each assignment runs as a GEMV (decode batches). The whole layer with
+# its shared expert on the H200, 8 distinct layers in turn in a CUDA graph (each reads its
+# experts from HBM, as in a decode step; `bench.batch --kernels moe`), GEMVs vs grouped GEMM:
+# 8 tokens 40.0 vs 124.1 us, 16: 67.9 vs 171.1, 32: 121.2 vs 256.0, 64: 230.2 vs 322.9. The
+# GEMV tiles are the best of 8 sets at each size.
+GEMV_TOKENS = 64
 
 
 def default_tiles(tokens: int, top_k: int, num_experts: int,

@@ -1,5 +1,5 @@
 """Fused-dequant GEMV for one activation row (decode at batch 1): y[M, N] = x[M, K] @ W[N, K]^T,
-W group-affine 4- or 8-bit (MLX layout), never materialised in memory. 2-16 rows go to the
+W group-affine 4- or 8-bit (MLX layout), never materialised in memory. 2-64 rows go to the
 tensor-core kernel in `mma.py` (it unpacks each code once for all rows).
 
 Row-parallel: each program owns BLOCK_N output rows and walks K (`rows.gemv_rows`). This file
@@ -21,7 +21,7 @@ import triton.language as tl
 from sparrow.kernels.dequant.unpack import fit_block_k
 from sparrow.kernels.launch import fast
 from sparrow.kernels.pdl import launch_args
-from sparrow.kernels.quant_gemv.mma import MMA_ROWS, quant_mma
+from sparrow.kernels.quant_gemv.mma import MMA_MAX_ROWS, MMA_ROWS, quant_mma
 from sparrow.kernels.quant_gemv.rows import gated_rows, gemv_rows, start_gemv
 from sparrow.quant.affine import QuantSpec
 
@@ -161,7 +161,19 @@ def launch_gemv(x: torch.Tensor, w: tuple, y: torch.Tensor, spec: QuantSpec, til
     return y
 
 
-MAX_ROWS = MMA_ROWS  # beyond this, prefill paths (dequantising GEMM) take over
+MAX_ROWS = MMA_MAX_ROWS  # beyond this, prefill paths (dequantising GEMM) take over
+
+
+def fused_pays(rows: int, n: int, k: int) -> bool:
+    """Whether x [rows, k] @ W[n, k]^T is faster fused (`quant_gemv`) than dequantised, then
+    one cuBLAS GEMM. From the H200 (`bench.batch --kernels`, graphs over weights beyond
+    L2): matrices of more than 4096 rows fused up to MAX_ROWS rows (2048 -> 12352 at 64
+    rows 21.4 against 34.1 us, the lm_head 245 against 673; 2048 -> 9216 23.1 against
+    22.4); 4096 -> 2048 dequantised from 8 rows (13.6 against 18.6 us at 8 rows, 14.7
+    against 29.1 at 64); other matrices fused up to MMA_ROWS rows."""
+    if rows == 1 or n > 4096:
+        return rows <= MAX_ROWS
+    return rows <= MMA_ROWS and not (rows >= 8 and k >= 4096)
 
 
 def check_weights(x, packed, scales, biases, spec: QuantSpec) -> None:
@@ -195,9 +207,9 @@ def quant_gemv(
     gated: bool = False,
     tiles: GemvTiles | None = None,
 ) -> torch.Tensor:
-    """x: [M <= 16, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales, biases:
-    [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation). One row runs the row
-    GEMV (tiles: default `GemvTiles.for_shape`), 2-16 rows the tensor-core kernel. gated:
+    """x: [M <= MAX_ROWS, K]; packed: [N, K * bits / 32] int32 (MLX uint32 bits); scales,
+    biases: [N, K / group]. Returns y [M, N] in x's dtype (fp32 accumulation). One row runs
+    the row GEMV (tiles: default `GemvTiles.for_shape`), 2-64 rows the tensor-core kernel. gated:
     the rows are a fused gate_up [2I, K]; returns silu(gate) * up [M, I] (in the kernel at
     one row)."""
     check_weights(x, packed, scales, biases, spec)

@@ -32,6 +32,7 @@ from sparrow.kernels.pdl import launch_args, wait_for_previous
 from sparrow.quant.affine import QuantSpec
 
 MMA_ROWS = 16  # activation rows padded to the MMA's minimum N
+MMA_MAX_ROWS = 64  # more rows: a dequantising GEMM
 
 
 @triton.jit
@@ -56,18 +57,18 @@ def _mma_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    PACKED: tl.constexpr, PRECISION: tl.constexpr, ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_N outputs of all M <= 16 rows. K % BLOCK_K == 0."""
+    """One program: BLOCK_N outputs of all M <= ROWS rows. K % BLOCK_K == 0."""
     wait_for_previous(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_g = tl.arange(0, GROUPS)
-    o_m = tl.arange(0, 16)
+    o_m = tl.arange(0, ROWS)
     o_k = tl.arange(0, BLOCK_K)
-    b_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     n3, m3, last = o_n[:, None, None], m_n[:, None, None], K // GROUP - GROUPS
     b_s, b_b = group_scales(s_ptr, b_ptr, n3, m3, o_g[None, :, None], stride_sn)
     for g0 in range(0, K // GROUP, GROUPS):
@@ -91,7 +92,7 @@ def _mma_split_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr, ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """`_mma_kernel` with K cut into SPLIT ranges, one batched-dot slice each
@@ -102,10 +103,10 @@ def _mma_split_kernel(
     m_n = o_n < N
     o_p = tl.arange(0, SPLIT)
     o_g = tl.arange(0, GROUPS)
-    o_m = tl.arange(0, 16)
+    o_m = tl.arange(0, ROWS)
     o_k = tl.arange(0, BLOCK_K)
     groups_split = K // GROUP // SPLIT
-    b_acc = tl.zeros([SPLIT, BLOCK_N, 16], dtype=tl.float32)
+    b_acc = tl.zeros([SPLIT, BLOCK_N, ROWS], dtype=tl.float32)
     o_gs = (o_p[:, None] * groups_split + o_g[None, :])[:, None, :, None]  # [SPLIT, 1, G, 1]
     p_x = (x_ptr + o_m[None, :, None] * stride_xm
            + (o_p * groups_split * GROUP)[:, None, None] + o_k[None, None, :])  # fmt: skip
@@ -139,11 +140,17 @@ class MmaTiles:
     num_stages: int = 3
 
     @classmethod
-    def for_shape(cls, n: int, k: int) -> MmaTiles:
-        """Best of the H200 sweep at 8 rows: matrices of up to 4096 rows split K over 4 warps
-        (2 for K = 512)."""
-        if n > 4096:
-            return cls(block_n=32, block_k=256, split=1, num_warps=4)
+    def for_shape(cls, n: int, k: int, rows: int = MMA_ROWS) -> MmaTiles:
+        """From the H200 (`bench.batch --kernels`, graphs over weights beyond L2): matrices
+        of more than 4096 rows take 64 x 128 tiles on one K range at every row count: 2048
+        -> 12352 19.2 / 22.9 / 21.4 us at 8 / 32 / 64 rows against 28.7 / 22.6 / 32.9 with
+        32 x 256, 2048 -> 9216 18.2 against 25.0 at 8 rows, the lm_head 2048 -> 248320
+        168 / 187 / 245 against 322 / 397 / 576. Smaller matrices up to 16 rows split K
+        over 4 warps (2 for K = 512: an earlier sweep at 8 rows); past 16 rows the split
+        kernel's accumulators no longer fit in shared memory at K = 4096, so 64 x 128 on
+        one range there too."""
+        if n > 4096 or rows > MMA_ROWS:
+            return cls(block_n=64, block_k=128, split=1, num_warps=4)
         if k <= 512:
             return cls(block_n=16, block_k=256, split=2, num_warps=2)
         return cls(block_n=16, block_k=256, split=4, num_warps=4)
@@ -157,16 +164,17 @@ def quant_mma(
     spec: QuantSpec,
     tiles: MmaTiles | None = None,
 ) -> torch.Tensor:
-    """x: [M <= 16, K] (fp16/bf16 on the GPU; fp16/fp32 under the interpreter); packed
-    [N, K * bits / 32] int32; scales, biases [N, K / group]. Returns y [M, N] in x's dtype.
-    tiles: default `MmaTiles.for_shape`."""
+    """x: [M <= MMA_MAX_ROWS, K] (fp16/bf16 on the GPU; fp16/fp32 under the interpreter);
+    packed [N, K * bits / 32] int32; scales, biases [N, K / group]. Returns y [M, N] in x's
+    dtype. The rows are padded to 16, 32 or 64 (the MMA's N). tiles: default
+    `MmaTiles.for_shape`."""
     m, k = x.shape
     n = packed.shape[0]
-    if m > MMA_ROWS:
-        raise ValueError(f"quant_mma takes at most {MMA_ROWS} rows, got {m}")
+    if m > MMA_MAX_ROWS:
+        raise ValueError(f"quant_mma takes at most {MMA_MAX_ROWS} rows, got {m}")
     if k % spec.group_size:
         raise ValueError(f"K = {k} is not a multiple of the group size {spec.group_size}")
-    tiles = tiles or MmaTiles.for_shape(n, k)
+    tiles = tiles or MmaTiles.for_shape(n, k, m)
     groups, split = k // spec.group_size, tiles.split
     while groups % split:
         split //= 2
@@ -178,6 +186,7 @@ def quant_mma(
                 BLOCK_K=fit_block_k(k // split, tiles.block_k, spec.group_size),
                 PACKED=packed_unpack(scales.dtype, spec.bits, x.device),
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 means fp32
+                ROWS=max(MMA_ROWS, triton.next_power_of_2(m)),
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
     grid = (triton.cdiv(n, tiles.block_n),)
     if split == 1:
