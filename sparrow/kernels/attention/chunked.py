@@ -20,6 +20,10 @@ import torch
 
 BACKENDS = ("cudnn", "flash", "math")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# Chunks of fewer tokens take FlashAttention instead of cuDNN: cuDNN builds an execution plan
+# for each new (query length, key length) pair, and a conversation's next turn is a short
+# chunk of a length not seen before over a prefix longer than any before.
+CUDNN_MIN_TOKENS = 4096
 
 
 def flash_fits(q: torch.Tensor) -> bool:
@@ -80,9 +84,12 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """One sequence's chunk. q: [T, Hq, D]; k, v: the chunk's own [T, Hkv, D] (in the cache
     too); k_cache, v_cache: [num_blocks, block_size, Hkv, D]; table: the sequence's block
     table; prefix: tokens cached before the chunk (host). backend: one of BACKENDS (default
-    cudnn where `flash_fits`, else math). Returns [T, Hq, D] in q's dtype."""
-    backend = backend or ("cudnn" if flash_fits(q) else "math")
+    where `flash_fits`: cudnn from CUDNN_MIN_TOKENS tokens, flash below; else math).
+    Returns [T, Hq, D] in q's dtype."""
     t, hq, d = q.shape
+    if backend is None and flash_fits(q):
+        backend = "cudnn" if t >= CUDNN_MIN_TOKENS else "flash"
+    backend = backend or "math"
     hkv = k.shape[1]
     g = hq // hkv
     q_heads = q.transpose(0, 1)[None]  # [1, Hq, T, D]
