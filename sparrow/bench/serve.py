@@ -10,6 +10,10 @@ it; per concurrency: output tok/s of all clients together.
     python -m sparrow.bench.serve --preset qwen3.6-35b-a3b --quantize 4bit \\
         --concurrency 1,8,32 --out bench-out/serve.json
 
+`--workload image`: time to first token of chat requests with one 1280x720 JPEG each (a
+different image every time: no prefix-cache hit) against the same chat without it, one at a
+time.
+
 `--preset` serves random weights for a built-in config (`--load-format dummy` on a directory
 holding only its config.json; the tokenizer is the packaged Qwen3.5/3.6 vocabulary).
 
@@ -170,8 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--workload", choices=("repeat", "agent"), default="repeat",
-                   help="repeat: one prompt again and again; agent: chats on a shared prefix")
+    p.add_argument("--workload", choices=("repeat", "agent", "image"), default="repeat",
+                   help="repeat: one prompt again and again; agent: chats on a shared prefix; "
+                        "image: chats with an image against chats without")  # fmt: skip
     p.add_argument("--prefix-len", type=int, default=60000, help="agent: the shared prefix")
     p.add_argument("--turn-len", type=int, default=500, help="agent: new tokens per turn")
     p.add_argument("--output-len", type=int, default=200, help="agent: tokens per turn")
@@ -187,6 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.load_format = "dummy"
     if args.workload == "agent":
         return agent_main(args)
+    if args.workload == "image":
+        return image_main(args)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(*PROMPT_IDS, (args.prompt_len,), generator=gen).tolist()
 
@@ -214,6 +221,74 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['decode_tok_s_per_request']:>15.1f}{r['output_tok_s']:>14.1f}")  # fmt: skip
     if overhead is not None:
         print(f"HTTP path vs offline decode at concurrency 1: {overhead:+.1%} slower")
+    write_report(args.out, report)
+    return report
+
+
+def _jpeg_data_url(seed: int, width: int = 1280, height: int = 720) -> str:
+    """A data URL of a JPEG: gradients shifted by seed, plus noise."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[:height, :width]
+    pixels = np.stack([(x + 7 * seed) % 256, (y + 3 * seed) % 256,
+                       (x + y + rng.integers(0, 16, (height, width))) % 256], -1)  # fmt: skip
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+async def chat_ttft(client: httpx.AsyncClient, base: str, image: str | None,
+                    max_tokens: int) -> float:  # fmt: skip
+    """Seconds to the first streamed token of one chat, with an image part if given."""
+    content = [{"type": "text", "text": "Describe this picture in one sentence."}]
+    if image is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": image}})
+    body = {"model": "bench", "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}  # a token's arrival, whatever text it decodes to
+    t0 = time.perf_counter()
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if any(c.get("token_ids") for c in json.loads(line[6:]).get("choices", [])):
+                return time.perf_counter() - t0
+    raise RuntimeError("the stream ended without a token")
+
+
+def image_main(args) -> dict:
+    """TTFT with one image per chat against the same chat without, alternating."""
+    images = [_jpeg_data_url(i) for i in range(args.requests + 1)]
+    proc, base = start_server(args)
+
+    async def run() -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {"image": [], "text": []}
+        async with httpx.AsyncClient(timeout=None) as client:
+            for i, image in enumerate(images):  # the first of each warms up
+                with_image = await chat_ttft(client, base, image, args.max_tokens)
+                text = await chat_ttft(client, base, None, args.max_tokens)
+                if i:
+                    times["image"].append(with_image)
+                    times["text"].append(text)
+        return times
+
+    try:
+        times = asyncio.run(run())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+    report = {"model": args.preset or args.model or "built-in default", "quantize": args.quantize,
+              "image": "1280x720 JPEG, one per chat", "requests": args.requests,
+              **{f"ttft_{k}_median_s": statistics.median(v) for k, v in times.items()},
+              "ttft_s": times}  # fmt: skip
+    print(f"TTFT median: with an image {report['ttft_image_median_s'] * 1e3:.1f} ms, "
+          f"without {report['ttft_text_median_s'] * 1e3:.1f} ms ({args.requests} each)")
     write_report(args.out, report)
     return report
 

@@ -8,6 +8,7 @@ preemption) and the model runner, step by step, until all finish. `add_request` 
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import weakref
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from sparrow.engine.client import EngineInfo, EngineStats
 from sparrow.engine.output_processor import OutputProcessor, PromptLogprobEntry
 from sparrow.engine.resolve import resolve, resolve_device
 from sparrow.loader.random_checkpoint import random_model
-from sparrow.loader.vision import attach_vision
+from sparrow.loader.vision import attach_vision, names_vision, random_vision
 from sparrow.loader.weights import load_checkpoint
 from sparrow.models import load_model_args
 from sparrow.multimodal.items import MediaItem
@@ -78,7 +79,11 @@ def load_model(config: EngineConfig, progress: bool = False, shard: Shard | None
             quant = config.quantization or args.quantization
             args = shard_args(args.replace(quantization=quant), shard)
             seed += shard.rank
-        return random_model(args, seed, device, dtype, config.quantization)
+        model = random_model(args, seed, device, dtype, config.quantization)
+        hf_config = json.loads((model_dir / "config.json").read_text())  # read just now
+        if names_vision(hf_config):  # the tower too, as vLLM draws every weight
+            model.visual = random_vision(hf_config, seed, device, dtype)
+        return model
     model = load_checkpoint(model_dir, device, dtype, quantize=config.quantization,
                             progress=progress, shard=shard)  # fmt: skip
     attach_vision(model, model_dir)  # images and videos, where the checkpoint sees

@@ -16,7 +16,9 @@ the original weights (what quantising costs).
     python -m sparrow.eval.consistency [--model DIR] [--quantize 4bit] [--device cuda]
 
 On a CPU both sides run in fp32 and Sparrow takes its reference path; on a GPU, bf16 and the
-Triton kernels.
+Triton kernels (`--dtype` and `--hf-dtype` choose otherwise). Where HF runs in another dtype
+than Sparrow, one more pair: HF itself in Sparrow's dtype against HF in its own, how far that
+dtype's rounding alone moves the predictions.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=64, help="prompt tokens before the first")
     p.add_argument("--text", default=None, help="a text file (default: held-out stdlib files)")
     p.add_argument("--device", default="cpu", help="cpu (fp32, reference path) or cuda")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="Sparrow's dtype (default: float32 on a CPU, bfloat16 on a GPU)")
     p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default=None,
                    help="HF's dtype (default: Sparrow's); float32 against a bf16 Sparrow "
                         "measures both bf16 sides against the same fp32 truth")
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--positions must be >= 2 and --context >= 1")
     model_dir = Path(args.model) if args.model else default_checkpoint()
     cpu = args.device == "cpu"
-    dtype = torch.float32 if cpu else torch.bfloat16
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.float32 if cpu else torch.bfloat16
     set_backend("reference" if cpu else "triton")
     text = Path(args.text).read_text() if args.text else held_out_text()
     ids = load_tokenizer(model_dir).encode(text)[: args.context + args.positions]
@@ -134,6 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
     state = {name: t.to(dtype) for name, t in state.items()}  # Sparrow's dtype
     pairs = {"sparrow_vs_hf": compare(ours(load_tensors(cfg, state, args.device, dtype)), ref,
                                       targets)}  # fmt: skip
+    if hf.dtype != dtype:  # HF's own rounding in Sparrow's dtype, against the same truth
+        pairs[f"hf_{str(dtype).removeprefix('torch.')}_vs_hf"] = compare(
+            hf_logits(load_hf(model_dir, dtype, args.device), ids, args.context).float(), ref,
+            targets)  # fmt: skip
     if args.quantize:
         q = load_tensors(cfg, state, args.device, dtype,
                          quantize=QuantConfig.from_name(args.quantize))  # fmt: skip

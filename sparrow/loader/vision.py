@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from sparrow.config import ConfigError
 from sparrow.loader.weights import CheckpointError, checkpoint_files
-from sparrow.models.vision import vision_architecture
+from sparrow.models.vision import VISION_MODEL_TYPES, vision_architecture
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -119,6 +119,30 @@ def has_vision_tensors(model_dir: str | Path) -> bool:
             if any(arch.checkpoint_name(name) is not None for name in f.keys()):
                 return True
     return False
+
+
+def names_vision(config: dict[str, Any]) -> bool:
+    """Whether an HF config.json dict describes a model with a vision tower."""
+    return (isinstance(config.get("vision_config"), dict)
+            and config.get("model_type") in VISION_MODEL_TYPES)  # fmt: skip
+
+
+def random_vision(config: dict[str, Any], seed: int = 0, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> torch.nn.Module:  # fmt: skip
+    """The tower `config` describes with random weights drawn on `device` (no file): matrices
+    normal(0, 0.02), norm weights 1, biases 0; in eval mode."""
+    arch = vision_architecture(config)
+    with torch.device("meta"):
+        model = arch.VisionModel(arch.VisionArgs.from_hf(config))
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0 if "norm" in name and name.endswith("weight") else 0.0)
+    return model.eval()
 
 
 def attach_vision(model: torch.nn.Module, model_dir: str | Path) -> bool:
