@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from sparrow.bench.e2e import VOCAB, engine_settings, run_engine
+from sparrow.bench.gemv import weight_copies
 from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
 from sparrow.config import QuantConfig
@@ -43,7 +44,6 @@ from sparrow.worker.cache import build_metadata
 SIZES = (8, 32, 64)
 MOE_TOKENS = (2, 4, 8, 16, 32, 48, 64)
 COPIES = 8  # MoE layers cycled in one graph: their experts' weights exceed L2
-L2_BYTES = 60 << 20
 DENSE = {  # name: (N, K)
     "gdn in_proj 2048->12352": (12352, 2048),
     "attention qkv 2048->9216": (9216, 2048),
@@ -132,9 +132,7 @@ def bench_dense(rows_list: list[int]) -> dict:
     spec = QuantSpec(4, 64)
     table: dict[str, dict] = {}
     for name, (n, k) in DENSE.items():
-        q = quantize(torch.randn(n, k, device="cuda") * 0.02, spec, torch.bfloat16)
-        nbytes = sum(t.numel() * t.element_size() for t in q)
-        copies = [tuple(t.clone() for t in q) for _ in range(max(1, -(-2 * L2_BYTES // nbytes)))]
+        copies, nbytes, _ = weight_copies(n, k, spec)
         table[name] = {}
         for m in rows_list:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -159,7 +157,7 @@ def bench_dense(rows_list: list[int]) -> dict:
 
 GROUPS = (  # kernel-name substrings -> group, first match wins
     ("expert", "moe experts"), ("moe_gemm", "moe experts"), ("topk", "moe routing"),
-    ("_group_kernel", "moe routing"), ("count_kernel", "moe routing"),
+    ("count_kernel", "moe routing"),
     ("scan_kernel", "moe routing"), ("scatter", "moe routing"), ("combine", "moe combine"),
     ("mma", "dense 4-bit (tensor cores)"), ("gemv", "dense 4-bit (row GEMV)"),
     ("dequant", "dequantise"), ("gemm", "cuBLAS"), ("nvjet", "cuBLAS"), ("xmma", "cuBLAS"),

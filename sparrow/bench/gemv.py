@@ -33,7 +33,7 @@ SHAPES = {  # name: (N, K): the model's fused projections
 L2_BYTES = 60 << 20
 
 
-def _copies(n: int, k: int, spec: QuantSpec):
+def weight_copies(n: int, k: int, spec: QuantSpec):
     """Enough independent quantised weights that one pass over them exceeds 2x L2."""
     w = torch.randn(n, k, device="cuda")
     q = quantize(w, spec, torch.bfloat16)
@@ -53,7 +53,7 @@ def _named(tiles: GemvTiles, f16_named: bool) -> tuple[str, GemvTiles]:
 
 def bench_shape(n: int, k: int, configs, rows: int) -> dict:
     spec = QuantSpec(4, 64)
-    copies, nbytes, w_bf16 = _copies(n, k, spec)
+    copies, nbytes, w_bf16 = weight_copies(n, k, spec)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     ref = quant_matmul(x, *copies[0], spec)
     w_copies = [w_bf16] + [w_bf16.clone() for _ in range(max(0, len(copies) // 4 - 1))]

@@ -72,7 +72,7 @@ class QuantizedLinear(nn.Module):
         if use_triton(x) and fused_pays(rows.shape[0], self.out_features, self.in_features):
             y = quant_gemv(rows, self.weight, self.scales, self.biases, self.spec)
             return y.reshape(*x.shape[:-1], self.out_features)
-        if use_triton(x):  # more rows: one-pass dequantisation, then one GEMM
+        if use_triton(x):  # where fused does not pay: one-pass dequantisation, then one GEMM
             w = dequantize_kernel(self.weight, self.scales, self.biases, self.spec, x.dtype)
             return F.linear(x, w)
         return F.linear(x, self.dequantized_weight(x.dtype))
