@@ -12,16 +12,31 @@ tokens. Reported per server and concurrency: time to first token of all turns, o
 later turns (each resumes after the turn before: with prefix caching only its new tokens are
 computed), inter-token latency (p50, p99), output tok/s of all conversations, and the server's
 prefix-cache hit rate since it started.
+
+`python -m sparrow.bench.agent` (GPU): the engine alone, in this process, without HTTP: a
+conversation's later turns on the cached prefix, each timed from `add_request` to its first
+token (median of `--turns - 1` turns), with the Triton kernels each turn compiled; one such
+turn's steps under the profiler: wall time against kernel time and launches, kernel time by
+group (`bench.batch.GROUPS`), the host calls that wait for the device; and one under
+cProfile (the host's Python).
+
+    python -m sparrow.bench.agent --preset qwen3.6-35b-a3b --quantize 4bit \\
+        --out bench-out/agent-engine.json
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import cProfile
+import io
 import json
 import math
+import pstats
 import random
 import statistics
 import time
+from collections import defaultdict
 
 import httpx
 
@@ -122,3 +137,124 @@ def _speedups(rows: dict[str, list[dict]]) -> dict[int, float]:
         return {}
     return {c: median_rate("cached", c) / median_rate("uncached", c)
             for c in sorted({r["concurrency"] for r in rows["cached"]})}  # fmt: skip
+
+
+def _compiled() -> dict[str, int]:
+    """Compiled variants per Triton kernel (specialisations by argument values included)."""
+    import gc
+
+    from triton.runtime.jit import JITFunction
+
+    return {f"{fn.fn.__module__}.{fn.fn.__name__}":
+            sum(len(cache[0]) for cache in fn.device_caches.values())
+            for fn in gc.get_objects() if isinstance(fn, JITFunction)}  # fmt: skip
+
+
+def _first_token(llm, prompt: list[int], params) -> tuple[float, list[int]]:
+    """Seconds from add_request to the first token, and every token generated."""
+    t0 = time.perf_counter()
+    llm.add_request(prompt, params)
+    first, ids = None, []
+    while llm.has_unfinished():
+        for out in llm.step():
+            ids += out.new_token_ids
+            if out.new_token_ids and first is None:
+                first = time.perf_counter() - t0
+    return first, ids
+
+
+def engine_turns(args) -> dict:
+    """Later turns' TTFT in the engine alone, and one later turn's steps profiled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparrow.bench.batch import _group_of
+    from sparrow.core.sampling_params import SamplingParams
+    from sparrow.engine.llm import LLM
+    from sparrow.loader.random_checkpoint import preset_dir
+
+    model = {"model": str(preset_dir(args.preset)), "load_format": "dummy"} if args.preset else {}
+    llm = LLM(**model, quantize=args.quantize, gpu_memory_utilization=args.memory_share,
+              max_model_len=args.prefix_len + (args.turns + 2) * (args.turn_len + args.output_len))
+    rng, vocab = random.Random(args.seed), (100, min(VOCAB[1], llm.model.config.vocab_size))
+    prompt = [rng.randrange(*vocab) for _ in range(args.prefix_len)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    first_tok = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+    ttft, turns = [], []
+    for turn in range(args.turns + 1):  # the last turn is profiled
+        prompt += [rng.randrange(*vocab) for _ in range(args.turn_len)]
+        if turn < args.turns:
+            hits, before = llm.scheduler.kv.hits, _compiled()
+            seconds, ids = _first_token(llm, prompt, params)
+            new = {k: n - before.get(k, 0) for k, n in _compiled().items() if n > before.get(k, 0)}
+            turns.append({"prompt": len(prompt), "cached": llm.scheduler.kv.hits - hits,
+                          "ttft_s": seconds, "compiled": new})  # fmt: skip
+            if turn > 0:
+                ttft.append(seconds)
+            print(f"[engine] turn {turn}: {len(prompt)} prompt tokens, "
+                  f"{turns[-1]['cached']} cached, TTFT {seconds * 1e3:.1f} ms, "
+                  f"compiled {new}", flush=True)  # fmt: skip
+            prompt += ids
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        seconds, _ = _first_token(llm, prompt, first_tok)
+        sync()
+    groups: dict[str, float] = defaultdict(float)
+    kernels: dict[str, list[float]] = defaultdict(list)
+    waits: dict[str, int] = defaultdict(int)  # host calls that wait for the device
+    for event in prof.events():
+        if any(w in event.name for w in ("Synchronize", "cudaMemcpy", "_local_scalar_dense")):
+            waits[event.name] += 1
+        if event.device_type.name == "CUDA":
+            kernels[event.name].append(event.device_time_total)
+            groups[_group_of(event.name)] += event.device_time_total
+    prompt += [rng.randrange(*vocab) for _ in range(args.turn_len)]
+    host = cProfile.Profile()
+    host.enable()
+    _first_token(llm, prompt, first_tok)
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(40)
+    busiest = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:25]
+    report = {"preset": args.preset, "quantize": args.quantize, "prefix_len": args.prefix_len,
+              "turn_len": args.turn_len, "output_len": args.output_len,
+              "turns": turns, "ttft_later_s": ttft, "ttft_later_p50_s": statistics.median(ttft),
+              "profiled_ttft_s": seconds, "kernels": sum(len(t) for t in kernels.values()),
+              "kernel_time_us": sum(groups.values()),
+              "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+              "top": [{"kernel": k[:90], "count": len(t), "us": round(sum(t), 1)}
+                      for k, t in busiest],
+              "waits": dict(waits), "python_profile": text.getvalue(),
+              "host_top": prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                    row_limit=20)}  # fmt: skip
+    print(f"[engine] host calls that wait for the device: {dict(waits)}")
+    print(f"[engine] later turns TTFT p50 {report['ttft_later_p50_s'] * 1e3:.1f} ms; profiled "
+          f"turn {seconds * 1e3:.1f} ms wall, {report['kernel_time_us'] / 1e3:.1f} ms of "
+          f"{report['kernels']} kernels: " + ", ".join(
+              f"{k} {us / 1e3:.1f}" for k, us in report["groups_us"].items()), flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from sparrow.bench.report import write_report
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="qwen3.6-35b-a3b", help="'' for the built-in model")
+    p.add_argument("--quantize", default="4bit", help="'' for none")
+    p.add_argument("--prefix-len", type=int, default=60000)
+    p.add_argument("--turn-len", type=int, default=500)
+    p.add_argument("--output-len", type=int, default=200)
+    p.add_argument("--turns", type=int, default=4, help="turns before the profiled one")
+    p.add_argument("--memory-share", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-out/agent-engine.json")
+    args = p.parse_args(argv)
+    args.quantize = args.quantize or None
+    report = engine_turns(args)
+    write_report(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -12,10 +12,10 @@ send `--requests` completions whose token-id prompts share a `--prefix` and diff
 
     python -m sparrow.bench.gateway --out bench-out/gateway.json
 
-`--overhead` (GPU): the gateway's cost against `sparrow serve` on one model, one after the
-other on the same device: `sparrow serve` alone, then one `sparrow worker` behind a
-`sparrow gateway`; C streaming clients at each `--concurrency` as above. `--preset`
-serves random weights of a built-in config (`--quantize 4bit` for the 4-bit model):
+`--overhead` (GPU): the gateway's cost against `sparrow serve` on one model: `sparrow serve`
+and one `sparrow worker` behind a `sparrow gateway`, both up on the same device, take the
+same load in turn (C streaming clients at each `--concurrency` as above), `--rounds` times.
+`--preset` serves random weights of a built-in config (`--quantize 4bit` for the 4-bit model):
 
     python -m sparrow.bench.gateway --overhead --preset qwen3.6-35b-a3b --quantize 4bit \
         --concurrency 1 8 32 64 --out bench-out/gateway-gpu.json
@@ -144,48 +144,61 @@ def _measure(base: str, prompts_for, concurrency: list[int], requests: int,
              max_tokens: int, warm: int = 4) -> list[dict]:  # fmt: skip
     """`warm` requests at once (kernels compiled, caches warm), then the load at each
     concurrency (`prompts_for(n)`: n prompts)."""
-    asyncio.run(_load(base, prompts_for(warm), warm, 1, 4))
+    if warm:
+        asyncio.run(_load(base, prompts_for(warm), warm, 1, 4))
     return [asyncio.run(_load(base, prompts_for(c * requests), c, requests, max_tokens))
             for c in concurrency]  # fmt: skip
 
 
 def overhead(args) -> dict:
-    """`sparrow serve` alone, then a worker behind a gateway, on the same model and load:
-    rows per concurrency, and the gateway's TTFT and tok/s at each against serve's."""
+    """`sparrow serve`, and a worker behind a gateway, up at once on the same model (each
+    with `--memory-share` of the device): the same load on each in turn, `--rounds` times
+    alternating; rows per round, and the gateway's TTFT and tok/s against serve's at each
+    concurrency (medians of the rounds)."""
     model = ["--model", args.model] + (["--load-format", "dummy"] if args.preset else []) + (
         ["--quantize", args.quantize] if args.quantize else [])  # fmt: skip
-    engine = [*model, "--max-model-len", "4096", "--max-num-seqs", str(max(args.concurrency))]
+    engine = [*model, "--max-model-len", "4096", "--max-num-seqs", str(max(args.concurrency)),
+              "--gpu-memory-utilization", str(args.memory_share)]  # fmt: skip
+    ports = {"serve": free_port(), "gateway": free_port()}
+    worker_port = free_port()
+    procs = {"serve": _start("serve", "--port", str(ports["serve"]), "--served-model-name",
+                             "bench", *engine),
+             "worker": _start("worker", "--port", str(worker_port), *engine),
+             "gateway": _start("gateway", "--port", str(ports["gateway"]), "--model",
+                               args.model, "--served-model-name", "bench",
+                               "--worker", f"127.0.0.1:{worker_port}")}  # fmt: skip
+    bases = {side: f"http://127.0.0.1:{port}" for side, port in ports.items()}
+    rows: dict[str, list[dict]] = {side: [] for side in bases}
     prompts_for = _prompts(args.prefix)
-    rows = {}
-    for side in ("serve", "gateway"):
-        port, worker_port = free_port(), free_port()
-        procs = []
-        if side == "serve":
-            procs.append(_start("serve", "--port", str(port), "--served-model-name", "bench",
-                                *engine))  # fmt: skip
-        else:
-            procs.append(_start("worker", "--port", str(worker_port), *engine))
-            procs.append(_start("gateway", "--port", str(port), "--model", args.model,
-                                "--served-model-name", "bench",
-                                "--worker", f"127.0.0.1:{worker_port}"))  # fmt: skip
-        try:
-            base = f"http://127.0.0.1:{port}"
-            wait_healthy(procs[-1], base, args.start_timeout)
-            time.sleep(2.0)  # the gateway has polled its worker healthy
-            rows[side] = _measure(base, prompts_for, args.concurrency, args.requests,
-                                  args.max_tokens)  # fmt: skip
-            for row in rows[side]:
-                print(f"[gateway] {side:>8} C={row['concurrency']:<3} TTFT p50 "
-                      f"{row['ttft_p50_s'] * 1e3:7.1f} ms  {row['output_tok_s']:8.1f} tok/s",
-                      flush=True)  # fmt: skip
-        finally:
-            for proc in reversed(procs):
-                proc.terminate()
-                proc.wait(60)
-    ratios = [{"concurrency": s["concurrency"],
-               "ttft_added_ms": (g["ttft_p50_s"] - s["ttft_p50_s"]) * 1e3,
-               "output_tok_s_ratio": g["output_tok_s"] / s["output_tok_s"]}
-              for s, g in zip(rows["serve"], rows["gateway"], strict=True)]  # fmt: skip
+    try:
+        for side, base in bases.items():
+            wait_healthy(procs[side], base, args.start_timeout)
+        time.sleep(2.0)  # the gateway has polled its worker healthy
+        for base in bases.values():
+            _measure(base, prompts_for, [], 0, 0)  # kernels compiled, caches warm
+        for c in args.concurrency:
+            for r in range(args.rounds):
+                for side, base in bases.items():
+                    row = _measure(base, prompts_for, [c], args.requests, args.max_tokens,
+                                   warm=0)[0] | {"round": r}  # fmt: skip
+                    rows[side].append(row)
+                    print(f"[gateway] {side:>8} C={c:<3} round {r}: TTFT p50 "
+                          f"{row['ttft_p50_s'] * 1e3:7.1f} ms  {row['output_tok_s']:8.1f} tok/s",
+                          flush=True)  # fmt: skip
+    finally:
+        for proc in reversed(procs.values()):
+            proc.terminate()
+            proc.wait(60)
+
+    def median(side: str, c: int, key: str) -> float:
+        return statistics.median(r[key] for r in rows[side] if r["concurrency"] == c)
+
+    ratios = [{"concurrency": c,
+               "ttft_added_ms": (median("gateway", c, "ttft_p50_s")
+                                 - median("serve", c, "ttft_p50_s")) * 1e3,
+               "output_tok_s_ratio": median("gateway", c, "output_tok_s")
+               / median("serve", c, "output_tok_s")}
+              for c in args.concurrency]  # fmt: skip
     return {"model": args.preset or args.model, "quantize": args.quantize, **rows,
             "gateway_vs_serve": ratios}
 
@@ -207,6 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="random weights of a built-in config (with --overhead)")
     p.add_argument("--quantize", default=None, help="with --overhead: 4bit or 8bit")
+    p.add_argument("--rounds", type=int, default=3, help="with --overhead: alternating rounds")
+    p.add_argument("--memory-share", type=float, default=0.45,
+                   help="with --overhead: --gpu-memory-utilization of serve and of the worker")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", default="bench-out/gateway.json")
     args = p.parse_args(argv)

@@ -214,7 +214,7 @@ def _one_row_stride(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     return a.contiguous(), b.contiguous()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # see kernels/launch.py
 def _gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, H, stride_ab,
                   BLOCK: tl.constexpr):  # fmt: skip
     """g and beta [T, H] fp32 for a prefill chunk (the decode step computes its own)."""

@@ -57,7 +57,7 @@ def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
         return b_acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_valid"])  # see kernels/launch.py
 def _moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sw_ptr, ss_ptr, sb_ptr,
     sorted_ptr, block_start_ptr, block_expert_ptr,

@@ -88,7 +88,7 @@ def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g, sh
         tl.store(ids_ptr + i_t * (K + 1) + K, shared_id)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # see kernels/launch.py
 def _count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     """Assignments per expert: a histogram of BLOCK ids per program, then one atomic add per
     expert (an atomic per assignment queued up to 8K deep on one counter at 8K tokens)."""
@@ -113,7 +113,7 @@ def _block_map(i_b, ends, values, start_step):
     return tl.where(valid, b_start + i_b * start_step, -1), tl.where(valid, b_x, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])  # see kernels/launch.py
 def _scan_kernel(counts_ptr, offsets_ptr, start_ptr, expert_ptr, small_start_ptr,
                  small_expert_ptr, E, max_blocks, BLOCK_M: tl.constexpr, SMALL_M: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
@@ -142,7 +142,7 @@ def _scan_kernel(counts_ptr, offsets_ptr, start_ptr, expert_ptr, small_start_ptr
         tl.store(small_expert_ptr + o_b, b_x, mask=o_b < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # see kernels/launch.py
 def _scatter_kernel(ids_ptr, offsets_ptr, cursor_ptr, sorted_ptr, n, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
@@ -193,7 +193,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, small_m: int = 0) -
     counts, cursor = torch.zeros(2, num_experts, dtype=torch.int32, device=dev)  # one fill
     offsets = torch.empty(num_experts, dtype=torch.int32, device=dev)
     sorted_ids = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=dev)
-    big = Blocks(*torch.empty(2, num_blocks, dtype=torch.int32, device=dev))
+    # both rows 16-byte aligned whatever num_blocks is (Triton specialises on alignment)
+    width = triton.cdiv(num_blocks, 4) * 4
+    big = Blocks(*torch.empty(2, width, dtype=torch.int32, device=dev)[:, :num_blocks])
     small = Blocks(*torch.empty(2, num_experts, dtype=torch.int32, device=dev)) if small_m else None
     block = 1024
     grid = (max(1, triton.cdiv(n, block)),)

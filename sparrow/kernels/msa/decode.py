@@ -45,7 +45,7 @@ def per_head_pages(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((n_virtual, bs, 1, d), (s2, s1, s2, 1), cache.storage_offset())
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # see kernels/launch.py
 def _head_tables_kernel(
     blocks_ptr, tables_ptr, pos_ptr, virtual_ptr, ctx_ptr, n_rows, stride_tt, heads_per_page,
     HKV: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BS: tl.constexpr,

@@ -31,7 +31,7 @@ from sparrow.kernels.msa.select import check_index_scales
 SPLITS = 128  # most splits per sequence
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])  # see kernels/launch.py
 def _select_topk_kernel(
     iq_ptr, ik_ptr, scale_ptr, tables_ptr, pos_ptr, cand_s_ptr, cand_i_ptr, count_ptr, out_ptr,
     n_splits, stride_qb, stride_qh, stride_kb, stride_kt, stride_sb, stride_tb,

@@ -109,7 +109,7 @@ def _block_major_kernel(
             tl.store(lse_ptr + o_part, b_lse, mask=m_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # see kernels/launch.py
 def _merge_kernel(
     o_ptr, lse_ptr, out_ptr, T, stride_ot, stride_oh,
     HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr,

@@ -42,7 +42,7 @@ SCORE_BYTES = 1 << 27  # score buffer per prompt chunk
 KV_BLOCKS = 16  # key blocks per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # see kernels/launch.py
 def _block_scores_kernel(
     iq_ptr, ik_ptr, scale_ptr, tables_ptr, pos_ptr, out_ptr, T,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_tq, stride_ot, stride_oh,

@@ -47,9 +47,11 @@ def _gemv_kernel(
     m_n = o_n < N
     p_x = x_ptr + i_m * stride_xm
     if GATED:
+        # the activation's arguments are passed: Triton 3.6 compiles a nested call's
+        # constexpr defaults as plain Python values, which fails
         b_y = gated_rows(p_x, w_ptr, s_ptr, b_ptr, i_n, N, K, stride_wn, stride_sn, BITS, GROUP,
                          BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT, X_IN_PLACE,
-                         ONE_STEP)  # fmt: skip
+                         ONE_STEP, "silu", 0.0, 0.0)  # fmt: skip
     else:
         b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
                         GROUP, BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT,
