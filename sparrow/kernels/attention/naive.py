@@ -52,7 +52,7 @@ def paged_attention(
         v = v_cache[blocks].flatten(0, 1)[:n]
         out[start:end] = causal_attention(q[start:end], k, v, scale)
     if gate is not None:
-        out = (out.float() * torch.sigmoid(gate.float())).to(q.dtype)
+        out = out * torch.sigmoid(gate.to(q.dtype))  # each op rounded in q's dtype
     return out
 
 

@@ -32,6 +32,14 @@ MIN_KEYS = 16
 
 
 @triton.jit
+def _gated(b_o, b_g, DT: tl.constexpr):
+    """o * sigmoid(gate) rounded as the layer's torch ops in DT round: o, the sigmoid and
+    their product each in DT (fp32 in)."""
+    b_s = tl.sigmoid(b_g.to(tl.float32)).to(DT).to(tl.float32)
+    return b_o.to(DT).to(tl.float32) * b_s
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, gate_ptr, o_ptr, tables_ptr, cu_q_ptr, ctx_ptr,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
@@ -80,8 +88,8 @@ def _paged_attn_kernel(
     b_o = b_acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     p_o = (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + o_d[None, :]
     if HAS_GATE:
-        b_g = tl.load(gate_ptr + p_o, mask=m_r[:, None], other=0.0).to(tl.float32)
-        b_o = b_o * tl.sigmoid(b_g)
+        b_g = tl.load(gate_ptr + p_o, mask=m_r[:, None], other=0.0)
+        b_o = _gated(b_o, b_g, o_ptr.dtype.element_ty)
     tl.store(o_ptr + p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None])
 
 
@@ -218,7 +226,7 @@ def _decode_merge_kernel(
     p_o = i_b * stride_ob + i_h * stride_oh + o_d
     if HAS_GATE:
         p_g = gate_ptr + i_b * stride_gb + i_h * stride_gh + o_d
-        b_o = b_o * tl.sigmoid(tl.load(p_g).to(tl.float32))
+        b_o = _gated(b_o, tl.load(p_g), o_ptr.dtype.element_ty)
     tl.store(o_ptr + p_o, b_o.to(o_ptr.dtype.element_ty))
 
 

@@ -58,7 +58,7 @@ def _conv_kernel(
             b_x += tl.load(p_state[None, :] + (src + KW - 1)[:, None] * stride_sp, mask=m_s,
                            other=0.0).to(tl.float32)  # fmt: skip
         b_y += b_x * b_w.to(tl.float32)
-    b_y = silu(b_y)
+    b_y = silu(b_y.to(y_ptr.dtype.element_ty).to(tl.float32))  # rounded as torch's conv1d
     m_y = (t < length)[:, None] & m_c[None, :]
     p_y = y_ptr + (start + t)[:, None] * stride_yt + o_c[None, :]
     tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_y)
@@ -100,7 +100,7 @@ def _conv_step_kernel(
     wait_previous(USE_PDL)
     b_x = tl.load(x_ptr + i_b * stride_xt + o_c, mask=m_c, other=0.0)
     b_y += b_x.to(tl.float32) * tl.load(w_ptr + o_c * KW + KW - 1, mask=m_c).to(tl.float32)
-    b_y = silu(b_y)
+    b_y = silu(b_y.to(y_ptr.dtype.element_ty).to(tl.float32))  # rounded as torch's conv1d
     tl.store(y_ptr + i_b * stride_yt + o_c, b_y.to(y_ptr.dtype.element_ty), mask=m_c)
     tl.store(p_state + (KW - 2) * stride_sp, b_x.to(state_ptr.dtype.element_ty), mask=m_c)
 

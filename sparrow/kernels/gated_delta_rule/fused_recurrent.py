@@ -41,10 +41,12 @@ from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous,
 @triton.jit
 def decay_and_beta(a, b, a_log, dt_bias):
     """Log-decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b),
-    fp32 (softplus linear above 20, as torch's)."""
+    fp32 (softplus linear above 20, as torch's); beta rounded to b's dtype first, as the
+    layer computes it (`b.sigmoid()`)."""
     x = a.to(tl.float32) + dt_bias.to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-    return -tl.exp(a_log.to(tl.float32)) * softplus, tl.sigmoid(b.to(tl.float32))
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    return -tl.exp(a_log.to(tl.float32)) * softplus, beta
 
 
 @triton.jit

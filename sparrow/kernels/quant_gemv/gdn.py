@@ -55,6 +55,8 @@ def _gemv_conv_kernel(
     b_in = b_y.to(y_ptr.dtype.element_ty)
     tl.store(p_cs + (CONV_KW - 2) * stride_cp, b_in.to(cs_ptr.dtype.element_ty), mask=m_c)
     b_conv += b_in.to(tl.float32) * b_cw.to(tl.float32)
+    # the conv's output rounded before the SiLU, as the layer's (torch's) conv1d + silu
+    b_conv = b_conv.to(y_ptr.dtype.element_ty).to(tl.float32)
     b_y = tl.where(m_c, silu(b_conv), b_y)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
