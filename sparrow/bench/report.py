@@ -13,8 +13,11 @@ from typing import Any
 
 
 def _commit() -> str:
-    """The checkout's commit, "+dirty" when the tree has uncommitted changes; "unknown"
-    outside a git checkout (the GPU machine's copy of the tree may have no .git)."""
+    """SPARROW_COMMIT when set (a copy of the tree whose .git is absent or stale, as on the
+    GPU machine), else the checkout's commit, "+dirty" when the tree has uncommitted
+    changes; "unknown" outside a git checkout."""
+    if os.environ.get("SPARROW_COMMIT"):
+        return os.environ["SPARROW_COMMIT"]
     root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
@@ -22,7 +25,7 @@ def _commit() -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=root, text=True, capture_output=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("SPARROW_COMMIT", "unknown")
+        return "unknown"
     return head + ("+dirty" if dirty else "")
 
 
