@@ -140,12 +140,17 @@ def _prompts(prefix_len: int):
                       for _ in range(n)]  # fmt: skip
 
 
+def _warm(base: str, prompts_for, n: int) -> None:
+    """n short requests at once: kernels compiled, caches warm."""
+    asyncio.run(_load(base, prompts_for(n), n, 1, 4))
+
+
 def _measure(base: str, prompts_for, concurrency: list[int], requests: int,
              max_tokens: int, warm: int = 4) -> list[dict]:  # fmt: skip
-    """`warm` requests at once (kernels compiled, caches warm), then the load at each
-    concurrency (`prompts_for(n)`: n prompts)."""
+    """`warm` requests at once (`_warm`; 0: none), then the load at each concurrency
+    (`prompts_for(n)`: n prompts)."""
     if warm:
-        asyncio.run(_load(base, prompts_for(warm), warm, 1, 4))
+        _warm(base, prompts_for, warm)
     return [asyncio.run(_load(base, prompts_for(c * requests), c, requests, max_tokens))
             for c in concurrency]  # fmt: skip
 
@@ -175,7 +180,7 @@ def overhead(args) -> dict:
             wait_healthy(procs[side], base, args.start_timeout)
         time.sleep(2.0)  # the gateway has polled its worker healthy
         for base in bases.values():
-            _measure(base, prompts_for, [], 0, 0)  # kernels compiled, caches warm
+            _warm(base, prompts_for, 4)
         for c in args.concurrency:
             for r in range(args.rounds):
                 for side, base in bases.items():

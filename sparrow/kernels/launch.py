@@ -17,8 +17,9 @@ So a call that would compile differently never reuses a kernel.
 An integer that counts tokens (a step's rows, rows times top-k, blocks of rows) is marked
 `do_not_specialize` where a kernel takes it: otherwise a step whose count falls in a new
 class (odd, a multiple of 16) compiles the kernel again in the middle of serving, 0.4-1 s
-on the H200 for the grouped GEMM (a later turn of a chat after a cached prefix took 1,081
-ms instead of 80). Such a count only bounds masks and loops, where specialising buys nothing.
+on the H200 for the grouped GEMM (a chat turn after a cached prefix: 1,081 ms with such a
+compile, 80 without). Such a count only bounds masks and loops, where specialising buys
+nothing.
 
 The JIT path is used instead when the kernel does not run on a GPU (CPU tensors under the
 interpreter) and when Triton's launch hooks are set (profilers).
