@@ -26,56 +26,115 @@ _QUANT = ["4bit", "8bit"]
 # Engine flags: (flag, sub-config field, its config class, type, help). Defaults are the
 # config's own, so `--help` shows what runs.
 _ENGINE_FLAGS = (
-    ("--max-model-len", "max_model_len", SchedulerConfig, int,
-     "prompt + output tokens per request; None: the model's context"),
+    (
+        "--max-model-len",
+        "max_model_len",
+        SchedulerConfig,
+        int,
+        "prompt + output tokens per request; None: the model's context",
+    ),
     ("--max-num-seqs", "max_num_seqs", SchedulerConfig, int, "sequences in a batch at most"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", SchedulerConfig, int,
-     "token budget of one step (longer prompts are chunked)"),
-    ("--block-size", "block_size", CacheConfig, int,
-     "tokens per KV-cache block; None: the model's MSA block, else 128"),
-    ("--num-blocks", "num_blocks", CacheConfig, int,
-     "KV-cache blocks; None: what fits in --gpu-memory-utilization"),
-    ("--gpu-memory-utilization", "gpu_memory_utilization", CacheConfig, float,
-     "fraction of GPU memory for weights, cache and activations"),
-    ("--num-state-snapshots", "num_state_snapshots", CacheConfig, int,
-     "saved recurrent states prefix caching resumes from; None: one per sequence"),
-    ("--tensor-parallel-size", "tensor_parallel_size", ParallelConfig, int,
-     "processes (GPUs) per engine, each with a share of every layer"),
+    (
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        SchedulerConfig,
+        int,
+        "token budget of one step (longer prompts are chunked)",
+    ),
+    (
+        "--block-size",
+        "block_size",
+        CacheConfig,
+        int,
+        "tokens per KV-cache block; None: the model's MSA block, else 128",
+    ),
+    (
+        "--num-blocks",
+        "num_blocks",
+        CacheConfig,
+        int,
+        "KV-cache blocks; None: what fits in --gpu-memory-utilization",
+    ),
+    (
+        "--gpu-memory-utilization",
+        "gpu_memory_utilization",
+        CacheConfig,
+        float,
+        "fraction of GPU memory for weights, cache and activations",
+    ),
+    (
+        "--num-state-snapshots",
+        "num_state_snapshots",
+        CacheConfig,
+        int,
+        "saved recurrent states prefix caching resumes from; None: one per sequence",
+    ),
+    (
+        "--tensor-parallel-size",
+        "tensor_parallel_size",
+        ParallelConfig,
+        int,
+        "processes (GPUs) per engine, each with a share of every layer",
+    ),
     ("--device", "device", DeviceConfig, str, "auto, cpu, cuda or cuda:N"),
-)  # fmt: skip
+)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine flags of `generate` / `serve` describe."""
     settings = {field: getattr(args, field) for _, field, *_ in _ENGINE_FLAGS}
     return EngineConfig.from_kwargs(
-        model=args.model, quantize=args.quantize, load_format=args.load_format,
-        dtype=args.dtype, enforce_eager=args.enforce_eager,
+        model=args.model,
+        quantize=args.quantize,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
         enable_expert_parallel=args.enable_expert_parallel,
         enable_prefix_caching=not args.no_prefix_caching,
-        index_cache_dtype=args.index_cache_dtype, **settings,
-    )  # fmt: skip
+        index_cache_dtype=args.index_cache_dtype,
+        **settings,
+    )
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", help="checkpoint directory; None: the built-in small model")
-    group.add_argument("--quantize", choices=_QUANT, default=None,
-                       help="quantise a float checkpoint on load (group-affine, MLX layout)")
-    group.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                       help="dummy: the checkpoint's config.json with random weights")
-    group.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="auto: bfloat16 on a GPU, float32 on a CPU")
-    group.add_argument("--index-cache-dtype", choices=INDEX_CACHE_DTYPES, default="auto",
-                       help="MSA index keys: auto (the activation dtype) or fp8_e4m3 (e4m3 "
-                            "codes, a scale per token); models with MSA layers only")  # fmt: skip
-    group.add_argument("--enable-expert-parallel", action="store_true",
-                       help="with --tensor-parallel-size: share the routed experts out whole "
-                            "among the processes instead of by their columns")
-    group.add_argument("--enforce-eager", action="store_true",
-                       help="run decode steps eagerly, without CUDA graphs")  # fmt: skip
-    group.add_argument("--no-prefix-caching", action="store_true",
-                       help="compute every prompt from scratch (no reuse of cached KV blocks)")
+    group.add_argument(
+        "--quantize",
+        choices=_QUANT,
+        default=None,
+        help="quantise a float checkpoint on load (group-affine, MLX layout)",
+    )
+    group.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: the checkpoint's config.json with random weights",
+    )
+    group.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on a CPU"
+    )
+    group.add_argument(
+        "--index-cache-dtype",
+        choices=INDEX_CACHE_DTYPES,
+        default="auto",
+        help="MSA index keys: auto (the activation dtype) or fp8_e4m3 (e4m3 "
+        "codes, a scale per token); models with MSA layers only",
+    )
+    group.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: share the routed experts out whole "
+        "among the processes instead of by their columns",
+    )
+    group.add_argument(
+        "--enforce-eager", action="store_true", help="run decode steps eagerly, without CUDA graphs"
+    )
+    group.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt from scratch (no reuse of cached KV blocks)",
+    )
     for flag, field, config, kind, text in _ENGINE_FLAGS:
         default = getattr(config, field)
         group.add_argument(flag, dest=field, type=kind, default=default, help=text)
@@ -88,9 +147,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from sparrow.generate import GenerationStats
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
-    )  # fmt: skip
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     llm = LLM(config=engine_config(args), progress=True)
     text = args.prompt
     if not args.raw:
@@ -140,13 +202,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from sparrow.multimodal.pipeline import MediaPipeline
 
         media = MediaPipeline.for_checkpoint(args.model, media_limits(args))
-    app = build_app(engine, llm.tokenizer, name, args.api_key, args.max_body_bytes,
-                    max_waiting=args.max_waiting, media=media,
-                    reasoning=PARSERS[args.reasoning_parser] if args.reasoning_parser
-                    else None, rate_limit=args.rate_limit,
-                    tool_parser=tool_format(args, args.model and Path(args.model)))  # fmt: skip
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=30)  # fmt: skip
+    app = build_app(
+        engine,
+        llm.tokenizer,
+        name,
+        args.api_key,
+        args.max_body_bytes,
+        max_waiting=args.max_waiting,
+        media=media,
+        reasoning=PARSERS[args.reasoning_parser] if args.reasoning_parser else None,
+        rate_limit=args.rate_limit,
+        tool_parser=tool_format(args, args.model and Path(args.model)),
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30
+    )
     server = uvicorn.Server(config)
 
     def stop(error: BaseException) -> None:  # on the engine thread; uvicorn polls the flag
@@ -196,20 +266,28 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model) if args.model else default_checkpoint()
     settings = GatewaySettings(
-        workers=args.worker, model_dir=model_dir, policy=args.policy,
+        workers=args.worker,
+        model_dir=model_dir,
+        policy=args.policy,
         model_name=args.served_model_name or (model_dir.name if args.model else "default"),
-        api_keys=args.api_key or (), rate_limit=args.rate_limit,
-        max_body_bytes=args.max_body_bytes, media_limits=media_limits(args),
+        api_keys=args.api_key or (),
+        rate_limit=args.rate_limit,
+        max_body_bytes=args.max_body_bytes,
+        media_limits=media_limits(args),
         router=RouterSettings(request_timeout_s=args.request_timeout or None),
         reasoning=PARSERS[args.reasoning_parser] if args.reasoning_parser else None,
         tool_parser=tool_format(args, model_dir),
-    )  # fmt: skip
+    )
     app, router, pool = build_gateway(settings)
-    print(f"[sparrow] gateway for {settings.model_name!r} over {', '.join(args.worker)} "
-          f"({args.policy}) on http://{args.host}:{args.port}", file=sys.stderr)  # fmt: skip
+    print(
+        f"[sparrow] gateway for {settings.model_name!r} over {', '.join(args.worker)} "
+        f"({args.policy}) on http://{args.host}:{args.port}",
+        file=sys.stderr,
+    )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=30)  # fmt: skip
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30
+        )
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -254,18 +332,28 @@ def cmd_checkpoint_random(args: argparse.Namespace) -> int:
 
     cfg = PRESETS[args.preset]
     changes = {
-        "num_layers": args.layers, "hidden_size": args.hidden, "num_experts": args.experts,
-        "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_intermediate,
+        "num_layers": args.layers,
+        "hidden_size": args.hidden,
+        "num_experts": args.experts,
+        "num_experts_per_tok": args.top_k,
+        "moe_intermediate_size": args.moe_intermediate,
         "shared_expert_intermediate_size": args.moe_intermediate,  # Qwen's name
-        "shared_intermediate_size": args.moe_intermediate, "vocab_size": args.vocab,  # M3's
-    }  # fmt: skip
+        "shared_intermediate_size": args.moe_intermediate,
+        "vocab_size": args.vocab,  # M3's
+    }
     cfg = cfg.replace(**{k: v for k, v in changes.items() if v is not None and hasattr(cfg, k)})
     out = write_random_checkpoint(
-        args.out, cfg, seed=args.seed, dtype=TORCH_DTYPES[args.dtype],
-        shard_bytes=int(args.shard_gb * (1 << 30)), per_expert=args.per_expert,
-    )  # fmt: skip
-    print(f"wrote {out} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.num_experts} experts)")  # fmt: skip
+        args.out,
+        cfg,
+        seed=args.seed,
+        dtype=TORCH_DTYPES[args.dtype],
+        shard_bytes=int(args.shard_gb * (1 << 30)),
+        per_expert=args.per_expert,
+    )
+    print(
+        f"wrote {out} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_experts} experts)"
+    )
     return 0
 
 
@@ -284,8 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_generate(sub) -> None:
-    gen = sub.add_parser("generate", help="generate text from a prompt, streaming to stdout",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    gen = sub.add_parser(
+        "generate",
+        help="generate text from a prompt, streaming to stdout",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -298,71 +389,123 @@ def _add_generate(sub) -> None:
 
 
 def _add_serve(sub) -> None:
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    srv = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     srv.add_argument("--served-model-name", help="the model id clients use (default: dir name)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     _add_http_args(srv)
-    srv.add_argument("--max-waiting", type=int, default=256,
-                     help="queued requests before new ones get 503 + Retry-After")  # fmt: skip
+    srv.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="queued requests before new ones get 503 + Retry-After",
+    )
     _add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
 
 def _add_http_args(parser: argparse.ArgumentParser) -> None:
     """The flags `serve` and `gateway` share: limits, parsers, media sources."""
-    parser.add_argument("--rate-limit", type=float, default=None,
-                        help="requests per minute per API key (429 + Retry-After past it)")
-    parser.add_argument("--max-body-bytes", type=int, default=None,
-                        help="request body limit (default: 64 MiB for a model that takes "
-                             "images and videos as data URLs, else 1 MiB)")  # fmt: skip
-    parser.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
-                        help="split chat completions into reasoning_content and content at "
-                             "the model's think markers (default: all text is content)")
-    parser.add_argument("--tool-call-parser", choices=["auto", "none", "qwen3", "minimax_m3"],
-                        default="auto",
-                        help="parse the model's tool calls into tool_calls (auto: by the "
-                             "checkpoint's model_type)")  # fmt: skip
-    parser.add_argument("--allowed-media-dir", default=None,
-                        help="local image and video files are read only under this directory "
-                             "(default: none are)")  # fmt: skip
-    parser.add_argument("--allow-private-media-urls", action="store_true",
-                        help="fetch media URLs that resolve to private, loopback or link-local "
-                             "addresses (default: refused)")  # fmt: skip
+    parser.add_argument(
+        "--rate-limit",
+        type=float,
+        default=None,
+        help="requests per minute per API key (429 + Retry-After past it)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="request body limit (default: 64 MiB for a model that takes "
+        "images and videos as data URLs, else 1 MiB)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="split chat completions into reasoning_content and content at "
+        "the model's think markers (default: all text is content)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "none", "qwen3", "minimax_m3"],
+        default="auto",
+        help="parse the model's tool calls into tool_calls (auto: by the checkpoint's model_type)",
+    )
+    parser.add_argument(
+        "--allowed-media-dir",
+        default=None,
+        help="local image and video files are read only under this directory (default: none are)",
+    )
+    parser.add_argument(
+        "--allow-private-media-urls",
+        action="store_true",
+        help="fetch media URLs that resolve to private, loopback or link-local "
+        "addresses (default: refused)",
+    )
 
 
 def _add_gateway(sub) -> None:
     from sparrow.gateway.policies import POLICIES
 
-    gw = sub.add_parser("gateway", help="serve the OpenAI API over gRPC workers",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    gw.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
-                    help="a worker's address (repeat for each)")
-    gw.add_argument("--model", help="the checkpoint the workers serve (its tokenizer, chat "
-                                    "template and preprocessing configs are read, not its "
-                                    "weights); None: the built-in small model")  # fmt: skip
+    gw = sub.add_parser(
+        "gateway",
+        help="serve the OpenAI API over gRPC workers",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    gw.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="a worker's address (repeat for each)",
+    )
+    gw.add_argument(
+        "--model",
+        help="the checkpoint the workers serve (its tokenizer, chat "
+        "template and preprocessing configs are read, not its "
+        "weights); None: the built-in small model",
+    )
     gw.add_argument("--policy", choices=POLICIES, default="cache_aware")
     gw.add_argument("--served-model-name", help="the model id clients use (default: dir name)")
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=8000)
-    gw.add_argument("--api-key", action="append", default=None,
-                    help="a key clients may send as 'Authorization: Bearer KEY' (repeat for "
-                         "more; 'sha256:<hex>' gives its digest instead)")  # fmt: skip
-    gw.add_argument("--request-timeout", type=float, default=1800.0,
-                    help="seconds a request may run (0: no limit)")
+    gw.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="a key clients may send as 'Authorization: Bearer KEY' (repeat for "
+        "more; 'sha256:<hex>' gives its digest instead)",
+    )
+    gw.add_argument(
+        "--request-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a request may run (0: no limit)",
+    )
     _add_http_args(gw)
     gw.set_defaults(func=cmd_gateway)
 
 
 def _add_worker(sub) -> None:
-    wrk = sub.add_parser("worker", help="serve the engine over gRPC for a gateway",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    wrk = sub.add_parser(
+        "worker",
+        help="serve the engine over gRPC for a gateway",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     wrk.add_argument("--host", default="127.0.0.1")
     wrk.add_argument("--port", type=int, default=50051)
-    wrk.add_argument("--max-waiting", type=int, default=256,
-                     help="queued requests before new ones get RESOURCE_EXHAUSTED")
+    wrk.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="queued requests before new ones get RESOURCE_EXHAUSTED",
+    )
     _add_engine_args(wrk)
     wrk.set_defaults(func=cmd_worker)
 
@@ -375,8 +518,12 @@ def _add_checkpoint(sub) -> None:
     )
     rnd.add_argument("out", help="output directory")
     rnd.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.6-35b-a3b")
-    rnd.add_argument("--layers", type=int, help="number of layers (Qwen: every 4th is "
-                     "attention; M3: the first 3 full attention + dense, then sparse + MoE)")
+    rnd.add_argument(
+        "--layers",
+        type=int,
+        help="number of layers (Qwen: every 4th is "
+        "attention; M3: the first 3 full attention + dense, then sparse + MoE)",
+    )
     rnd.add_argument("--hidden", type=int, help="hidden size")
     rnd.add_argument("--experts", type=int, help="number of routed experts")
     rnd.add_argument("--top-k", type=int, help="experts per token")
@@ -385,8 +532,11 @@ def _add_checkpoint(sub) -> None:
     rnd.add_argument("--seed", type=int, default=0)
     rnd.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="bfloat16")
     rnd.add_argument("--shard-gb", type=float, default=4.0, help="maximum shard size in GiB")
-    rnd.add_argument("--per-expert", action="store_true",
-                     help="write experts.E.{gate,up,down}_proj instead of fused tensors")
+    rnd.add_argument(
+        "--per-expert",
+        action="store_true",
+        help="write experts.E.{gate,up,down}_proj instead of fused tensors",
+    )
     rnd.set_defaults(func=cmd_checkpoint_random)
 
     qnt = sub.add_parser(
@@ -401,8 +551,9 @@ def _add_checkpoint(sub) -> None:
 
 def _add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="auto: bfloat16 on a GPU, float32 on a CPU")  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on a GPU, float32 on a CPU"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,6 @@ class QuantConfig:
         return block
 
 
-
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 INDEX_CACHE_DTYPES = ("auto", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "dummy")
@@ -162,8 +161,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _positive(self, "block_size", "num_blocks", "num_state_slots")
         if self.index_cache_dtype not in INDEX_CACHE_DTYPES:
-            raise ConfigError(f"index_cache_dtype {self.index_cache_dtype!r}: expected one of "
-                              f"{list(INDEX_CACHE_DTYPES)}")  # fmt: skip
+            raise ConfigError(
+                f"index_cache_dtype {self.index_cache_dtype!r}: expected one of "
+                f"{list(INDEX_CACHE_DTYPES)}"
+            )
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ConfigError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")
         if self.block_size is not None and self.block_size & (self.block_size - 1):
@@ -204,8 +205,12 @@ class DeviceConfig:
 
 
 # EngineConfig.from_kwargs: flat keyword -> the sub-config holding it.
-_SECTIONS = {"scheduler": SchedulerConfig, "cache": CacheConfig, "parallel": ParallelConfig,
-             "device": DeviceConfig}  # fmt: skip
+_SECTIONS = {
+    "scheduler": SchedulerConfig,
+    "cache": CacheConfig,
+    "parallel": ParallelConfig,
+    "device": DeviceConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -246,8 +251,9 @@ class EngineConfig:
             if key in top:
                 values[key] = value
                 continue
-            owner = next((n for n, c in _SECTIONS.items()
-                          if key in {f.name for f in fields(c)}), None)  # fmt: skip
+            owner = next(
+                (n for n, c in _SECTIONS.items() if key in {f.name for f in fields(c)}), None
+            )
             if owner is None:
                 raise ConfigError(f"unknown engine setting {key!r}")
             sections[owner][key] = value

@@ -28,11 +28,17 @@ EOS_TOKEN = "<|im_end|>"
 
 # MiniMax M3's special tokens at the checkpoint's ids (bos, eos, role marker, vision).
 M3_SPECIAL_TOKENS = {
-    "]~b]": 200019, "[e~[": 200020, "]<]image[>[": 200025, "]<]video[>[": 200026,
-    "]<]start of image[>[": 200029, "]<]end of image[>[": 200030,
-    "]<]start of video[>[": 200031, "]<]end of video[>[": 200032, "]<]vision pad[>[": 200033,
+    "]~b]": 200019,
+    "[e~[": 200020,
+    "]<]image[>[": 200025,
+    "]<]video[>[": 200026,
+    "]<]start of image[>[": 200029,
+    "]<]end of image[>[": 200030,
+    "]<]start of video[>[": 200031,
+    "]<]end of video[>[": 200032,
+    "]<]vision pad[>[": 200033,
     "]~!b[": 200034,
-}  # fmt: skip
+}
 M3_FIRST_SPECIAL = 200000  # regular tokens take the ids below
 # The reasoning markers in an assistant turn are the model's own output, which the template
 # parses (it drops earlier reasoning); they stay tokens there. Everywhere else in message
@@ -40,11 +46,22 @@ M3_FIRST_SPECIAL = 200000  # regular tokens take the ids below
 ASSISTANT_MARKERS = frozenset({"<think>", "</think>"})
 # Qwen's added tokens that its tokenizer files mark `special: false`: they stay in the text
 # when special tokens are skipped (the reasoning and tool-call markers among them).
-QWEN_TEXT_TOKENS = frozenset({
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
-})  # fmt: skip
+QWEN_TEXT_TOKENS = frozenset(
+    {
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    }
+)
 
 
 class Tokenizer:
@@ -53,8 +70,9 @@ class Tokenizer:
     def __init__(self, backend: Any, kind: str, chat_template: str | None = None):
         self._backend, self.kind = backend, kind
         self.chat_template = chat_template or CHATML_TEMPLATE
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])  # fmt: skip
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
@@ -133,10 +151,12 @@ class Tokenizer:
         tokens the tokenizer file marks special (HF's rule); for the packaged vocabulary,
         those Qwen's own files mark so."""
         if self.kind == "tokenizers":
-            return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items()
-                             if t.special)  # fmt: skip
-        return frozenset(i for t, i in self._backend._special_tokens.items()
-                         if t not in QWEN_TEXT_TOKENS)  # fmt: skip
+            return frozenset(
+                i for i, t in self._backend.get_added_tokens_decoder().items() if t.special
+            )
+        return frozenset(
+            i for t, i in self._backend._special_tokens.items() if t not in QWEN_TEXT_TOKENS
+        )
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Ids with no token (the model's vocabulary is padded past the tokenizer's) decode
@@ -169,12 +189,18 @@ def _raise(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """HF's `tojson`: plain `json.dumps` (jinja's own escapes <, >, & and ' for HTML and
     sorts keys, which would change the tools and arguments the model reads)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -257,14 +283,23 @@ def write_tokenizer_files(out_dir: str | Path, architecture: str = "qwen3_5_moe"
     regex), or for `minimax_m3` its first 200,000 tokens with M3's special tokens at M3's ids
     and a MiniMax chat template (random checkpoints: ids and markers, not M3's own merges)."""
     ranks, pattern, specials = _packaged_vocab()
-    config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": EOS_TOKEN,
-              "pad_token": "<|endoftext|>", "model_max_length": 262144,
-              "chat_template": CHATML_TEMPLATE}  # fmt: skip
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": EOS_TOKEN,
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 262144,
+        "chat_template": CHATML_TEMPLATE,
+    }
     if architecture == "minimax_m3":
         ranks = {t: r for t, r in ranks.items() if r < M3_FIRST_SPECIAL}
         specials = sorted((i, t) for t, i in M3_SPECIAL_TOKENS.items())
-        config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "]~!b[", "eos_token": "[e~[",
-                  "model_max_length": 1048576, "chat_template": MINIMAX_TEMPLATE}  # fmt: skip
+        config = {
+            "tokenizer_class": "GPT2Tokenizer",
+            "bos_token": "]~!b[",
+            "eos_token": "[e~[",
+            "model_max_length": 1048576,
+            "chat_template": MINIMAX_TEMPLATE,
+        }
     out = Path(out_dir)
     _bpe_tokenizer(ranks, pattern, specials).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -286,10 +321,12 @@ def _bpe_tokenizer(ranks: dict[bytes, int], pattern: str, specials: list[tuple[i
     merges = [(text(a), text(b)) for a, b in _bpe_merges(ranks)]
     tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     for i, t in specials:  # added tokens take the next free id: fill the gaps in order
         while tok.get_vocab_size(with_added_tokens=True) < i:

@@ -41,12 +41,23 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 # text keeps them (skip_special_tokens drops the special ones)
 TEXT_MARKERS = ("<think>", "</think>")
 HELD_OUT = 20  # one file in 20 is held out (by a hash of its relative path)
-MODEL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
-             linear_key_head_dim=32, linear_value_head_dim=32, num_experts=8,
-             num_experts_per_tok=2, moe_intermediate_size=128,
-             shared_expert_intermediate_size=128, max_position_embeddings=4096,
-             layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
+MODEL = dict(
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    max_position_embeddings=4096,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+)
 
 
 def corpus(max_files: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -74,9 +85,12 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -91,8 +105,10 @@ def save_tokenizer(tok, path: Path) -> None:
 
 def chat_turn(prefix: str, rest: str) -> str:
     """One training turn as the built-in ChatML template renders it, thinking off."""
-    return (f"<|im_start|>user\n{prefix}<|im_end|>\n<|im_start|>assistant\n"
-            f"<think>\n\n</think>\n\n{rest}<|im_end|>\n")  # fmt: skip
+    return (
+        f"<|im_start|>user\n{prefix}<|im_end|>\n<|im_start|>assistant\n"
+        f"<think>\n\n</think>\n\n{rest}<|im_end|>\n"
+    )
 
 
 @functools.cache
@@ -148,9 +164,12 @@ def main(argv: list[str] | None = None) -> Path:
     train, held = corpus(args.max_files)
     tok = train_tokenizer(train[::4], args.vocab)  # a quarter of the files: the merges settle
     ids = {t: tok.token_to_id(t) for t in SPECIAL}
-    cfg = Qwen3_5MoeTextConfig(vocab_size=tok.get_vocab_size(), **MODEL,
-                               eos_token_id=ids["<|im_end|>"],
-                               bos_token_id=ids["<|endoftext|>"])  # fmt: skip
+    cfg = Qwen3_5MoeTextConfig(
+        vocab_size=tok.get_vocab_size(),
+        **MODEL,
+        eos_token_id=ids["<|im_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+    )
     model = Qwen3_5MoeForCausalLM(cfg).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     start, step = time.monotonic(), 0
@@ -178,16 +197,31 @@ def main(argv: list[str] | None = None) -> Path:
     model.to("cpu", torch.bfloat16).save_pretrained(out)
     save_tokenizer(tok, out / "tokenizer.json")
     (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
-    (out / "training.json").write_text(json.dumps({
-        "corpus": "the Python standard library's .py files (PSF license)",
-        "python": sysconfig.get_python_version(), "steps": step, "seed": args.seed,
-        "batch": args.batch, "length": args.length, "lr": args.lr, "device": args.device,
-        "vocab": tok.get_vocab_size(),
-        "held_out_loss": held_loss, "held_out_perplexity": float(torch.tensor(held_loss).exp()),
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }, indent=2) + "\n")  # fmt: skip
-    print(f"[train] {step} steps; held-out loss {held_loss:.3f} "
-          f"(perplexity {torch.tensor(held_loss).exp():.1f}); wrote {out}", flush=True)
+    (out / "training.json").write_text(
+        json.dumps(
+            {
+                "corpus": "the Python standard library's .py files (PSF license)",
+                "python": sysconfig.get_python_version(),
+                "steps": step,
+                "seed": args.seed,
+                "batch": args.batch,
+                "length": args.length,
+                "lr": args.lr,
+                "device": args.device,
+                "vocab": tok.get_vocab_size(),
+                "held_out_loss": held_loss,
+                "held_out_perplexity": float(torch.tensor(held_loss).exp()),
+                "parameters": sum(p.numel() for p in model.parameters()),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(
+        f"[train] {step} steps; held-out loss {held_loss:.3f} "
+        f"(perplexity {torch.tensor(held_loss).exp():.1f}); wrote {out}",
+        flush=True,
+    )
     return out
 
 

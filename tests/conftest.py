@@ -51,10 +51,15 @@ def hf_gdn_in_pytorch():
 
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-             "causal_conv1d_fn", "causal_conv1d_update")  # fmt: skip
+    names = (
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    )
     with pytest.MonkeyPatch.context() as mp:
         for name in names:
-            mp.setattr(modeling_qwen3_5_moe, name,
-                       inspect.unwrap(getattr(modeling_qwen3_5_moe, name)))  # fmt: skip
+            mp.setattr(
+                modeling_qwen3_5_moe, name, inspect.unwrap(getattr(modeling_qwen3_5_moe, name))
+            )
         yield

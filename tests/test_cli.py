@@ -9,8 +9,11 @@ def _run(args, tmp_path, timeout=300):
     env = os.environ | {"SPARROW_CACHE": str(tmp_path / "cache")}
     return subprocess.run(
         [sys.executable, "-m", "sparrow", *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def test_generate_on_builtin_default(tmp_path):
@@ -20,15 +23,44 @@ def test_generate_on_builtin_default(tmp_path):
     assert "decode: 24 tokens" in first.stdout and "prompt: " in first.stdout
     text = first.stdout.rsplit("prompt: ", 1)[0]
     assert text.isascii() and any(w in text.split() for w in ("import", "def", "return", "="))
-    again = _run(["generate", "--prompt", "Hi", "--max-tokens", "3", "--temperature", "0.8",
-                  "--top-p", "0.9", "--seed", "1"], tmp_path)  # fmt: skip
+    again = _run(
+        [
+            "generate",
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "3",
+            "--temperature",
+            "0.8",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "1",
+        ],
+        tmp_path,
+    )
     assert again.returncode == 0, again.stderr
 
 
 def test_random_checkpoint_command_then_generate(tmp_path):
     out = tmp_path / "ckpt"
-    made = _run(["checkpoint", "random", str(out), "--preset", "qwen3.6-tiny", "--layers", "2",
-                 "--experts", "4", "--top-k", "2", "--per-expert"], tmp_path)  # fmt: skip
+    made = _run(
+        [
+            "checkpoint",
+            "random",
+            str(out),
+            "--preset",
+            "qwen3.6-tiny",
+            "--layers",
+            "2",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+            "--per-expert",
+        ],
+        tmp_path,
+    )
     assert made.returncode == 0, made.stderr
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     gen = _run(["generate", "--model", str(out), "--prompt", "x", "--max-tokens", "2"], tmp_path)

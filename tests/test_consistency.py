@@ -26,8 +26,20 @@ def test_consistency_on_the_builtin_model(tmp_path):
 def test_bf16_against_fp32_reports_hfs_own_rounding(tmp_path):
     """Sparrow in bf16 against HF in fp32: one more pair, HF itself in bf16 against fp32."""
     out = tmp_path / "consistency.json"
-    main(["--dtype", "bfloat16", "--hf-dtype", "float32", "--positions", "24", "--context", "8",
-          "--out", str(out)])  # fmt: skip
+    main(
+        [
+            "--dtype",
+            "bfloat16",
+            "--hf-dtype",
+            "float32",
+            "--positions",
+            "24",
+            "--context",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert report["dtype"] == "torch.bfloat16" and report["hf_dtype"] == "torch.float32"
     for pair in ("sparrow_vs_hf", "hf_bfloat16_vs_hf"):

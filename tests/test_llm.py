@@ -19,8 +19,9 @@ PROMPTS = [list(range(3, 40)), list(range(100, 164)), [7], list(range(200, 290))
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("llm")
-    return write_random_checkpoint(path, CFG, seed=2, dtype=torch.float32, tokenizer=False,
-                                   progress=False)  # fmt: skip
+    return write_random_checkpoint(
+        path, CFG, seed=2, dtype=torch.float32, tokenizer=False, progress=False
+    )
 
 
 def _engine(ckpt, **scheduler):
@@ -35,12 +36,15 @@ def expected(ckpt):
     return [list(generate(llm.model, p, params)) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("scheduler", [
-    {},  # everything in one step
-    {"max_num_batched_tokens": 16},  # prompts chunked, decodes mixed with prefill chunks
-    {"max_num_seqs": 2},  # requests join as others finish
-    {"num_blocks": 12, "max_num_batched_tokens": 64},  # blocks run out: preemption
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        {},  # everything in one step
+        {"max_num_batched_tokens": 16},  # prompts chunked, decodes mixed with prefill chunks
+        {"max_num_seqs": 2},  # requests join as others finish
+        {"num_blocks": 12, "max_num_batched_tokens": 64},  # blocks run out: preemption
+    ],
+)
 def test_batched_engine_matches_single_generation(ckpt, expected, scheduler):
     llm = _engine(ckpt, **scheduler)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12))
@@ -55,10 +59,14 @@ def test_generate_cuts_the_text_at_a_stop_string(ckpt):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     full = llm.generate([PROMPTS[0]], params)[0]
     text = full.text
-    stop = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1)
-                if "\ufffd" not in text[i : i + 2])  # fmt: skip
-    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True,
-                                                    stop=(stop,)))[0]  # fmt: skip
+    stop = next(
+        text[i : i + 2]
+        for i in range(len(text) // 2, len(text) - 1)
+        if "\ufffd" not in text[i : i + 2]
+    )
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))[
+        0
+    ]
     assert out.text == text[: text.find(stop)] and out.finish_reason is FinishReason.STOP
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
     assert llm.scheduler.kv.num_free == free and not llm.scheduler.has_unfinished()

@@ -13,8 +13,9 @@ from sparrow.loader.random_checkpoint import PRESETS, random_model
 
 MODELS = {
     "qwen3_5_moe": PRESETS["qwen3.6-tiny"].replace(vocab_size=320, initializer_range=0.1),
-    "minimax_m3": PRESETS["minimax-m3-tiny"].replace(vocab_size=320, initializer_range=0.1,
-                                                     index_block_size=16),
+    "minimax_m3": PRESETS["minimax-m3-tiny"].replace(
+        vocab_size=320, initializer_range=0.1, index_block_size=16
+    ),
 }
 BLOCK = 16
 SHARED = [(7 * i + 3) % 320 for i in range(3 * BLOCK + 5)]  # 3 blocks and part of a 4th
@@ -27,14 +28,29 @@ def model(request):
 
 
 def _engine(model, caching: bool, **settings) -> LLM:
-    return LLM(model, **({"block_size": BLOCK, "num_blocks": 64, "max_num_batched_tokens": 256,
-                          "enable_prefix_caching": caching} | settings))  # fmt: skip
+    return LLM(
+        model,
+        **(
+            {
+                "block_size": BLOCK,
+                "num_blocks": 64,
+                "max_num_batched_tokens": 256,
+                "enable_prefix_caching": caching,
+            }
+            | settings
+        ),
+    )
 
 
 def _turns() -> list[list[int]]:
     """Prompts that share prefixes: a fork mid-block, a repeat, a longer prompt."""
-    return [SHARED + [1, 2, 3], SHARED + [9, 8], SHARED + [1, 2, 3],
-            SHARED[:20], SHARED + [1, 2, 3] + list(range(40, 80))]
+    return [
+        SHARED + [1, 2, 3],
+        SHARED + [9, 8],
+        SHARED + [1, 2, 3],
+        SHARED[:20],
+        SHARED + [1, 2, 3] + list(range(40, 80)),
+    ]
 
 
 def _one_by_one(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -58,8 +74,10 @@ def test_the_next_turn_of_a_conversation_resumes_from_the_last_one(model):
     assert out == plain.generate([first], params)[0].token_ids
     second = first + out + [5, 6, 7]
     hits = cached.scheduler.kv.hits
-    assert cached.generate([second], GREEDY)[0].token_ids == \
-        plain.generate([second], GREEDY)[0].token_ids  # fmt: skip
+    assert (
+        cached.generate([second], GREEDY)[0].token_ids
+        == plain.generate([second], GREEDY)[0].token_ids
+    )
     assert cached.scheduler.kv.hits - hits >= (len(first) + BLOCK) // BLOCK * BLOCK
 
 
@@ -114,5 +132,7 @@ def test_aborted_requests_release_their_blocks(model):
     while llm.has_unfinished():
         llm.step()
     assert llm.scheduler.kv.num_free == 64 and llm.scheduler.kv.usage == 0.0
-    assert llm.generate([SHARED + [3, 4]], GREEDY)[0].token_ids == \
-        _engine(model, False).generate([SHARED + [3, 4]], GREEDY)[0].token_ids  # fmt: skip
+    assert (
+        llm.generate([SHARED + [3, 4]], GREEDY)[0].token_ids
+        == _engine(model, False).generate([SHARED + [3, 4]], GREEDY)[0].token_ids
+    )

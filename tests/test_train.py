@@ -14,8 +14,22 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_two_steps_give_a_checkpoint_the_engine_runs_as_hf(tmp_path):
-    out = main(["--out", str(tmp_path), "--steps", "2", "--max-files", "60", "--vocab", "600",
-                "--batch", "2", "--length", "64"])  # fmt: skip
+    out = main(
+        [
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "2",
+            "--max-files",
+            "60",
+            "--vocab",
+            "600",
+            "--batch",
+            "2",
+            "--length",
+            "64",
+        ]
+    )
     info = json.loads((out / "training.json").read_text())
     assert info["steps"] == 2 and info["vocab"] <= 600 and info["held_out_loss"] > 0
     llm = LLM(model=str(out), dtype="float32", max_model_len=256)
@@ -24,6 +38,7 @@ def test_two_steps_give_a_checkpoint_the_engine_runs_as_hf(tmp_path):
     ours = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     hf = transformers.Qwen3_5MoeForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                          eos_token_id=None)[0, len(prompt):].tolist()  # fmt: skip
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
     assert ours == ref

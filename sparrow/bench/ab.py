@@ -100,9 +100,13 @@ class Side:
         env = os.environ | {"PYTHONPATH": str(tree.resolve())}
         argv = [str(most), str(max_len), preset, device]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER, *argv], env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=tree,
-        )  # fmt: skip
+            [sys.executable, "-c", _WORKER, *argv],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=tree,
+        )
 
     def ready(self) -> None:
         line = self.proc.stdout.readline()
@@ -145,17 +149,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--preset", default="qwen3.6-35b-a3b", help="qwen3.6-tiny: a smoke test")
     p.add_argument("--device", default="cuda", help="cpu: the float model, a smoke test")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile one eager prefill step per length <= 16K and per "
-                        "concurrency on each side (per-kernel CUDA time, host launch time)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one eager prefill step per length <= 16K and per "
+        "concurrency on each side (per-kernel CUDA time, host launch time)",
+    )
     p.add_argument("--out", default="bench-out/ab.json")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     concurrency = [int(x) for x in args.concurrency.split(",") if x]
     most = max(concurrency + [1])
     max_len = max(max(lengths) + args.decode, 512 + 64) + 2
-    sides = {name: Side(Path(tree), most, max_len, args.preset, args.device)
-             for name, tree in (("old", args.old), ("new", args.new))}  # fmt: skip
+    sides = {
+        name: Side(Path(tree), most, max_len, args.preset, args.device)
+        for name, tree in (("old", args.old), ("new", args.new))
+    }
     for side in sides.values():
         side.ready()
     report: dict = {"old": str(args.old), "new": str(args.new), "batch1": {}, "concurrency": {}}
@@ -171,9 +180,12 @@ def main(argv: list[str] | None = None) -> dict:
         _print_row(f"concurrency {c}, 512 tokens", report["concurrency"][c])
     if args.profile:
         shapes = [(1, n) for n in lengths if n <= 16384] + [(c, 512) for c in concurrency]
-        report["profile"] = {f"{b}x{n}": {name: side.run({"profile": b, "length": n})
-                                          for name, side in sides.items()}
-                             for b, n in shapes}  # fmt: skip
+        report["profile"] = {
+            f"{b}x{n}": {
+                name: side.run({"profile": b, "length": n}) for name, side in sides.items()
+            }
+            for b, n in shapes
+        }
         for shape, row in report["profile"].items():
             _print_profile(shape, row)
     for side in sides.values():
@@ -185,24 +197,33 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _print_profile(shape: str, row: dict[str, dict]) -> None:
     old, new = row["old"], row["new"]
-    print(f"[ab] profile {shape}: wall {old['wall_ms']:.1f} -> {new['wall_ms']:.1f} ms, host "
-          f"launch {old['launch_ms']:.1f} -> {new['launch_ms']:.1f} ms, kernels "
-          f"{old['kernels']} -> {new['kernels']} taking {old['kernel_time_us'] / 1e3:.1f} -> "
-          f"{new['kernel_time_us'] / 1e3:.1f} ms")  # fmt: skip
+    print(
+        f"[ab] profile {shape}: wall {old['wall_ms']:.1f} -> {new['wall_ms']:.1f} ms, host "
+        f"launch {old['launch_ms']:.1f} -> {new['launch_ms']:.1f} ms, kernels "
+        f"{old['kernels']} -> {new['kernels']} taking {old['kernel_time_us'] / 1e3:.1f} -> "
+        f"{new['kernel_time_us'] / 1e3:.1f} ms"
+    )
     times = {side: {k["kernel"]: k for k in row[side]["top"]} for side in row}
-    for name in sorted(set(times["old"]) | set(times["new"]),
-                       key=lambda k: -max(times[s].get(k, {}).get("us", 0) for s in times)):
+    for name in sorted(
+        set(times["old"]) | set(times["new"]),
+        key=lambda k: -max(times[s].get(k, {}).get("us", 0) for s in times),
+    ):
         o, n = times["old"].get(name, {}), times["new"].get(name, {})
-        print(f"    {o.get('count', '-'):>5} {o.get('us', 0):9.1f} -> {n.get('count', '-'):>5} "
-              f"{n.get('us', 0):9.1f} us  {name[:70]}")  # fmt: skip
+        print(
+            f"    {o.get('count', '-'):>5} {o.get('us', 0):9.1f} -> {n.get('count', '-'):>5} "
+            f"{n.get('us', 0):9.1f} us  {name[:70]}"
+        )
 
 
 def _print_row(what: str, row: dict[str, dict[str, float]]) -> None:
     old, new = row["old"], row["new"]
-    print(f"[ab] {what:>26}: prefill {old['prefill_tok_s']:9.0f} -> {new['prefill_tok_s']:9.0f}"
-          f" tok/s ({new['prefill_tok_s'] / old['prefill_tok_s']:.3f}x) | decode "
-          f"{old['decode_tok_s']:7.1f} -> {new['decode_tok_s']:7.1f} tok/s "
-          f"({new['decode_tok_s'] / old['decode_tok_s']:.3f}x)", flush=True)
+    print(
+        f"[ab] {what:>26}: prefill {old['prefill_tok_s']:9.0f} -> {new['prefill_tok_s']:9.0f}"
+        f" tok/s ({new['prefill_tok_s'] / old['prefill_tok_s']:.3f}x) | decode "
+        f"{old['decode_tok_s']:7.1f} -> {new['decode_tok_s']:7.1f} tok/s "
+        f"({new['decode_tok_s'] / old['decode_tok_s']:.3f}x)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -50,8 +50,15 @@ def _pct(values: list[float], q: float) -> float:
 
 async def _turn(client: httpx.AsyncClient, base: str, prompt: list[int], output_len: int):
     """One streamed turn: (time to first token, inter-token gaps, generated ids)."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "stream": True, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     t0 = time.perf_counter()
     stamps, ids = [], []
     async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
@@ -90,21 +97,26 @@ async def run(base: str, concurrency: int, prefix: list[int], seed: int, args) -
     rngs = [random.Random(seed * 1000 + i) for i in range(concurrency)]
     async with httpx.AsyncClient(timeout=None) as client:
         t0 = time.perf_counter()
-        chats = await asyncio.gather(*(_conversation(client, base, prefix, r, args)
-                                          for r in rngs))  # fmt: skip
+        chats = await asyncio.gather(*(_conversation(client, base, prefix, r, args) for r in rngs))
         wall = time.perf_counter() - t0
     turns = [t for c in chats for t in c]
     ttft = [t[0] for t in turns]
     first = [c[0][0] for c in chats]
     later = [t[0] for c in chats for t in c[1:]]
     gaps = [g for t in turns for g in t[1]]
-    return {"concurrency": concurrency, "turns": len(turns),
-            "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": _pct(ttft, 0.99),
-            "ttft_first_p50_s": _pct(first, 0.5), "ttft_later_p50_s": _pct(later, 0.5),
-            "ttft_later_p99_s": _pct(later, 0.99),
-            "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99),
-            "output_tok_s": sum(t[2] for t in turns) / wall,
-            "prefix_hit_rate": hit_rate(base)}  # fmt: skip
+    return {
+        "concurrency": concurrency,
+        "turns": len(turns),
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "ttft_first_p50_s": _pct(first, 0.5),
+        "ttft_later_p50_s": _pct(later, 0.5),
+        "ttft_later_p99_s": _pct(later, 0.99),
+        "itl_p50_s": _pct(gaps, 0.5),
+        "itl_p99_s": _pct(gaps, 0.99),
+        "output_tok_s": sum(t[2] for t in turns) / wall,
+        "prefix_hit_rate": hit_rate(base),
+    }
 
 
 def workload(servers: dict[str, str], args) -> dict:
@@ -117,26 +129,38 @@ def workload(servers: dict[str, str], args) -> dict:
             for name, base in servers.items():
                 row = asyncio.run(run(base, c, prefix, args.seed + 7 * r + c, args))
                 rows[name].append(row | {"round": r})
-                print(f"[agent] {name:>10} c={c:<3} round {r}: ttft p50 first turns "
-                      f"{row['ttft_first_p50_s'] * 1e3:8.1f} ms, later turns "
-                      f"{row['ttft_later_p50_s'] * 1e3:8.1f} ms (p99 "
-                      f"{row['ttft_later_p99_s'] * 1e3:8.1f}) | itl p50 "
-                      f"{row['itl_p50_s'] * 1e3:6.1f} ms | {row['output_tok_s']:8.1f} tok/s | "
-                      f"hit rate {row['prefix_hit_rate']}", flush=True)  # fmt: skip
-    return {"workload": "agent", "prefix_len": args.prefix_len, "turn_len": args.turn_len,
-            "output_len": args.output_len, "turns": args.turns, "rows": rows,
-            "speedup": _speedups(rows)}  # fmt: skip
+                print(
+                    f"[agent] {name:>10} c={c:<3} round {r}: ttft p50 first turns "
+                    f"{row['ttft_first_p50_s'] * 1e3:8.1f} ms, later turns "
+                    f"{row['ttft_later_p50_s'] * 1e3:8.1f} ms (p99 "
+                    f"{row['ttft_later_p99_s'] * 1e3:8.1f}) | itl p50 "
+                    f"{row['itl_p50_s'] * 1e3:6.1f} ms | {row['output_tok_s']:8.1f} tok/s | "
+                    f"hit rate {row['prefix_hit_rate']}",
+                    flush=True,
+                )
+    return {
+        "workload": "agent",
+        "prefix_len": args.prefix_len,
+        "turn_len": args.turn_len,
+        "output_len": args.output_len,
+        "turns": args.turns,
+        "rows": rows,
+        "speedup": _speedups(rows),
+    }
 
 
 def _speedups(rows: dict[str, list[dict]]) -> dict[int, float]:
     """Output tok/s with the cache over without it, per concurrency (medians of rounds)."""
+
     def median_rate(name: str, c: int) -> float:
         return statistics.median(r["output_tok_s"] for r in rows[name] if r["concurrency"] == c)
 
     if set(rows) != {"cached", "uncached"}:
         return {}
-    return {c: median_rate("cached", c) / median_rate("uncached", c)
-            for c in sorted({r["concurrency"] for r in rows["cached"]})}  # fmt: skip
+    return {
+        c: median_rate("cached", c) / median_rate("uncached", c)
+        for c in sorted({r["concurrency"] for r in rows["cached"]})
+    }
 
 
 def _compiled() -> dict[str, int]:
@@ -145,9 +169,13 @@ def _compiled() -> dict[str, int]:
 
     from triton.runtime.jit import JITFunction
 
-    return {f"{fn.fn.__module__}.{fn.fn.__name__}":
-            sum(len(cache[0]) for cache in fn.device_caches.values())
-            for fn in gc.get_objects() if isinstance(fn, JITFunction)}  # fmt: skip
+    return {
+        f"{fn.fn.__module__}.{fn.fn.__name__}": sum(
+            len(cache[0]) for cache in fn.device_caches.values()
+        )
+        for fn in gc.get_objects()
+        if isinstance(fn, JITFunction)
+    }
 
 
 def _first_token(llm, prompt: list[int], params) -> tuple[float, list[int]]:
@@ -174,8 +202,12 @@ def engine_turns(args) -> dict:
     from sparrow.loader.random_checkpoint import preset_dir
 
     model = {"model": str(preset_dir(args.preset)), "load_format": "dummy"} if args.preset else {}
-    llm = LLM(**model, quantize=args.quantize, gpu_memory_utilization=args.memory_share,
-              max_model_len=args.prefix_len + (args.turns + 2) * (args.turn_len + args.output_len))
+    llm = LLM(
+        **model,
+        quantize=args.quantize,
+        gpu_memory_utilization=args.memory_share,
+        max_model_len=args.prefix_len + (args.turns + 2) * (args.turn_len + args.output_len),
+    )
     rng, vocab = random.Random(args.seed), (100, min(VOCAB[1], llm.model.config.vocab_size))
     prompt = [rng.randrange(*vocab) for _ in range(args.prefix_len)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
@@ -187,13 +219,22 @@ def engine_turns(args) -> dict:
             hits, before = llm.scheduler.kv.hits, _compiled()
             seconds, ids = _first_token(llm, prompt, params)
             new = {k: n - before.get(k, 0) for k, n in _compiled().items() if n > before.get(k, 0)}
-            turns.append({"prompt": len(prompt), "cached": llm.scheduler.kv.hits - hits,
-                          "ttft_s": seconds, "compiled": new})  # fmt: skip
+            turns.append(
+                {
+                    "prompt": len(prompt),
+                    "cached": llm.scheduler.kv.hits - hits,
+                    "ttft_s": seconds,
+                    "compiled": new,
+                }
+            )
             if turn > 0:
                 ttft.append(seconds)
-            print(f"[engine] turn {turn}: {len(prompt)} prompt tokens, "
-                  f"{turns[-1]['cached']} cached, TTFT {seconds * 1e3:.1f} ms, "
-                  f"compiled {new}", flush=True)  # fmt: skip
+            print(
+                f"[engine] turn {turn}: {len(prompt)} prompt tokens, "
+                f"{turns[-1]['cached']} cached, TTFT {seconds * 1e3:.1f} ms, "
+                f"compiled {new}",
+                flush=True,
+            )
             prompt += ids
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
@@ -217,22 +258,32 @@ def engine_turns(args) -> dict:
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(40)
     busiest = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:25]
-    report = {"preset": args.preset, "quantize": args.quantize, "prefix_len": args.prefix_len,
-              "turn_len": args.turn_len, "output_len": args.output_len,
-              "turns": turns, "ttft_later_s": ttft, "ttft_later_p50_s": statistics.median(ttft),
-              "profiled_ttft_s": seconds, "kernels": sum(len(t) for t in kernels.values()),
-              "kernel_time_us": sum(groups.values()),
-              "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-              "top": [{"kernel": k[:90], "count": len(t), "us": round(sum(t), 1)}
-                      for k, t in busiest],
-              "waits": dict(waits), "python_profile": text.getvalue(),
-              "host_top": prof.key_averages().table(sort_by="self_cpu_time_total",
-                                                    row_limit=20)}  # fmt: skip
+    report = {
+        "preset": args.preset,
+        "quantize": args.quantize,
+        "prefix_len": args.prefix_len,
+        "turn_len": args.turn_len,
+        "output_len": args.output_len,
+        "turns": turns,
+        "ttft_later_s": ttft,
+        "ttft_later_p50_s": statistics.median(ttft),
+        "profiled_ttft_s": seconds,
+        "kernels": sum(len(t) for t in kernels.values()),
+        "kernel_time_us": sum(groups.values()),
+        "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+        "top": [{"kernel": k[:90], "count": len(t), "us": round(sum(t), 1)} for k, t in busiest],
+        "waits": dict(waits),
+        "python_profile": text.getvalue(),
+        "host_top": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20),
+    }
     print(f"[engine] host calls that wait for the device: {dict(waits)}")
-    print(f"[engine] later turns TTFT p50 {report['ttft_later_p50_s'] * 1e3:.1f} ms; profiled "
-          f"turn {seconds * 1e3:.1f} ms wall, {report['kernel_time_us'] / 1e3:.1f} ms of "
-          f"{report['kernels']} kernels: " + ", ".join(
-              f"{k} {us / 1e3:.1f}" for k, us in report["groups_us"].items()), flush=True)
+    print(
+        f"[engine] later turns TTFT p50 {report['ttft_later_p50_s'] * 1e3:.1f} ms; profiled "
+        f"turn {seconds * 1e3:.1f} ms wall, {report['kernel_time_us'] / 1e3:.1f} ms of "
+        f"{report['kernels']} kernels: "
+        + ", ".join(f"{k} {us / 1e3:.1f}" for k, us in report["groups_us"].items()),
+        flush=True,
+    )
     return report
 
 

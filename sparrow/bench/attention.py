@@ -69,15 +69,19 @@ def prefill_variants(q, k_cache, v_cache, table, ctx, scale, variants) -> dict:
     def lower_right():
         k = gather_prefix(k_cache, table, ctx).repeat_interleave(hq // hkv, 0)[None]
         v = gather_prefix(v_cache, table, ctx).repeat_interleave(hq // hkv, 0)[None]
-        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, scale=scale,
-                                              attn_mask=causal_lower_right(t, ctx))  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k, v, scale=scale, attn_mask=causal_lower_right(t, ctx)
+        )
 
     calls = {
         "paged": lambda: paged_attention(q, k_cache, v_cache, table[None], cu, ctx_t, scale),
         "sdpa-lower-right": lower_right,
     } | {
-        f"split-{b}": (lambda b=b: chunk_attention(q, k_chunk, v_chunk, k_cache, v_cache, table,
-                                                   prefix, scale, b))  # fmt: skip
+        f"split-{b}": (
+            lambda b=b: chunk_attention(
+                q, k_chunk, v_chunk, k_cache, v_cache, table, prefix, scale, b
+            )
+        )
         for b in ("cudnn", "flash")
     }
     return {name: calls[name] for name in variants}
@@ -123,21 +127,35 @@ def bench_decode(shape: str, ctx: int) -> dict:
     k_flat = gather_prefix(k_cache, table, ctx)[None]
     v_flat = gather_prefix(v_cache, table, ctx)[None]
     scale = d**-0.5
-    ours_us = graph_time_us([lambda: paged_decode_attention(q, k_cache, v_cache, table[None],
-                                                            ctx_t, scale)])  # fmt: skip
-    sdpa_us = graph_time_us([lambda: F.scaled_dot_product_attention(
-        q[:, :, None], k_flat, v_flat, scale=scale, enable_gqa=True)])
+    ours_us = graph_time_us(
+        [lambda: paged_decode_attention(q, k_cache, v_cache, table[None], ctx_t, scale)]
+    )
+    sdpa_us = graph_time_us(
+        [
+            lambda: F.scaled_dot_product_attention(
+                q[:, :, None], k_flat, v_flat, scale=scale, enable_gqa=True
+            )
+        ]
+    )
     kv_bytes = 2 * ctx * hkv * d * 2
-    return {"shape": shape, "context": ctx, "paged_us": ours_us, "sdpa_us": sdpa_us,
-            "paged_of_floor": kv_bytes / HBM_BYTES_PER_S * 1e6 / ours_us,
-            "sdpa_of_floor": kv_bytes / HBM_BYTES_PER_S * 1e6 / sdpa_us}  # fmt: skip
+    return {
+        "shape": shape,
+        "context": ctx,
+        "paged_us": ours_us,
+        "sdpa_us": sdpa_us,
+        "paged_of_floor": kv_bytes / HBM_BYTES_PER_S * 1e6 / ours_us,
+        "sdpa_of_floor": kv_bytes / HBM_BYTES_PER_S * 1e6 / sdpa_us,
+    }
 
 
 def _table(rows: list[dict], keys: list[str]) -> None:
     print(" | ".join(keys))
     for r in rows:
-        print(" | ".join(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-"))
-                         for k in keys))  # fmt: skip
+        print(
+            " | ".join(
+                f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -161,8 +179,9 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
     _table(prefill, ["shape", "context", *[f"{v}_tflops" for v in variants]])
     _table(decode, ["shape", "context", "paged_us", "sdpa_us", "paged_of_floor"])
-    write_report(args.out, {"prefill": prefill, "decode": decode,
-                            "gpu": torch.cuda.get_device_name()})  # fmt: skip
+    write_report(
+        args.out, {"prefill": prefill, "decode": decode, "gpu": torch.cuda.get_device_name()}
+    )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,7 @@ def _moe_layers(cfg: ModelArgs) -> list[tuple]:
     d, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     layers = []
     for _ in range(COPIES):
-        gate_up = quantize(torch.randn(e, 2 * inter, d, device="cuda") * 0.02, spec,
-                           torch.bfloat16)  # fmt: skip
+        gate_up = quantize(torch.randn(e, 2 * inter, d, device="cuda") * 0.02, spec, torch.bfloat16)
         down = quantize(torch.randn(e, d, inter, device="cuda") * 0.02, spec, torch.bfloat16)
         shared = tuple(tuple(t[0].clone() for t in w) for w in (gate_up, down))
         layers.append((gate_up, down, shared))
@@ -95,21 +94,33 @@ def bench_moe(cfg: ModelArgs, tokens: list[int]) -> dict:
         x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(t, cfg.num_experts, device="cuda", dtype=torch.bfloat16)
         gate = torch.randn(t, 1, device="cuda", dtype=torch.bfloat16)
-        paths = {"gemv": ExpertGemvTiles.for_shape(t, True),
-                 "grouped": GemmTiles.for_shape(t * k, cfg.num_experts),
-                 **{f"gemv {n}": tiles for n, tiles in GEMV_TILES.items()}}
+        paths = {
+            "gemv": ExpertGemvTiles.for_shape(t, True),
+            "grouped": GemmTiles.for_shape(t * k, cfg.num_experts),
+            **{f"gemv {n}": tiles for n, tiles in GEMV_TILES.items()},
+        }
         row, ref = {}, None
         for name, tiles in paths.items():
+
             def call(layer, tiles=tiles, x=x, logits=logits, gate=gate):
                 gate_up, down, shared = layer
-                return moe_experts(x, logits, k, gate_up, down, spec, tiles=tiles,
-                                   shared=Shared(gate, weights=shared))  # fmt: skip
+                return moe_experts(
+                    x,
+                    logits,
+                    k,
+                    gate_up,
+                    down,
+                    spec,
+                    tiles=tiles,
+                    shared=Shared(gate, weights=shared),
+                )
 
             try:
                 with torch.inference_mode():
                     out = call(layers[0])
-                    us = graph_time_us([lambda layer=layer: call(layer) for layer in layers],
-                                       replays=10, rounds=3)  # fmt: skip
+                    us = graph_time_us(
+                        [lambda layer=layer: call(layer) for layer in layers], replays=10, rounds=3
+                    )
             except Exception as err:  # noqa: BLE001 - a tile set that does not compile
                 row[name] = {"error": str(err)[:160]}
                 continue
@@ -121,8 +132,12 @@ def bench_moe(cfg: ModelArgs, tokens: list[int]) -> dict:
         ok = {n: r["us"] for n, r in row.items() if "us" in r}
         best = min(ok, key=ok.get)
         table[t] = {"paths": row, "best": best, "floor_us": nbytes / HBM_BYTES_PER_S * 1e6}
-        print(f"[moe] {t:>3} tokens: " + "  ".join(f"{n} {v:.1f}" for n, v in ok.items())
-              + f"  | best {best}", flush=True)  # fmt: skip
+        print(
+            f"[moe] {t:>3} tokens: "
+            + "  ".join(f"{n} {v:.1f}" for n, v in ok.items())
+            + f"  | best {best}",
+            flush=True,
+        )
     return table
 
 
@@ -141,28 +156,49 @@ def bench_dense(rows_list: list[int]) -> dict:
                 try:
                     row[cname] = graph_time_us(
                         [lambda c=c, t=tiles, x=x: quant_mma(x, *c, spec, t) for c in copies],
-                        replays=10, rounds=3)  # fmt: skip
+                        replays=10,
+                        rounds=3,
+                    )
                 except Exception as err:  # noqa: BLE001 - a tile set that does not compile
                     row[cname] = str(err)[:120]
             row["dequant+cublas"] = graph_time_us(
                 [lambda c=c, x=x: F.linear(x, dequantize(*c, spec, x.dtype)) for c in copies],
-                replays=5, rounds=3)  # fmt: skip
+                replays=5,
+                rounds=3,
+            )
             row["floor_us"] = nbytes / HBM_BYTES_PER_S * 1e6
             table[name][m] = row
-            print(f"[dense] {name} x {m} rows: " + "  ".join(
-                f"{c} {v:.1f}" if isinstance(v, float) else f"{c} err" for c, v in row.items()),
-                flush=True)  # fmt: skip
+            print(
+                f"[dense] {name} x {m} rows: "
+                + "  ".join(
+                    f"{c} {v:.1f}" if isinstance(v, float) else f"{c} err" for c, v in row.items()
+                ),
+                flush=True,
+            )
     return table
 
 
 GROUPS = (  # kernel-name substrings -> group, first match wins
-    ("expert", "moe experts"), ("moe_gemm", "moe experts"), ("topk", "moe routing"),
+    ("expert", "moe experts"),
+    ("moe_gemm", "moe experts"),
+    ("topk", "moe routing"),
     ("count_kernel", "moe routing"),
-    ("scan_kernel", "moe routing"), ("scatter", "moe routing"), ("combine", "moe combine"),
-    ("mma", "dense 4-bit (tensor cores)"), ("gemv", "dense 4-bit (row GEMV)"),
-    ("dequant", "dequantise"), ("gemm", "cuBLAS"), ("nvjet", "cuBLAS"), ("xmma", "cuBLAS"),
-    ("paged", "attention"), ("attention", "attention"), ("fmha", "attention"),
-    ("recurrent", "gdn"), ("delta", "gdn"), ("conv", "gdn"), ("norm", "norms"),
+    ("scan_kernel", "moe routing"),
+    ("scatter", "moe routing"),
+    ("combine", "moe combine"),
+    ("mma", "dense 4-bit (tensor cores)"),
+    ("gemv", "dense 4-bit (row GEMV)"),
+    ("dequant", "dequantise"),
+    ("gemm", "cuBLAS"),
+    ("nvjet", "cuBLAS"),
+    ("xmma", "cuBLAS"),
+    ("paged", "attention"),
+    ("attention", "attention"),
+    ("fmha", "attention"),
+    ("recurrent", "gdn"),
+    ("delta", "gdn"),
+    ("conv", "gdn"),
+    ("norm", "norms"),
 )
 
 
@@ -178,8 +214,9 @@ def profile_batch(llm: LLM, batch: int, context: int = 512) -> dict:
     bs = runner.cache.block_size
     per = -(-(context + 1) // bs)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
-    meta = build_metadata([[1]] * batch, [context] * batch, tables, list(range(batch)), bs,
-                          runner.model.device)  # fmt: skip
+    meta = build_metadata(
+        [[1]] * batch, [context] * batch, tables, list(range(batch)), bs, runner.model.device
+    )
 
     @torch.inference_mode()
     def step():
@@ -205,15 +242,19 @@ def bench_engine(sizes: list[int], rounds: int) -> dict:
         run_engine(llm, prompts, 4)  # warm-up at this batch size
         runs = []
         for _ in range(rounds):
-            _, t_dec, n = run_engine(llm, prompts, 64,
-                                     SamplingParams(max_tokens=64, ignore_eos=True))
+            _, t_dec, n = run_engine(
+                llm, prompts, 64, SamplingParams(max_tokens=64, ignore_eos=True)
+            )
             runs.append(n / t_dec)
         tok_s[c] = statistics.median(runs)
         profiles[c] = profile_batch(llm, c)
         g = profiles[c]["groups_us"]
-        print(f"[engine] concurrency {c}: {tok_s[c]:.0f} tok/s; eager step kernel time "
-              f"{profiles[c]['kernel_time_us']:.0f} us, by group: "
-              + ", ".join(f"{k} {us:.0f}" for k, us in g.items()), flush=True)  # fmt: skip
+        print(
+            f"[engine] concurrency {c}: {tok_s[c]:.0f} tok/s; eager step kernel time "
+            f"{profiles[c]['kernel_time_us']:.0f} us, by group: "
+            + ", ".join(f"{k} {us:.0f}" for k, us in g.items()),
+            flush=True,
+        )
     return {"decode_tok_s": tok_s, "profiles": profiles}
 
 

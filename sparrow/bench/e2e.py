@@ -59,9 +59,11 @@ def model_for(cfg: ModelArgs, max_len: int) -> ModelArgs:
         return cfg
     yarn = YarnScaling(YARN_FACTOR, cfg.max_position_embeddings)
     if max_len > yarn.max_positions:
-        raise ValueError(f"{max_len} tokens (longest prompt + decode) exceed the "
-                         f"{yarn.max_positions} positions of YaRN factor {YARN_FACTOR} over "
-                         f"{cfg.max_position_embeddings}")  # fmt: skip
+        raise ValueError(
+            f"{max_len} tokens (longest prompt + decode) exceed the "
+            f"{yarn.max_positions} positions of YaRN factor {YARN_FACTOR} over "
+            f"{cfg.max_position_embeddings}"
+        )
     return cfg.replace(rope_scaling=yarn)
 
 
@@ -69,13 +71,19 @@ def engine_settings(max_len: int, most: int, budget: int) -> dict:
     """LLM settings that hold one request of `max_len` tokens (or `most` short ones)
     without preemption; prompts are prefilled in chunks of `budget` tokens. No prefix
     caching: rounds repeat their prompts."""
-    return {"max_num_seqs": most, "max_model_len": max_len, "max_num_batched_tokens": budget,
-            "block_size": BLOCK_SIZE, "enable_prefix_caching": False,
-            "num_blocks": -(-max_len // BLOCK_SIZE) + 8 * most}  # fmt: skip
+    return {
+        "max_num_seqs": most,
+        "max_model_len": max_len,
+        "max_num_batched_tokens": budget,
+        "block_size": BLOCK_SIZE,
+        "enable_prefix_caching": False,
+        "num_blocks": -(-max_len // BLOCK_SIZE) + 8 * most,
+    }
 
 
-def run_engine(llm: LLM, prompts: list[list[int]], decode: int,
-               params: SamplingParams | None = None) -> tuple[float, float, int]:  # fmt: skip
+def run_engine(
+    llm: LLM, prompts: list[list[int]], decode: int, params: SamplingParams | None = None
+) -> tuple[float, float, int]:
     """Run prompts together to `decode` tokens each (greedy, EOS ignored, unless `params`
     say otherwise). Returns (seconds until every request has its first token, seconds after
     that until all finish, tokens generated in that time)."""
@@ -139,11 +147,18 @@ def profile_step(llm: LLM, context: int, new_tokens: int) -> dict:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    p.add_argument("--long", action="store_true",
-                   help=f"add {', '.join(map(str, LONG_LENGTHS))} (YaRN past 262,144)")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help=f"add {', '.join(map(str, LONG_LENGTHS))} (YaRN past 262,144)",
+    )
     p.add_argument("--long-rounds", type=int, default=1, help="rounds of rows past 131,072")
-    p.add_argument("--chunk", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="prefill tokens per step")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=SchedulerConfig.max_num_batched_tokens,
+        help="prefill tokens per step",
+    )
     p.add_argument("--decode", type=int, default=32, help="decode tokens per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="4bit,bf16")
@@ -161,8 +176,9 @@ def plan_lengths(args: argparse.Namespace) -> list[int]:
     return lengths + [n for n in LONG_LENGTHS if args.long and n not in lengths]
 
 
-def build_engines(cfg: ModelArgs, args: argparse.Namespace, max_len: int, most: int,
-                  device: str = "cuda") -> dict:  # fmt: skip
+def build_engines(
+    cfg: ModelArgs, args: argparse.Namespace, max_len: int, most: int, device: str = "cuda"
+) -> dict:
     """{"hf": HF model (when the baseline runs), "sparrow-<variant>": LLM} on `device`."""
     engines: dict[str, object] = {}
     hf = None
@@ -199,12 +215,17 @@ def batch1(engines: dict, prompt: list[int], args: argparse.Namespace) -> dict[s
             elif length <= args.hf_max_len:
                 from sparrow.eval.hf_compare import run_hf
 
-                t_pre, t_dec = run_hf(engine, torch.tensor(prompt, device="cuda"),
-                                      args.hf_decode)[:2]  # fmt: skip
+                t_pre, t_dec = run_hf(engine, torch.tensor(prompt, device="cuda"), args.hf_decode)[
+                    :2
+                ]
                 runs[name].append((length / t_pre, args.hf_decode / t_dec))
-    return {name: {"prefill_tok_s": statistics.median(r[0] for r in rows[warm:]),
-                   "decode_tok_s": statistics.median(r[1] for r in rows[warm:])}
-            for name, rows in runs.items()}  # fmt: skip
+    return {
+        name: {
+            "prefill_tok_s": statistics.median(r[0] for r in rows[warm:]),
+            "decode_tok_s": statistics.median(r[1] for r in rows[warm:]),
+        }
+        for name, rows in runs.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -225,8 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
             results[name][length] = row
         line = "  ".join(
             f"{n}: {r[length]['prefill_tok_s']:9.0f} / {r[length]['decode_tok_s']:6.1f}"
-            for n, r in results.items() if length in r
-        )  # fmt: skip
+            for n, r in results.items()
+            if length in r
+        )
         print(f"[e2e] {length:>7} tokens  prefill / decode tok/s  {line}", flush=True)
     conc: dict[str, dict[int, float]] = defaultdict(dict)
     for c in concurrency:
@@ -238,13 +260,18 @@ def main(argv: list[str] | None = None) -> dict:
                 conc[name][c] = n / t_dec
     report = {
         "model": f"qwen3_5_moe full width, {cfg.num_layers} layers, random weights",
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "decode_tokens": args.decode, "hf_decode_tokens": args.hf_decode,
-        "rounds": args.rounds, "hf_skipped_above": args.hf_max_len or None,
-        "long_rounds": args.long_rounds, "prefill_chunk": args.chunk,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "decode_tokens": args.decode,
+        "hf_decode_tokens": args.hf_decode,
+        "rounds": args.rounds,
+        "hf_skipped_above": args.hf_max_len or None,
+        "long_rounds": args.long_rounds,
+        "prefill_chunk": args.chunk,
         "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
-        "batch1": results, "concurrency_decode_tok_s": conc,
-    }  # fmt: skip
+        "batch1": results,
+        "concurrency_decode_tok_s": conc,
+    }
     for name, engine in engines.items():
         if name != "hf":
             floor = {n: HBM_BYTES_PER_S / decode_bytes_per_token(engine.model, n) for n in lengths}
@@ -263,23 +290,32 @@ def _print_table(report: dict, lengths: list[int]) -> None:
     for length in lengths:
         cells = "".join(
             f"{batch1[n][length]['prefill_tok_s']:>20.0f}{batch1[n][length]['decode_tok_s']:>18.1f}"
-            if length in batch1[n] else f"{'-':>20}{'-':>18}"
+            if length in batch1[n]
+            else f"{'-':>20}{'-':>18}"
             for n in names
-        )  # fmt: skip
+        )
         print(f"{length:>8}{cells}")
     for name, floor in report.get("decode_roofline_tok_s", {}).items():
         frac = {n: batch1[name][n]["decode_tok_s"] / floor[n] for n in lengths}
-        print(f"{name} decode as a fraction of the bandwidth floor: "
-              + ", ".join(f"{n}: {f:.0%}" for n, f in frac.items()))  # fmt: skip
+        print(
+            f"{name} decode as a fraction of the bandwidth floor: "
+            + ", ".join(f"{n}: {f:.0%}" for n, f in frac.items())
+        )
     for name, c in report["concurrency_decode_tok_s"].items():
-        print(f"{name} decode tok/s by concurrency: "
-              + ", ".join(f"{k}: {v:.0f}" for k, v in c.items()))  # fmt: skip
-    for key, what in (("decode_profile_4k", "decode step at 4K"),
-                      ("prefill_profile_4k", "prefill of 4K tokens")):  # fmt: skip
+        print(
+            f"{name} decode tok/s by concurrency: "
+            + ", ".join(f"{k}: {v:.0f}" for k, v in c.items())
+        )
+    for key, what in (
+        ("decode_profile_4k", "decode step at 4K"),
+        ("prefill_profile_4k", "prefill of 4K tokens"),
+    ):
         for name, prof in report.get(key, {}).items():
-            print(f"{name}: one eager {what}: {prof['kernels']} kernels, "
-                  f"{prof['kernel_time_us']:.0f} us of kernel time, launched in "
-                  f"{prof['host_launch_ms']:.1f} ms, {prof['wall_ms']:.1f} ms wall; top:")
+            print(
+                f"{name}: one eager {what}: {prof['kernels']} kernels, "
+                f"{prof['kernel_time_us']:.0f} us of kernel time, launched in "
+                f"{prof['host_launch_ms']:.1f} ms, {prof['wall_ms']:.1f} ms wall; top:"
+            )
             for row in prof["top"][:12]:
                 print(f"    {row['us']:>9.1f} us  x{row['count']:<4} {row['kernel']}")
 

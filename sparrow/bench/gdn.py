@@ -67,16 +67,28 @@ def bench_prefill(length: int, fla_chunk, gen) -> dict:
     def ours(block_v=None):  # the default tiles, or another state width
         pool.copy_(h0)
         tiles = ChunkTiles() if block_v is None else ChunkTiles(state_bv=block_v)
-        return chunk_gated_delta_rule_varlen(q[0], k[0], v[0], g[0], beta[0], cu, pool, slots,
-                                             tiles=tiles)  # fmt: skip
+        return chunk_gated_delta_rule_varlen(
+            q[0], k[0], v[0], g[0], beta[0], cu, pool, slots, tiles=tiles
+        )
 
     def fla():
-        return fla_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True)  # fmt: skip
+        return fla_chunk(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
 
     o_ours, (o_fla, h_fla) = ours(), fla()
-    row = {"tokens": length, "o_rel_err_vs_fla": _rel(o_ours, o_fla[0]),
-           "state_rel_err_vs_fla": _rel(pool, h_fla)}  # fmt: skip
+    row = {
+        "tokens": length,
+        "o_rel_err_vs_fla": _rel(o_ours, o_fla[0]),
+        "state_rel_err_vs_fla": _rel(pool, h_fla),
+    }
     copy_ms = do_bench(lambda: pool.copy_(h0), return_mode="median")
     row["ours_ms"] = do_bench(ours, return_mode="median") - copy_ms
     for bv in (16, 32, 64):  # state columns per program of the sequential kernel
@@ -109,19 +121,25 @@ def bench_decode(batch: int, fla_recurrent, gen) -> dict:
         layers.append((mixed, ab, z, conv, state))
 
     def step_only(mixed, ab, z, conv, state):
-        return fused_recurrent_step(mixed, ab[0], ab[1], z, a_log, dt_bias, norm.weight, norm.eps,
-                                    state, slots, HK)  # fmt: skip
+        return fused_recurrent_step(
+            mixed, ab[0], ab[1], z, a_log, dt_bias, norm.weight, norm.eps, state, slots, HK
+        )
 
     def ours(mixed, ab, z, conv, state):  # the layer's decode path: two kernels
-        return step_only(causal_conv1d_varlen(mixed, cu, conv, slots, conv_w, max_len=1), ab, z,
-                         conv, state)  # fmt: skip
+        return step_only(
+            causal_conv1d_varlen(mixed, cu, conv, slots, conv_w, max_len=1), ab, z, conv, state
+        )
 
     fla_calls = []
     for mixed, ab, _, _, state in layers:
         q, k, v = mixed.view(batch, 1, -1).split((HK * D, HK * D, HV * D), dim=-1)
-        args = (q.reshape(batch, 1, HK, D), k.reshape(batch, 1, HK, D),
-                v.reshape(batch, 1, HV, D), F.logsigmoid(ab[0].float())[:, None],
-                ab[1].float().sigmoid()[:, None])  # fmt: skip
+        args = (
+            q.reshape(batch, 1, HK, D),
+            k.reshape(batch, 1, HK, D),
+            v.reshape(batch, 1, HV, D),
+            F.logsigmoid(ab[0].float())[:, None],
+            ab[1].float().sigmoid()[:, None],
+        )
         fla_calls.append(
             lambda args=args, state=state: fla_recurrent(
                 *args, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
@@ -154,8 +172,10 @@ def bench_mixer(gen, rounds: int = 3) -> dict:
     layers = []
     for _ in range(LAYERS):
         x = torch.randn(1, hidden, generator=gen, device="cuda").bfloat16()
-        w_in, w_out = (quantize(torch.randn(n, k, generator=gen, device="cuda"), spec)
-                       for n, k in ((n_in, hidden), (hidden, HV * D)))  # fmt: skip
+        w_in, w_out = (
+            quantize(torch.randn(n, k, generator=gen, device="cuda"), spec)
+            for n, k in ((n_in, hidden), (hidden, HV * D))
+        )
         conv_w = torch.randn(CONV_DIM, CONV_K, generator=gen, device="cuda").bfloat16() * 0.3
         conv = state_pool(1, CONV_DIM, CONV_K, "cuda", torch.bfloat16)
         state = torch.randn(1, HV, D, D, generator=gen, device="cuda") * 0.1
@@ -167,8 +187,9 @@ def bench_mixer(gen, rounds: int = 3) -> dict:
 
     def fused(x, w_in, w_out, conv_w, conv, state):  # the model's batch-1 path
         qkv, z, b, a = split(quant_gemv_conv(x, *w_in, spec, conv_w, conv, slots))
-        gated, sq_sums = fused_recurrent_step(qkv, a, b, z, a_log, dt_bias, norm_w, 1e-6, state,
-                                              slots, HK, normed=False)  # fmt: skip
+        gated, sq_sums = fused_recurrent_step(
+            qkv, a, b, z, a_log, dt_bias, norm_w, 1e-6, state, slots, HK, normed=False
+        )
         return quant_gemv_rms_scaled(gated, sq_sums, 1e-6, *w_out, spec, torch.bfloat16)
 
     def separate(x, w_in, w_out, conv_w, conv, state):  # the path at batch > 1
@@ -212,34 +233,51 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.inference_mode():  # decode first: after its 32K prefill, fla 0.6.0's
         # recurrent kernel faulted (illegal address) in a run on the H200
-        decode = [bench_decode(int(b), fused_recurrent_gated_delta_rule, gen)
-                  for b in args.batches.split(",")]  # fmt: skip
+        decode = [
+            bench_decode(int(b), fused_recurrent_gated_delta_rule, gen)
+            for b in args.batches.split(",")
+        ]
         mixer = bench_mixer(gen)
-        prefill = [bench_prefill(int(n), chunk_gated_delta_rule, gen)
-                   for n in args.lengths.split(",")]  # fmt: skip
-    print(f"{'prefill tokens':>14}{'ours ms':>10}{'fla ms':>10}{'speedup':>9}{'o err':>10}"
-          f"{'our kernels ms':>16}{'fla kernels ms':>16}{'ratio':>7}")  # fmt: skip
+        prefill = [
+            bench_prefill(int(n), chunk_gated_delta_rule, gen) for n in args.lengths.split(",")
+        ]
+    print(
+        f"{'prefill tokens':>14}{'ours ms':>10}{'fla ms':>10}{'speedup':>9}{'o err':>10}"
+        f"{'our kernels ms':>16}{'fla kernels ms':>16}{'ratio':>7}"
+    )
     for r in prefill:
-        print(f"{r['tokens']:>14}{r['ours_ms']:>10.3f}{r['fla_ms']:>10.3f}{r['speedup']:>9.2f}"
-              f"{r['o_rel_err_vs_fla']:>10.1e}{r['ours_kernel_ms']:>16.3f}"
-              f"{r['fla_kernel_ms']:>16.3f}{r['kernel_speedup']:>7.2f}  "
-              + ", ".join(f"{k['kernel'][:14]} {k['us']:.0f}us"
-                          for k in r["ours_kernels"]))  # fmt: skip
-    print(f"{'decode batch':>14}{'ours graph us':>15}{'TB/s':>7}"
-          f"{'step + norm us':>16}{'conv us':>9}{'fla graph us':>14}"
-          f"{'fla eager us':>14}")  # fmt: skip
+        print(
+            f"{r['tokens']:>14}{r['ours_ms']:>10.3f}{r['fla_ms']:>10.3f}{r['speedup']:>9.2f}"
+            f"{r['o_rel_err_vs_fla']:>10.1e}{r['ours_kernel_ms']:>16.3f}"
+            f"{r['fla_kernel_ms']:>16.3f}{r['kernel_speedup']:>7.2f}  "
+            + ", ".join(f"{k['kernel'][:14]} {k['us']:.0f}us" for k in r["ours_kernels"])
+        )
+    print(
+        f"{'decode batch':>14}{'ours graph us':>15}{'TB/s':>7}"
+        f"{'step + norm us':>16}{'conv us':>9}{'fla graph us':>14}"
+        f"{'fla eager us':>14}"
+    )
     for r in decode:
-        print(f"{r['batch']:>14}{r['ours_graph_us']:>15.2f}{r['ours_graph_state_tb_s']:>7.2f}"
-              f"{r['ours_step_only_graph_us']:>16.2f}{r['conv_only_graph_us']:>9.2f}"
-              f"{r['fla_graph_us']:>14.2f}{r['fla_eager_us']:>14.2f}")  # fmt: skip
-    print(f"batch-1 mixer, us per layer: in-proj GEMV with conv + step + out-proj GEMV "
-          f"finishing the norm {mixer['fused_us']:.2f}; GEMVs + conv + step with norm "
-          f"{mixer['separate_us']:.2f}; the two GEMVs alone {mixer['gemvs_only_us']:.2f}: "
-          f"layer step {mixer['fused_step_us']:.2f} (fused) vs "
-          f"{mixer['separate_step_us']:.2f} (separate); outputs differ by "
-          f"{mixer['fused_vs_separate_rel_err']:.1e}")  # fmt: skip
-    report = {"gpu": torch.cuda.get_device_name(), "shapes": f"Hk={HK} Hv={HV} D={D}",
-              "prefill": prefill, "decode": decode, "mixer_batch1": mixer}  # fmt: skip
+        print(
+            f"{r['batch']:>14}{r['ours_graph_us']:>15.2f}{r['ours_graph_state_tb_s']:>7.2f}"
+            f"{r['ours_step_only_graph_us']:>16.2f}{r['conv_only_graph_us']:>9.2f}"
+            f"{r['fla_graph_us']:>14.2f}{r['fla_eager_us']:>14.2f}"
+        )
+    print(
+        f"batch-1 mixer, us per layer: in-proj GEMV with conv + step + out-proj GEMV "
+        f"finishing the norm {mixer['fused_us']:.2f}; GEMVs + conv + step with norm "
+        f"{mixer['separate_us']:.2f}; the two GEMVs alone {mixer['gemvs_only_us']:.2f}: "
+        f"layer step {mixer['fused_step_us']:.2f} (fused) vs "
+        f"{mixer['separate_step_us']:.2f} (separate); outputs differ by "
+        f"{mixer['fused_vs_separate_rel_err']:.1e}"
+    )
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "shapes": f"Hk={HK} Hv={HV} D={D}",
+        "prefill": prefill,
+        "decode": decode,
+        "mixer_batch1": mixer,
+    }
     write_report(args.out, report)
     return report
 

@@ -86,33 +86,54 @@ def bench_shape(n: int, k: int, configs, rows: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="bench-out/gemv.json")
-    p.add_argument("--quick", action="store_true",
-                   help="`GemvTiles.for_shape` blocks only, with and without the weight "
-                        "prefetch, products in fp16 pairs or fp32")  # fmt: skip
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="`GemvTiles.for_shape` blocks only, with and without the weight "
+        "prefetch, products in fp16 pairs or fp32",
+    )
     p.add_argument("--rows", type=int, default=1, help="activation rows (1-16)")
-    p.add_argument("--f16-dot", action="store_true",
-                   help="sweep with the products in packed fp16 pairs (`GemvTiles.f16_dot`)")
+    p.add_argument(
+        "--f16-dot",
+        action="store_true",
+        help="sweep with the products in packed fp16 pairs (`GemvTiles.f16_dot`)",
+    )
     args = p.parse_args(argv)
-    sweep = [(bn, bk, nw)  # 3 stages never beat 2 in the sweeps of 2026-11-30
-             for bn, bk, nw in itertools.product([4, 8, 16, 32, 64], [512, 1024, 2048, 4096],
-                                                 [1, 2, 4, 8])
-             if bn * bk <= 64 * 2048]  # fmt: skip
+    sweep = [
+        (bn, bk, nw)  # 3 stages never beat 2 in the sweeps of 2026-11-30
+        for bn, bk, nw in itertools.product(
+            [4, 8, 16, 32, 64], [512, 1024, 2048, 4096], [1, 2, 4, 8]
+        )
+        if bn * bk <= 64 * 2048
+    ]
     report = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "shapes": {}}
-    print(f"{'shape':<28}{'floor us':>10}{'ours us':>10}{'frac bw':>9}{'bf16 us':>10}"
-          f"{'deq+mm us':>11}  best config")  # fmt: skip
+    print(
+        f"{'shape':<28}{'floor us':>10}{'ours us':>10}{'frac bw':>9}{'bf16 us':>10}"
+        f"{'deq+mm us':>11}  best config"
+    )
     for name, (n, k) in SHAPES.items():
         default = GemvTiles.for_shape(n, k)
         # --quick: the default blocks, with and without the weight prefetch, fp16 or fp32 products
-        configs = ([_named(replace(default, prefetch=pf, f16_dot=f16), True)
-                    for pf in (True, False) for f16 in (True, False)] if args.quick
-                   else [_named(GemvTiles(bn, bk, nw, f16_dot=args.f16_dot or default.f16_dot),
-                                args.f16_dot)
-                         for bn, bk, nw in sweep if bk <= k])  # fmt: skip
+        configs = (
+            [
+                _named(replace(default, prefetch=pf, f16_dot=f16), True)
+                for pf in (True, False)
+                for f16 in (True, False)
+            ]
+            if args.quick
+            else [
+                _named(GemvTiles(bn, bk, nw, f16_dot=args.f16_dot or default.f16_dot), args.f16_dot)
+                for bn, bk, nw in sweep
+                if bk <= k
+            ]
+        )
         r = bench_shape(n, k, configs, args.rows)
         report["shapes"][name] = r
-        print(f"{name:<28}{r['floor_us']:>10.2f}{r['best_us']:>10.2f}"
-              f"{r['best_fraction_of_bandwidth']:>9.0%}{r['bf16_cublas_us']:>10.2f}"
-              f"{r['dequant_matmul_us']:>11.1f}  {r['best']}")  # fmt: skip
+        print(
+            f"{name:<28}{r['floor_us']:>10.2f}{r['best_us']:>10.2f}"
+            f"{r['best_fraction_of_bandwidth']:>9.0%}{r['bf16_cublas_us']:>10.2f}"
+            f"{r['dequant_matmul_us']:>11.1f}  {r['best']}"
+        )
     write_report(args.out, report)
     return report
 

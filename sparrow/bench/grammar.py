@@ -31,26 +31,39 @@ SCHEMA = {
         "active": {"type": "boolean"},
         "role": {"enum": ["admin", "user", "guest"]},
         "tags": {"type": "array", "items": {"type": "string"}},
-        "address": {"type": "object", "properties": {
-            "city": {"type": "string"}, "zip": {"type": "string"}},
-            "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+        },
     },
     "required": ["name", "age", "active", "role", "tags", "address"],
-}  # fmt: skip
-DOCUMENT = {"name": "Ada Lovelace", "age": 36, "active": True, "role": "admin",
-            "tags": ["math", "engines", "notes on the analytical engine"],
-            "address": {"city": "London", "zip": "W1"}}  # fmt: skip
+}
+DOCUMENT = {
+    "name": "Ada Lovelace",
+    "age": 36,
+    "active": True,
+    "role": "admin",
+    "tags": ["math", "engines", "notes on the analytical engine"],
+    "address": {"city": "London", "zip": "W1"},
+}
 
 
 # a JSON object whose one string must run past any decode length the bench asks for
-ENGINE_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 8000}},
-                 "required": ["text"]}  # fmt: skip
+ENGINE_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 8000}},
+    "required": ["text"],
+}
 
 
 def _summary(times: list[float]) -> dict[str, float]:
     ms = sorted(t * 1e3 for t in times)
-    return {"median_ms": round(statistics.median(ms), 4), "mean_ms": round(statistics.mean(ms), 4),
-            "p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 4)}  # fmt: skip
+    return {
+        "median_ms": round(statistics.median(ms), 4),
+        "mean_ms": round(statistics.mean(ms), 4),
+        "p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 4),
+    }
 
 
 def bench_xgrammar(tokenizer, vocab_size: int, stops: tuple[int, ...], ids: list[int]) -> dict:
@@ -70,8 +83,11 @@ def bench_xgrammar(tokenizer, vocab_size: int, stops: tuple[int, ...], ids: list
         times.append(time.perf_counter() - start)
         assert mask[0, t // 32] >> (t % 32) & 1, "the document's token is not allowed"
         grammar.accept(t)
-    return {"tokenizer_setup_s": round(setup, 3), "compile_s": round(compile_s, 4),
-            **_summary(times)}  # fmt: skip
+    return {
+        "tokenizer_setup_s": round(setup, 3),
+        "compile_s": round(compile_s, 4),
+        **_summary(times),
+    }
 
 
 def bench_llguidance(model_dir, vocab_size: int, stops: tuple[int, ...], ids: list[int]) -> dict:
@@ -79,13 +95,15 @@ def bench_llguidance(model_dir, vocab_size: int, stops: tuple[int, ...], ids: li
     import llguidance.torch as llt
 
     start = time.perf_counter()
-    tok = llguidance.LLTokenizer(str(model_dir / "tokenizer.json"), n_vocab=vocab_size,
-                                 eos_token=list(stops))  # fmt: skip
+    tok = llguidance.LLTokenizer(
+        str(model_dir / "tokenizer.json"), n_vocab=vocab_size, eos_token=list(stops)
+    )
     setup = time.perf_counter() - start
     start = time.perf_counter()
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        json.dumps(SCHEMA), defaults={"whitespace_flexible": False, "item_separator": ", ",
-                                        "key_separator": ": "})
+        json.dumps(SCHEMA),
+        defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+    )
     matcher = llguidance.LLMatcher(tok, grammar)
     mask = llt.allocate_token_bitmask(1, vocab_size)
     compile_s = time.perf_counter() - start
@@ -96,8 +114,11 @@ def bench_llguidance(model_dir, vocab_size: int, stops: tuple[int, ...], ids: li
         times.append(time.perf_counter() - start)
         assert mask[0, t // 32] >> (t % 32) & 1, matcher.get_error()
         matcher.consume_token(t)
-    return {"tokenizer_setup_s": round(setup, 3), "compile_s": round(compile_s, 4),
-            **_summary(times)}  # fmt: skip
+    return {
+        "tokenizer_setup_s": round(setup, 3),
+        "compile_s": round(compile_s, 4),
+        **_summary(times),
+    }
 
 
 def bench_engine(batches: list[int], decode: int, rounds: int) -> dict:
@@ -111,12 +132,21 @@ def bench_engine(batches: list[int], decode: int, rounds: int) -> dict:
     from sparrow.engine.llm import LLM
     from sparrow.loader.random_checkpoint import preset_dir
 
-    llm = LLM(str(preset_dir("qwen3.6-35b-a3b")), load_format="dummy", quantize="4bit",
-              max_num_seqs=max(batches), max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(
+        str(preset_dir("qwen3.6-35b-a3b")),
+        load_format="dummy",
+        quantize="4bit",
+        max_num_seqs=max(batches),
+        max_model_len=1024,
+        enable_prefix_caching=False,
+    )
     prompt = llm.tokenizer.encode("Describe the weather as JSON.")
-    sides = {"free": SamplingParams(max_tokens=decode, ignore_eos=True),
-             "json_schema": SamplingParams(max_tokens=decode, ignore_eos=True,
-                                           grammar=GrammarSpec.json_schema(ENGINE_SCHEMA))}
+    sides = {
+        "free": SamplingParams(max_tokens=decode, ignore_eos=True),
+        "json_schema": SamplingParams(
+            max_tokens=decode, ignore_eos=True, grammar=GrammarSpec.json_schema(ENGINE_SCHEMA)
+        ),
+    }
     result = {}
     for batch in batches:
         rates: dict[str, list[float]] = {name: [] for name in sides}
@@ -147,8 +177,14 @@ def main() -> None:
 
     if args.engine:
         batches = [int(b) for b in args.batch.split(",")]
-        write_report(args.out, {"decode_tokens": args.decode, "rounds": args.rounds,
-                                **bench_engine(batches, args.decode, args.rounds)})
+        write_report(
+            args.out,
+            {
+                "decode_tokens": args.decode,
+                "rounds": args.rounds,
+                **bench_engine(batches, args.decode, args.rounds),
+            },
+        )
         return
     from sparrow.loader.random_checkpoint import tiny_random_checkpoint
     from sparrow.tokenizer import load_tokenizer
@@ -158,9 +194,12 @@ def main() -> None:
     vocab_size = json.loads((model_dir / "config.json").read_text())["text_config"]["vocab_size"]
     stops = (tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|endoftext|>"))
     ids = tokenizer.encode(json.dumps(DOCUMENT)) + [stops[0]]
-    result = {"vocab_size": vocab_size, "tokens": len(ids),
-              "xgrammar": bench_xgrammar(tokenizer, vocab_size, stops, ids),
-              "llguidance": bench_llguidance(model_dir, vocab_size, stops, ids)}  # fmt: skip
+    result = {
+        "vocab_size": vocab_size,
+        "tokens": len(ids),
+        "xgrammar": bench_xgrammar(tokenizer, vocab_size, stops, ids),
+        "llguidance": bench_llguidance(model_dir, vocab_size, stops, ids),
+    }
     write_report(args.out, result)
     print(json.dumps(result, indent=2))
 

@@ -51,15 +51,24 @@ def speed(args: argparse.Namespace, lengths: list[int], base: ModelArgs, device:
     gib = torch.cuda.memory_allocated() / 2**30 if device == "cuda" else None
     max_len = max(lengths) + args.decode + 1
     bs = cfg.index_block_size  # a cache page is one MSA block
-    llm = LLM(model, **engine_settings(max_len, 1, args.chunk)
-              | {"block_size": bs, "num_blocks": -(-max_len // bs) + 8,
-                 "index_cache_dtype": args.index_cache_dtype})  # fmt: skip
+    llm = LLM(
+        model,
+        **engine_settings(max_len, 1, args.chunk)
+        | {
+            "block_size": bs,
+            "num_blocks": -(-max_len // bs) + 8,
+            "index_cache_dtype": args.index_cache_dtype,
+        },
+    )
     gen = torch.Generator().manual_seed(0)
     # one warm-up prompt of two chunks and a bit compiles every kernel the timed runs take
     # (first chunk, chunks after a prefix, decode graphs)
     warm = min(max(lengths), 2 * args.chunk + 7)
-    run_engine(llm, [torch.randint(0, cfg.vocab_size - 64, (warm,), generator=gen).tolist()],
-               args.decode + 1)  # fmt: skip
+    run_engine(
+        llm,
+        [torch.randint(0, cfg.vocab_size - 64, (warm,), generator=gen).tolist()],
+        args.decode + 1,
+    )
     rows = {}
     for length in lengths:
         prompt = torch.randint(0, cfg.vocab_size - 64, (length,), generator=gen).tolist()
@@ -73,17 +82,30 @@ def speed(args: argparse.Namespace, lengths: list[int], base: ModelArgs, device:
         dec = statistics.median(r[1] for r in runs)
         scale = args.layers / FULL_LAYERS  # layer time dominates; embedding/head not scaled
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
-        rows[length] = {"prefill_tok_s": pre, "decode_tok_s": dec,
-                        "prefill_s": statistics.median(r[2] for r in runs),
-                        "peak_gib": peak,
-                        "prefill_tok_s_60_layers_extrapolated": pre * scale,
-                        "decode_tok_s_60_layers_extrapolated": dec * scale}  # fmt: skip
-        print(f"[m3] {args.layers} layers, {length:>6} tokens: prefill {pre:8.0f} tok/s "
-              f"({rows[length]['prefill_s']:.1f} s), decode {dec:6.1f} tok/s, peak "
-              f"{peak or 0:.1f} GiB (60 layers, extrapolated: {pre * scale:7.0f} / "
-              f"{dec * scale:5.1f})", flush=True)  # fmt: skip
-    cache_gib = sum(t.numel() * t.element_size() for layer in llm.runner.cache.layers
-                    if layer is not None for t in layer) / 2**30  # fmt: skip
+        rows[length] = {
+            "prefill_tok_s": pre,
+            "decode_tok_s": dec,
+            "prefill_s": statistics.median(r[2] for r in runs),
+            "peak_gib": peak,
+            "prefill_tok_s_60_layers_extrapolated": pre * scale,
+            "decode_tok_s_60_layers_extrapolated": dec * scale,
+        }
+        print(
+            f"[m3] {args.layers} layers, {length:>6} tokens: prefill {pre:8.0f} tok/s "
+            f"({rows[length]['prefill_s']:.1f} s), decode {dec:6.1f} tok/s, peak "
+            f"{peak or 0:.1f} GiB (60 layers, extrapolated: {pre * scale:7.0f} / "
+            f"{dec * scale:5.1f})",
+            flush=True,
+        )
+    cache_gib = (
+        sum(
+            t.numel() * t.element_size()
+            for layer in llm.runner.cache.layers
+            if layer is not None
+            for t in layer
+        )
+        / 2**30
+    )
     del llm, model
     _empty_cache()
     return {"layers": args.layers, "weights_gib": gib, "kv_cache_gib": cache_gib, "rows": rows}
@@ -113,13 +135,16 @@ def parity(length: int, base: ModelArgs, device: str) -> dict:
     from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
 
     # three MSA layers after one full one; one MoE layer (the MSA path is under test)
-    cfg = base.replace(num_layers=4, layer_types=("full_attention",)
-                              + ("minimax_m3_sparse",) * 3,
-                              mlp_layer_types=("dense",) * 3 + ("sparse",))  # fmt: skip
+    cfg = base.replace(
+        num_layers=4,
+        layer_types=("full_attention",) + ("minimax_m3_sparse",) * 3,
+        mlp_layer_types=("dense",) * 3 + ("sparse",),
+    )
     torch.manual_seed(0)
     with torch.device(device):
-        hf = MiniMaxM3VLForCausalLM._from_config(MiniMaxM3VLTextConfig(**cfg.to_hf_text_config()),
-                                                 dtype=torch.bfloat16).eval()  # fmt: skip
+        hf = MiniMaxM3VLForCausalLM._from_config(
+            MiniMaxM3VLTextConfig(**cfg.to_hf_text_config()), dtype=torch.bfloat16
+        ).eval()
     prompt = torch.randint(0, cfg.vocab_size, (length,), device=device)
     t_hf, out = timed(lambda: hf(prompt[None], logits_to_keep=KEEP))
     logits = {"hf_bf16": out.logits[0].float()}
@@ -137,10 +162,13 @@ def parity(length: int, base: ModelArgs, device: str) -> dict:
     for name, value in logits.items():
         result[f"{name}_vs_fp32"] = agreement(value, truth)
         result[f"{name}_vs_hf_bf16"] = agreement(value, logits["hf_bf16"])
-        print(f"[m3] parity at {length} tokens, {name}: vs fp32 rel err "
-              f"{result[f'{name}_vs_fp32']['rel_err']:.4f}, top-1 "
-              f"{result[f'{name}_vs_fp32']['top1_agree']:.2%}; vs HF bf16 top-1 "
-              f"{result[f'{name}_vs_hf_bf16']['top1_agree']:.2%}", flush=True)  # fmt: skip
+        print(
+            f"[m3] parity at {length} tokens, {name}: vs fp32 rel err "
+            f"{result[f'{name}_vs_fp32']['rel_err']:.4f}, top-1 "
+            f"{result[f'{name}_vs_fp32']['top1_agree']:.2%}; vs HF bf16 top-1 "
+            f"{result[f'{name}_vs_hf_bf16']['top1_agree']:.2%}",
+            flush=True,
+        )
     return result
 
 
@@ -151,11 +179,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
-    p.add_argument("--index-cache-dtype", choices=INDEX_CACHE_DTYPES, default="auto",
-                   help="MSA index keys in the activation dtype or as fp8 codes")  # fmt: skip
+    p.add_argument(
+        "--index-cache-dtype",
+        choices=INDEX_CACHE_DTYPES,
+        default="auto",
+        help="MSA index keys in the activation dtype or as fp8 codes",
+    )
     p.add_argument("--parity-len", type=int, default=4096, help="0: skip the HF comparison")
-    p.add_argument("--preset", choices=("minimax-m3", "minimax-m3-tiny"), default="minimax-m3",
-                   help="minimax-m3-tiny: a smoke test (also on CPU)")
+    p.add_argument(
+        "--preset",
+        choices=("minimax-m3", "minimax-m3-tiny"),
+        default="minimax-m3",
+        help="minimax-m3-tiny: a smoke test (also on CPU)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     base = ModelArgs() if args.preset == "minimax-m3" else PRESETS[args.preset]
@@ -163,11 +199,17 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     room = model_context(base) - args.decode - 1  # the prompt, then the decoded tokens
     if any(n > room for n in lengths):
-        p.error(f"prompts of up to {room} tokens leave room for --decode {args.decode} in the "
-                f"model's context of {model_context(base)}")  # fmt: skip
-    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "preset": args.preset, "torch": torch.__version__,
-              "decode_tokens": args.decode, "rounds": args.rounds}  # fmt: skip
+        p.error(
+            f"prompts of up to {room} tokens leave room for --decode {args.decode} in the "
+            f"model's context of {model_context(base)}"
+        )
+    report = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "preset": args.preset,
+        "torch": torch.__version__,
+        "decode_tokens": args.decode,
+        "rounds": args.rounds,
+    }
     if args.parity_len:
         report["parity"] = parity(args.parity_len, base, device)
     if lengths:

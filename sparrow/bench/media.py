@@ -24,12 +24,15 @@ from sparrow.bench.report import write_report
 from sparrow.multimodal import MINIMAX_M3, QWEN3_5_MOE, decode_image, preprocess_image
 from sparrow.multimodal.video import MINIMAX_M3_VIDEO, QWEN3_5_MOE_VIDEO, preprocess_video
 
-SPECS = {"qwen3_5_moe": (QWEN3_5_MOE, QWEN3_5_MOE_VIDEO),
-         "minimax_m3": (MINIMAX_M3, MINIMAX_M3_VIDEO)}  # fmt: skip
+SPECS = {
+    "qwen3_5_moe": (QWEN3_5_MOE, QWEN3_5_MOE_VIDEO),
+    "minimax_m3": (MINIMAX_M3, MINIMAX_M3_VIDEO),
+}
 
 
-def sample_media(width: int = 1280, height: int = 720, seconds: int = 10,
-                 fps: int = 30) -> tuple[bytes, bytes]:  # fmt: skip
+def sample_media(
+    width: int = 1280, height: int = 720, seconds: int = 10, fps: int = 30
+) -> tuple[bytes, bytes]:
     """(JPEG bytes, H.264 MP4 bytes) of a synthetic scene: gradients that move, plus noise."""
     import av
 
@@ -38,8 +41,9 @@ def sample_media(width: int = 1280, height: int = 720, seconds: int = 10,
 
     def frame(i: int) -> np.ndarray:
         noise = rng.integers(0, 8, (height, width), dtype=np.int64)  # camera-like grain
-        return np.stack([(x + 4 * i) % 256, (y + 2 * i) % 256, (x + y + noise) % 256],
-                        -1).astype(np.uint8)  # fmt: skip
+        return np.stack([(x + 4 * i) % 256, (y + 2 * i) % 256, (x + y + noise) % 256], -1).astype(
+            np.uint8
+        )
 
     jpeg = io.BytesIO()
     Image.fromarray(frame(0)).save(jpeg, format="JPEG", quality=90)
@@ -86,13 +90,19 @@ def main(argv: list[str] | None = None) -> dict:
     jpeg, clip = sample_media(seconds=args.seconds)
     rows = {}
     for name, (image_spec, video_spec) in SPECS.items():
-        t_img, image = median_s(lambda s=image_spec: preprocess_image(decode_image(jpeg), s),
-                                args.rounds)  # fmt: skip
+        t_img, image = median_s(
+            lambda s=image_spec: preprocess_image(decode_image(jpeg), s), args.rounds
+        )
         t_vid, video = median_s(lambda s=video_spec: preprocess_video(clip, s), args.rounds)
-        row = {"image_preprocess_ms": t_img * 1e3, "image_grid": image.grid_thw,
-               "image_tokens": image.num_tokens, "video_preprocess_ms": t_vid * 1e3,
-               "video_grid": video.grid_thw, "video_frames": len(video.frame_indices),
-               "video_tokens": video.num_tokens(video_spec)}  # fmt: skip
+        row = {
+            "image_preprocess_ms": t_img * 1e3,
+            "image_grid": image.grid_thw,
+            "image_tokens": image.num_tokens,
+            "video_preprocess_ms": t_vid * 1e3,
+            "video_grid": video.grid_thw,
+            "video_frames": len(video.frame_indices),
+            "video_tokens": video.num_tokens(video_spec),
+        }
         if torch.cuda.is_available():
             model = tower(name)
             for key, item in (("image", image), ("video", video)):
@@ -100,16 +110,20 @@ def main(argv: list[str] | None = None) -> dict:
                 grid = torch.tensor([item.grid_thw], device="cuda")
                 with torch.inference_mode():
                     model(pixels, grid)  # warm-up
-                    row[f"{key}_encode_ms"] = median_s(
-                        lambda m=model, px=pixels, g=grid: m(px, g), args.rounds)[0] * 1e3
+                    row[f"{key}_encode_ms"] = (
+                        median_s(lambda m=model, px=pixels, g=grid: m(px, g), args.rounds)[0] * 1e3
+                    )
             del model
             torch.cuda.empty_cache()
         rows[name] = row
         cells = (f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
         print(f"[media] {name}: " + ", ".join(cells))
-    report = {"image": "1280x720 JPEG", "video": f"{args.seconds} s 1280x720 H.264 at 30 fps",
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "rows": rows}  # fmt: skip
+    report = {
+        "image": "1280x720 JPEG",
+        "video": f"{args.seconds} s 1280x720 H.264 at 30 fps",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "rows": rows,
+    }
     write_report(args.out, report)
     return report
 

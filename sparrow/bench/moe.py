@@ -80,11 +80,14 @@ def shared_apart(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     router_logits, shared_gate = layer.project("gates", x)
     e = layer.experts
     return moe_experts(
-        x, router_logits, layer.top_k,
+        x,
+        router_logits,
+        layer.top_k,
         (e.gate_up_proj, e.gate_up_proj_scales, e.gate_up_proj_biases),
-        (e.down_proj, e.down_proj_scales, e.down_proj_biases), e.spec,
+        (e.down_proj, e.down_proj_scales, e.down_proj_biases),
+        e.spec,
         shared=Shared(shared_gate, output=layer.shared_expert(x)),
-    )  # fmt: skip
+    )
 
 
 def bench_tokens(hf, ours, cfg: ModelArgs, t: int, copies: list | None = None) -> dict:
@@ -99,8 +102,9 @@ def bench_tokens(hf, ours, cfg: ModelArgs, t: int, copies: list | None = None) -
         graph_us = graph_time_us([lambda: ours(x)], replays=20)
         hbm_us = float("nan")
         if copies and t <= 8:
-            hbm_us = graph_time_us([lambda layer=layer: layer(x) for layer in [ours, *copies]],
-                                   replays=20)  # fmt: skip
+            hbm_us = graph_time_us(
+                [lambda layer=layer: layer(x) for layer in [ours, *copies]], replays=20
+            )
         out = ours(x)
         # the alternative: the shared expert as its own layers (dequantise + cuBLAS)
         apart_us = _time(lambda: shared_apart(ours, x), t)
@@ -129,9 +133,10 @@ def bench_tokens(hf, ours, cfg: ModelArgs, t: int, copies: list | None = None) -
         "tflops": flops / ours_us / 1e6,
         "gbps": nbytes / ours_us / 1e3,
         "fraction_of_roofline": floor_us / ours_us,
-        "rel_err_vs_reference": ((out.float() - ref.float()).abs().max()
-                                 / ref.float().abs().max()).item(),
-    }  # fmt: skip
+        "rel_err_vs_reference": (
+            (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+        ).item(),
+    }
 
 
 def sweep_tiles(ours, cfg: ModelArgs, tokens: list[int]) -> dict:
@@ -141,8 +146,10 @@ def sweep_tiles(ours, cfg: ModelArgs, tokens: list[int]) -> dict:
     e = ours.experts
     gate_up = (e.gate_up_proj, e.gate_up_proj_scales, e.gate_up_proj_biases)
     down = (e.down_proj, e.down_proj_scales, e.down_proj_biases)
-    configs = [GemmTiles(bm, bn, nw, ns) for bm, bn, nw, ns in itertools.product(
-        (16, 32, 64, 128), (64, 128), (4, 8), (2, 3, 4))]  # fmt: skip
+    configs = [
+        GemmTiles(bm, bn, nw, ns)
+        for bm, bn, nw, ns in itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (2, 3, 4))
+    ]
     # and each 128-row set with an expert's last <= 64 rows in one 64-row block
     small = GemmTiles(block_m=64, down_block_n=128)
     configs += [replace(c, small=small) for c in configs if c.block_m == 128]
@@ -154,8 +161,9 @@ def sweep_tiles(ours, cfg: ModelArgs, tokens: list[int]) -> dict:
         for tiles in configs:
 
             def run(tiles=tiles, x=x, logits=logits):
-                return moe_experts(x, logits, cfg.num_experts_per_tok, gate_up, down, e.spec,
-                                   tiles=tiles)  # fmt: skip
+                return moe_experts(
+                    x, logits, cfg.num_experts_per_tok, gate_up, down, e.spec, tiles=tiles
+                )
 
             try:
                 with torch.inference_mode():
@@ -165,8 +173,13 @@ def sweep_tiles(ours, cfg: ModelArgs, tokens: list[int]) -> dict:
         ok = {c: v for c, v in times.items() if isinstance(v, float)}
         best = min(ok, key=ok.get)
         default = str(GemmTiles.for_shape(t * cfg.num_experts_per_tok, cfg.num_experts))
-        table[t] = {"best": best, "best_us": ok[best], "default": default,
-                    "default_us": times.get(default), "all": times}  # fmt: skip
+        table[t] = {
+            "best": best,
+            "best_us": ok[best],
+            "default": default,
+            "default_us": times.get(default),
+            "all": times,
+        }
         print(f"{t:>6} tokens: best {ok[best]:9.1f} us {best}; default {times.get(default)}")
     return table
 
@@ -175,8 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
     p.add_argument("--out", default="bench-out/moe.json")
-    p.add_argument("--sweep", type=int, nargs="*", default=None,
-                   help="also sweep GEMM tiles at these token counts")  # fmt: skip
+    p.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        default=None,
+        help="also sweep GEMM tiles at these token counts",
+    )
     args = p.parse_args(argv)
 
     cfg = ModelArgs()
@@ -186,22 +204,30 @@ def main(argv: list[str] | None = None) -> dict:
         copies = [build_layers(cfg)[1] for _ in range(COPIES - 1)]
     sweep = sweep_tiles(ours, cfg, args.sweep) if args.sweep else None
     rows = []
-    print(f"{'tokens':>7}{'hf bf16 us':>12}{'hf graph us':>12}{'deq+mm us':>11}{'ours us':>10}"
-          f"{'graph us':>10}{'HBM us':>8}{'vs hf':>8}{'graphs':>8}{'apart us':>10}"
-          f"{'apart graph':>12}{'TF/s':>8}{'GB/s':>8}{'roofline':>10}{'rel err':>10}")  # fmt: skip
+    print(
+        f"{'tokens':>7}{'hf bf16 us':>12}{'hf graph us':>12}{'deq+mm us':>11}{'ours us':>10}"
+        f"{'graph us':>10}{'HBM us':>8}{'vs hf':>8}{'graphs':>8}{'apart us':>10}"
+        f"{'apart graph':>12}{'TF/s':>8}{'GB/s':>8}{'roofline':>10}{'rel err':>10}"
+    )
     for t in args.tokens:
         r = bench_tokens(hf, ours, cfg, t, copies)
         rows.append(r)
-        print(f"{t:>7}{r['hf_bf16_us']:>12.1f}{r['hf_bf16_graph_us']:>12.1f}"
-              f"{r['dequant_matmul_us']:>11.1f}{r['ours_us']:>10.1f}{r['ours_graph_us']:>10.1f}"
-              f"{r['ours_hbm_graph_us']:>8.1f}{r['speedup_vs_hf']:>7.2f}x"
-              f"{r['speedup_vs_hf_graph']:>7.2f}x"
-              f"{r['shared_apart_us']:>10.1f}{r['shared_apart_graph_us']:>12.1f}"
-              f"{r['tflops']:>8.1f}"
-              f"{r['gbps']:>8.0f}{r['fraction_of_roofline']:>10.1%}"
-              f"{r['rel_err_vs_reference']:>10.1e}")  # fmt: skip
-    report = {"gpu": torch.cuda.get_device_name(), "layer": "qwen3.6-35b-a3b MoE, 4-bit",
-              "rows": rows, "tile_sweep": sweep}  # fmt: skip
+        print(
+            f"{t:>7}{r['hf_bf16_us']:>12.1f}{r['hf_bf16_graph_us']:>12.1f}"
+            f"{r['dequant_matmul_us']:>11.1f}{r['ours_us']:>10.1f}{r['ours_graph_us']:>10.1f}"
+            f"{r['ours_hbm_graph_us']:>8.1f}{r['speedup_vs_hf']:>7.2f}x"
+            f"{r['speedup_vs_hf_graph']:>7.2f}x"
+            f"{r['shared_apart_us']:>10.1f}{r['shared_apart_graph_us']:>12.1f}"
+            f"{r['tflops']:>8.1f}"
+            f"{r['gbps']:>8.0f}{r['fraction_of_roofline']:>10.1%}"
+            f"{r['rel_err_vs_reference']:>10.1e}"
+        )
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "layer": "qwen3.6-35b-a3b MoE, 4-bit",
+        "rows": rows,
+        "tile_sweep": sweep,
+    }
     write_report(args.out, report)
     return report
 

@@ -76,8 +76,10 @@ def _paged(batch: int, ctx: int, gen: torch.Generator):
     w = -(-ctx // BS)
     pages = batch * w
     tables = torch.randperm(pages, generator=gen, device="cuda").view(batch, w).to(torch.int32)
-    k, v = (torch.randn(pages, BS, HKV, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))  # fmt: skip
+    k, v = (
+        torch.randn(pages, BS, HKV, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
     ik = torch.randn(pages, BS, DI, generator=gen, device="cuda", dtype=torch.bfloat16)
     return k, v, ik, tables
 
@@ -120,16 +122,25 @@ def bench_prefill(ctx: int, dense_max: int, rounds: int, gen, fp8: bool) -> dict
     n_dense = min(ctx, dense_max)
     qd = q[:n_dense].transpose(0, 1)[None]
     # K/V heads repeated for the query heads: the flash backend, no GQA fallback to math
-    kd, vd = (_contiguous(c, tables, ctx)[:, :, :n_dense].repeat_interleave(HQ // HKV, dim=1)
-              for c in (k, v))  # fmt: skip
+    kd, vd = (
+        _contiguous(c, tables, ctx)[:, :, :n_dense].repeat_interleave(HQ // HKV, dim=1)
+        for c in (k, v)
+    )
     fns["dense"] = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
     reps = 1 if ctx >= 131072 else 3
     t = _alternate(fns, rounds, reps)
     dense = t["dense"] * (ctx / n_dense) ** 2
     sparse = t["select"] + t["attend"]
-    row = {"context": ctx, "select_ms": t["select"], "attend_ms": t["attend"],
-           "sparse_ms": sparse, "dense_ms": dense, "dense_extrapolated": n_dense < ctx,
-           "dense_measured_tokens": n_dense, "speedup": dense / sparse}  # fmt: skip
+    row = {
+        "context": ctx,
+        "select_ms": t["select"],
+        "attend_ms": t["attend"],
+        "sparse_ms": sparse,
+        "dense_ms": dense,
+        "dense_extrapolated": n_dense < ctx,
+        "dense_measured_tokens": n_dense,
+        "speedup": dense / sparse,
+    }
     if fp8:
         codes, scale = _fp8(ik)
         fp8_blocks = select_blocks(iq, codes, tables[0], range(ctx), TOPK, LOCAL, ik_scale=scale)
@@ -170,7 +181,8 @@ def bench_decode(ctx: int, batch: int, rounds: int, gen, fp8: bool) -> dict:
 
         fns["select_fp8"] = select_fp8
         fns["select_fp8_fused"] = lambda: fused_decode_select_blocks(
-            iq, codes, tables, pos, TOPK, LOCAL, ik_scale=scale)
+            iq, codes, tables, pos, TOPK, LOCAL, ik_scale=scale
+        )
         fns["sparse_fp8"] = sparse(select_fp8)
     times = {name: [] for name in fns}
     for _ in range(rounds):
@@ -193,39 +205,67 @@ def _decode_gib(ctx: int, batch: int, fp8: bool) -> float:
 
 def _print(prefill: list[dict], decode: list[dict], fp8: bool) -> None:
     head = f"{'fp8 agree':>11}" if fp8 else ""
-    print(f"{'prefill ctx':>12}{'select ms':>11}{'attend ms':>11}{'sparse ms':>11}"
-          f"{'dense ms':>11}{'speedup':>9}{head}")  # fmt: skip
+    print(
+        f"{'prefill ctx':>12}{'select ms':>11}{'attend ms':>11}{'sparse ms':>11}"
+        f"{'dense ms':>11}{'speedup':>9}{head}"
+    )
     for r in prefill:
         mark = " (extrapolated)" if r["dense_extrapolated"] else ""
         agree = f"{r['agreement']:>11.4f}" if fp8 else ""
-        print(f"{r['context']:>12}{r['select_ms']:>11.2f}{r['attend_ms']:>11.2f}"
-              f"{r['sparse_ms']:>11.2f}{r['dense_ms']:>11.2f}{r['speedup']:>9.2f}"
-              f"{agree}{mark}")  # fmt: skip
-    head = (f"{'fp8 sel us':>12}{'fp8 fused us':>14}{'fp8 sparse us':>15}{'fp8 vs paged':>14}"
-            f"{'fp8 agree':>11}") if fp8 else ""  # fmt: skip
-    print(f"{'decode ctx':>12}{'batch':>7}{'select us':>11}{'fused us':>10}{'attend us':>11}"
-          f"{'sparse us':>11}{'sdpa us':>10}{'paged us':>10}{'vs sdpa':>9}"
-          f"{'vs paged':>10}{head}")  # fmt: skip
+        print(
+            f"{r['context']:>12}{r['select_ms']:>11.2f}{r['attend_ms']:>11.2f}"
+            f"{r['sparse_ms']:>11.2f}{r['dense_ms']:>11.2f}{r['speedup']:>9.2f}"
+            f"{agree}{mark}"
+        )
+    head = (
+        (
+            f"{'fp8 sel us':>12}{'fp8 fused us':>14}{'fp8 sparse us':>15}{'fp8 vs paged':>14}"
+            f"{'fp8 agree':>11}"
+        )
+        if fp8
+        else ""
+    )
+    print(
+        f"{'decode ctx':>12}{'batch':>7}{'select us':>11}{'fused us':>10}{'attend us':>11}"
+        f"{'sparse us':>11}{'sdpa us':>10}{'paged us':>10}{'vs sdpa':>9}"
+        f"{'vs paged':>10}{head}"
+    )
     for r in decode:
-        fp8_cols = (f"{r['select_fp8_us']:>12.1f}{r['select_fp8_fused_us']:>14.1f}"
-                    f"{r['sparse_fp8_us']:>15.1f}{r['speedup_fp8_vs_paged']:>14.2f}"
-                    f"{r['agreement']:>11.4f}") if fp8 else ""  # fmt: skip
-        print(f"{r['context']:>12}{r['batch']:>7}{r['select_us']:>11.1f}"
-              f"{r['select_fused_us']:>10.1f}{r['attend_us']:>11.1f}"
-              f"{r['sparse_us']:>11.1f}{r['dense_sdpa_us']:>10.1f}{r['dense_paged_us']:>10.1f}"
-              f"{r['speedup_vs_sdpa']:>9.2f}{r['speedup_vs_paged']:>10.2f}{fp8_cols}")  # fmt: skip
+        fp8_cols = (
+            (
+                f"{r['select_fp8_us']:>12.1f}{r['select_fp8_fused_us']:>14.1f}"
+                f"{r['sparse_fp8_us']:>15.1f}{r['speedup_fp8_vs_paged']:>14.2f}"
+                f"{r['agreement']:>11.4f}"
+            )
+            if fp8
+            else ""
+        )
+        print(
+            f"{r['context']:>12}{r['batch']:>7}{r['select_us']:>11.1f}"
+            f"{r['select_fused_us']:>10.1f}{r['attend_us']:>11.1f}"
+            f"{r['sparse_us']:>11.1f}{r['dense_sdpa_us']:>10.1f}{r['dense_paged_us']:>10.1f}"
+            f"{r['speedup_vs_sdpa']:>9.2f}{r['speedup_vs_paged']:>10.2f}{fp8_cols}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--contexts", default="32768,131072,524288,1048576")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--dense-max", type=int, default=131072,
-                   help="longest dense prefill run; longer ones are extrapolated")
+    p.add_argument(
+        "--dense-max",
+        type=int,
+        default=131072,
+        help="longest dense prefill run; longer ones are extrapolated",
+    )
     p.add_argument("--max-gib", type=float, default=60.0, help="decode cache budget")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--fp8-index", action=argparse.BooleanOptionalAction, default=True,
-                   help="also select on fp8 index keys: decode times, agreement")  # fmt: skip
+    p.add_argument(
+        "--fp8-index",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also select on fp8 index keys: decode times, agreement",
+    )
     p.add_argument("--out", default="bench-out/msa.json")
     args = p.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -241,9 +281,13 @@ def main(argv: list[str] | None = None) -> dict:
             prefill.append(bench_prefill(ctx, args.dense_max, args.rounds, gen, args.fp8_index))
             torch.cuda.empty_cache()
     _print(prefill, decode, args.fp8_index)
-    report = {"gpu": torch.cuda.get_device_name(),
-              "shapes": f"Hq={HQ} Hkv={HKV} D={D} Hi={HI} Di={DI} block={BS} topk={TOPK}",
-              "fp8_index": args.fp8_index, "prefill": prefill, "decode": decode}  # fmt: skip
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "shapes": f"Hq={HQ} Hkv={HKV} D={D} Hi={HI} Di={DI} block={BS} topk={TOPK}",
+        "fp8_index": args.fp8_index,
+        "prefill": prefill,
+        "decode": decode,
+    }
     write_report(args.out, report)
     return report
 

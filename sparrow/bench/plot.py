@@ -30,13 +30,19 @@ def main(argv: list[str] | None = None) -> Path:
         for engine, rows in report["batch1"].items():
             batch1.setdefault(engine, {}).update(rows)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode"),
-                              strict=True):  # fmt: skip
+    for ax, key, title in zip(
+        axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "decode"), strict=True
+    ):
         for engine, rows in batch1.items():
             lengths = sorted(int(n) for n in rows)
             ax.plot(lengths, [rows[str(n)][key] for n in lengths], marker="o", label=engine)
-        ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="tok/s",
-               title=f"{title}, batch 1")  # fmt: skip
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="prompt tokens",
+            ylabel="tok/s",
+            title=f"{title}, batch 1",
+        )
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     commits = ", ".join(sorted({r["commit"] for r in reports}))

@@ -20,10 +20,19 @@ def _commit() -> str:
         return os.environ["SPARROW_COMMIT"]
     root = Path(__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
-                              capture_output=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, text=True, capture_output=True).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -32,12 +41,19 @@ def _commit() -> str:
 def write_report(path: str | Path, report: dict[str, Any]) -> None:
     """The report, with its commit, command and the SPARROW_* settings it ran under
     (SPARROW_KERNELS changes what is measured)."""
-    command = "python -m " + sys.modules["__main__"].__spec__.name if getattr(
-        sys.modules["__main__"], "__spec__", None) else sys.argv[0]  # fmt: skip
-    report = {
-        "commit": _commit(),
-        "command": " ".join([command, *map(shlex.quote, sys.argv[1:])]),
-    } | report | {"env": {k: v for k, v in os.environ.items() if k.startswith("SPARROW_")}}
+    command = (
+        "python -m " + sys.modules["__main__"].__spec__.name
+        if getattr(sys.modules["__main__"], "__spec__", None)
+        else sys.argv[0]
+    )
+    report = (
+        {
+            "commit": _commit(),
+            "command": " ".join([command, *map(shlex.quote, sys.argv[1:])]),
+        }
+        | report
+        | {"env": {k: v for k, v in os.environ.items() if k.startswith("SPARROW_")}}
+    )
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

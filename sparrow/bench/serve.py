@@ -54,8 +54,12 @@ PROMPT_IDS = (100, 4000)
 
 def offline(args, prompt: list[int]) -> dict:
     """Decode tok/s of the engine in this process, one request at a time."""
-    llm = LLM(args.model, quantize=args.quantize, load_format=args.load_format,
-              enable_prefix_caching=False)  # the requests repeat one prompt
+    llm = LLM(
+        args.model,
+        quantize=args.quantize,
+        load_format=args.load_format,
+        enable_prefix_caching=False,
+    )  # the requests repeat one prompt
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for _ in range(args.requests + 1):  # the first warms up
@@ -72,18 +76,33 @@ def offline(args, prompt: list[int]) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     rows = rows[1:]
-    return {"ttft_s": statistics.median(r[0] for r in rows),
-            "decode_tok_s": statistics.median(r[1] for r in rows)}  # fmt: skip
+    return {
+        "ttft_s": statistics.median(r[0] for r in rows),
+        "decode_tok_s": statistics.median(r[1] for r in rows),
+    }
 
 
-def start_server(args, extra: tuple[str, ...] = ("--no-prefix-caching",)
-                 ) -> tuple[subprocess.Popen, str]:  # fmt: skip
+def start_server(
+    args, extra: tuple[str, ...] = ("--no-prefix-caching",)
+) -> tuple[subprocess.Popen, str]:
     """`sparrow serve` on the benchmark's model (by default without prefix caching: the
     requests repeat one prompt), once /health answers."""
     port = free_port()
-    cmd = [sys.executable, "-m", "sparrow", "serve", "--port", str(port),
-           "--served-model-name", "bench", "--max-waiting", "4096",
-           "--load-format", args.load_format, *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparrow",
+        "serve",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--max-waiting",
+        "4096",
+        "--load-format",
+        args.load_format,
+        *extra,
+    ]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--quantize", args.quantize] if args.quantize else []
     proc = subprocess.Popen(cmd, env=os.environ.copy())
@@ -148,8 +167,9 @@ async def load(base: str, prompt: list[int], concurrency: int, requests: int, ma
         # kernels for its shapes (seen on the H200: 1.5 s of TTFT at C = 8 without it)
         await asyncio.gather(*(one_request(client, base, prompt, 4) for _ in range(concurrency)))
         t0 = time.perf_counter()
-        results = [r for rs in await asyncio.gather(*(worker() for _ in range(concurrency)))
-                   for r in rs]  # fmt: skip
+        results = [
+            r for rs in await asyncio.gather(*(worker() for _ in range(concurrency))) for r in rs
+        ]
         wall = time.perf_counter() - t0
     ttft = sorted(r[0] for r in results)
     return {
@@ -165,8 +185,12 @@ async def load(base: str, prompt: list[int], concurrency: int, requests: int, ma
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="random weights for this config instead of a checkpoint")  # fmt: skip
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="random weights for this config instead of a checkpoint",
+    )
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     p.add_argument("--quantize", default=None)
     p.add_argument("--concurrency", default="1,8,32")
@@ -174,16 +198,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--start-timeout", type=float, default=900)
-    p.add_argument("--workload", choices=("repeat", "agent", "image"), default="repeat",
-                   help="repeat: one prompt again and again; agent: chats on a shared prefix; "
-                        "image: chats with an image against chats without")  # fmt: skip
+    p.add_argument(
+        "--workload",
+        choices=("repeat", "agent", "image"),
+        default="repeat",
+        help="repeat: one prompt again and again; agent: chats on a shared prefix; "
+        "image: chats with an image against chats without",
+    )
     p.add_argument("--prefix-len", type=int, default=60000, help="agent: the shared prefix")
     p.add_argument("--turn-len", type=int, default=500, help="agent: new tokens per turn")
     p.add_argument("--output-len", type=int, default=200, help="agent: tokens per turn")
     p.add_argument("--turns", type=int, default=3, help="agent: turns per conversation")
     p.add_argument("--rounds", type=int, default=1, help="agent: rounds per concurrency")
-    p.add_argument("--memory-share", type=float, default=0.45,
-                   help="agent: --gpu-memory-utilization of each of the two servers")
+    p.add_argument(
+        "--memory-share",
+        type=float,
+        default=0.45,
+        help="agent: --gpu-memory-utilization of each of the two servers",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out/serve.json")
     args = p.parse_args(argv)
@@ -200,25 +232,39 @@ def main(argv: list[str] | None = None) -> dict:
     base_line = offline(args, prompt)
     proc, base = start_server(args)
     try:
-        rows = [asyncio.run(load(base, prompt, int(c), args.requests, args.max_tokens))
-                for c in args.concurrency.split(",")]  # fmt: skip
+        rows = [
+            asyncio.run(load(base, prompt, int(c), args.requests, args.max_tokens))
+            for c in args.concurrency.split(",")
+        ]
     finally:
         proc.terminate()
         proc.wait(timeout=120)
     c1 = next((r for r in rows if r["concurrency"] == 1), None)
     overhead = 1 - c1["decode_tok_s_per_request"] / base_line["decode_tok_s"] if c1 else None
-    report = {"model": args.preset or args.model or "built-in default", "quantize": args.quantize,
-              "load_format": args.load_format, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "offline": base_line, "server": rows,
-              "http_decode_overhead_c1": overhead}  # fmt: skip
-    print(f"offline (c=1): ttft {base_line['ttft_s'] * 1e3:.1f} ms, decode "
-          f"{base_line['decode_tok_s']:.1f} tok/s")  # fmt: skip
-    print(f"{'clients':>8}{'ttft med ms':>13}{'ttft p90 ms':>13}{'dec tok/s/req':>15}"
-          f"{'output tok/s':>14}")  # fmt: skip
+    report = {
+        "model": args.preset or args.model or "built-in default",
+        "quantize": args.quantize,
+        "load_format": args.load_format,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "offline": base_line,
+        "server": rows,
+        "http_decode_overhead_c1": overhead,
+    }
+    print(
+        f"offline (c=1): ttft {base_line['ttft_s'] * 1e3:.1f} ms, decode "
+        f"{base_line['decode_tok_s']:.1f} tok/s"
+    )
+    print(
+        f"{'clients':>8}{'ttft med ms':>13}{'ttft p90 ms':>13}{'dec tok/s/req':>15}"
+        f"{'output tok/s':>14}"
+    )
     for r in rows:
         ttft, p90 = r["ttft_median_s"] * 1e3, r["ttft_p90_s"] * 1e3
-        print(f"{r['concurrency']:>8}{ttft:>13.1f}{p90:>13.1f}"
-              f"{r['decode_tok_s_per_request']:>15.1f}{r['output_tok_s']:>14.1f}")  # fmt: skip
+        print(
+            f"{r['concurrency']:>8}{ttft:>13.1f}{p90:>13.1f}"
+            f"{r['decode_tok_s_per_request']:>15.1f}{r['output_tok_s']:>14.1f}"
+        )
     if overhead is not None:
         print(f"HTTP path vs offline decode at concurrency 1: {overhead:+.1%} slower")
     write_report(args.out, report)
@@ -235,22 +281,35 @@ def _jpeg_data_url(seed: int, width: int = 1280, height: int = 720) -> str:
 
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[:height, :width]
-    pixels = np.stack([(x + 7 * seed) % 256, (y + 3 * seed) % 256,
-                       (x + y + rng.integers(0, 16, (height, width))) % 256], -1)  # fmt: skip
+    pixels = np.stack(
+        [
+            (x + 7 * seed) % 256,
+            (y + 3 * seed) % 256,
+            (x + y + rng.integers(0, 16, (height, width))) % 256,
+        ],
+        -1,
+    )
     out = io.BytesIO()
     Image.fromarray(pixels.astype(np.uint8)).save(out, format="JPEG", quality=90)
     return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-async def chat_ttft(client: httpx.AsyncClient, base: str, image: str | None,
-                    max_tokens: int) -> float:  # fmt: skip
+async def chat_ttft(
+    client: httpx.AsyncClient, base: str, image: str | None, max_tokens: int
+) -> float:
     """Seconds to the first streamed token of one chat, with an image part if given."""
     content = [{"type": "text", "text": "Describe this picture in one sentence."}]
     if image is not None:
         content.insert(0, {"type": "image_url", "image_url": {"url": image}})
-    body = {"model": "bench", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "return_token_ids": True}  # a token's arrival, whatever text it decodes to
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }  # a token's arrival, whatever text it decodes to
     t0 = time.perf_counter()
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -283,12 +342,18 @@ def image_main(args) -> dict:
     finally:
         proc.terminate()
         proc.wait(timeout=120)
-    report = {"model": args.preset or args.model or "built-in default", "quantize": args.quantize,
-              "image": "1280x720 JPEG, one per chat", "requests": args.requests,
-              **{f"ttft_{k}_median_s": statistics.median(v) for k, v in times.items()},
-              "ttft_s": times}  # fmt: skip
-    print(f"TTFT median: with an image {report['ttft_image_median_s'] * 1e3:.1f} ms, "
-          f"without {report['ttft_text_median_s'] * 1e3:.1f} ms ({args.requests} each)")
+    report = {
+        "model": args.preset or args.model or "built-in default",
+        "quantize": args.quantize,
+        "image": "1280x720 JPEG, one per chat",
+        "requests": args.requests,
+        **{f"ttft_{k}_median_s": statistics.median(v) for k, v in times.items()},
+        "ttft_s": times,
+    }
+    print(
+        f"TTFT median: with an image {report['ttft_image_median_s'] * 1e3:.1f} ms, "
+        f"without {report['ttft_text_median_s'] * 1e3:.1f} ms ({args.requests} each)"
+    )
     write_report(args.out, report)
     return report
 
@@ -307,8 +372,7 @@ def agent_main(args) -> dict:
         for proc in procs:
             proc.terminate()
             proc.wait(timeout=120)
-    report |= {"model": args.preset or args.model or "built-in default",
-               "quantize": args.quantize}  # fmt: skip
+    report |= {"model": args.preset or args.model or "built-in default", "quantize": args.quantize}
     for c, ratio in report["speedup"].items():
         print(f"[agent] concurrency {c}: output tok/s with prefix caching {ratio:.2f}x without")
     write_report(args.out, report)

@@ -36,8 +36,26 @@ import httpx
 from sparrow.bench.report import write_report
 from sparrow.net import free_port
 
-WORDS = ("the", "a", "river", "stone", "quick", "model", "token", "seven", "blue", "and",
-         "of", "under", "light", "cache", "night", ".", ",", "\n")  # fmt: skip
+WORDS = (
+    "the",
+    "a",
+    "river",
+    "stone",
+    "quick",
+    "model",
+    "token",
+    "seven",
+    "blue",
+    "and",
+    "of",
+    "under",
+    "light",
+    "cache",
+    "night",
+    ".",
+    ",",
+    "\n",
+)
 STOPS = ("\n", ".", " the", "a", "ing", ",")
 MAX_EXAMPLES = 20  # unexpected outcomes kept in the report with what was sent
 
@@ -54,9 +72,13 @@ class Unexpected(Exception):
 class Tally:
     """Outcome counts by class and kind, plus the first unexpected ones in full."""
 
-    counts: dict[str, collections.Counter] = field(default_factory=lambda: {
-        "ok": collections.Counter(), "expected_4xx": collections.Counter(),
-        "unexpected": collections.Counter()})  # fmt: skip
+    counts: dict[str, collections.Counter] = field(
+        default_factory=lambda: {
+            "ok": collections.Counter(),
+            "expected_4xx": collections.Counter(),
+            "unexpected": collections.Counter(),
+        }
+    )
     examples: list[dict] = field(default_factory=list)
 
     def add(self, cls: str, kind: str, action: str = "", detail: str = "") -> None:
@@ -78,9 +100,13 @@ def _text(rng: random.Random, words: int) -> str:
 
 def valid_body(rng: random.Random, model: str, chat: bool) -> dict:
     """A request the server must answer: varied lengths, n, stops, sampling and logprobs."""
-    body: dict = {"model": model, "max_tokens": rng.randint(1, 64), "n": rng.randint(1, 2),
-                  "temperature": rng.choice((0.0, 0.7, 1.0, 1.3)),
-                  "top_p": rng.choice((1.0, 0.9, 0.5))}  # fmt: skip
+    body: dict = {
+        "model": model,
+        "max_tokens": rng.randint(1, 64),
+        "n": rng.randint(1, 2),
+        "temperature": rng.choice((0.0, 0.7, 1.0, 1.3)),
+        "top_p": rng.choice((1.0, 0.9, 0.5)),
+    }
     if rng.random() < 0.3:
         body["stop"] = rng.sample(STOPS, rng.randint(1, 3))
     if rng.random() < 0.3:
@@ -119,8 +145,10 @@ def bad_request(rng: random.Random, model: str, long_prompt: int) -> tuple[str, 
         "top_p_zero": ("/v1/completions", text | {"top_p": 0}),
         "n_too_big": ("/v1/chat/completions", chat | {"n": 17}),
         "max_tokens_zero": ("/v1/completions", text | {"max_tokens": 0}),
-        "top_logprobs_too_many": ("/v1/chat/completions",
-                                  chat | {"logprobs": True, "top_logprobs": 21}),
+        "top_logprobs_too_many": (
+            "/v1/chat/completions",
+            chat | {"logprobs": True, "top_logprobs": 21},
+        ),
         "too_many_stops": ("/v1/completions", text | {"stop": ["a", "b", "c", "d", "e"]}),
         "empty_messages": ("/v1/chat/completions", chat | {"messages": []}),
         "token_id_out_of_vocab": ("/v1/completions", text | {"prompt": [-1, 10**9]}),
@@ -142,8 +170,9 @@ def check_whole(response: httpx.Response, body: dict) -> None:
     except ValueError as e:
         raise Unexpected("malformed_body", response.text[:300]) from e
     choices = out.get("choices") or []
-    if len(choices) != body["n"] or any(c.get("finish_reason") not in ("stop", "length")
-                                        for c in choices):  # fmt: skip
+    if len(choices) != body["n"] or any(
+        c.get("finish_reason") not in ("stop", "length") for c in choices
+    ):
         raise Unexpected("malformed_body", json.dumps(out)[:300])
     used = (out.get("usage") or {}).get("completion_tokens", -1)
     if not 0 <= used <= body["max_tokens"] * body["n"]:
@@ -156,7 +185,7 @@ def parse_event(line: str) -> dict | str | None:
         return None
     if not line.startswith("data: "):
         raise Unexpected("malformed_sse", line[:200])
-    data = line[len("data: "):]
+    data = line[len("data: ") :]
     if data == "[DONE]":
         return data
     try:
@@ -247,8 +276,9 @@ async def one(soak: Soak, rng: random.Random) -> tuple[str, str]:
         check_whole(response, body)
         return "ok", prefix + "whole"
     name, path, raw = bad_request(rng, soak.model, soak.long_prompt)
-    response = await soak.client.post(soak.base + path, content=raw,
-                                      headers={"Content-Type": "application/json"})  # fmt: skip
+    response = await soak.client.post(
+        soak.base + path, content=raw, headers={"Content-Type": "application/json"}
+    )
     if 400 <= response.status_code < 500:
         return "expected_4xx", str(response.status_code)
     kind = f"http_{response.status_code}" if response.status_code >= 500 else "bad_accepted"
@@ -291,8 +321,9 @@ async def sample_rss(pid: int, every_s: float, t0: float, series: list) -> None:
         await asyncio.sleep(every_s)
 
 
-def rss_summary(series: list[tuple[float, float]], warmup_s: float,
-                window_s: float = 60.0) -> dict | None:  # fmt: skip
+def rss_summary(
+    series: list[tuple[float, float]], warmup_s: float, window_s: float = 60.0
+) -> dict | None:
     """The series; the first sample after warm-up against the max and the last; and the
     floor (lowest sample) of the first and the last `window_s` after warm-up: a step's
     temporaries (logits and sampling over the vocabulary) swing single samples by hundreds
@@ -304,10 +335,18 @@ def rss_summary(series: list[tuple[float, float]], warmup_s: float,
     after = [(t, mb) for t, mb in series if t >= warmup_s] or series[-1:]
     first = min(mb for t, mb in after if t < after[0][0] + window_s)
     final = min(mb for t, mb in after if t > after[-1][0] - window_s)
-    return {"series": series, "warmup_s": warmup_s, "after_warmup_mb": warm, "max_mb": peak,
-            "last_mb": last, "growth_pct": 100 * (last - warm) / warm,
-            "max_growth_pct": 100 * (peak - warm) / warm, "floor_first_mb": first,
-            "floor_last_mb": final, "floor_growth_pct": 100 * (final - first) / first}  # fmt: skip
+    return {
+        "series": series,
+        "warmup_s": warmup_s,
+        "after_warmup_mb": warm,
+        "max_mb": peak,
+        "last_mb": last,
+        "growth_pct": 100 * (last - warm) / warm,
+        "max_growth_pct": 100 * (peak - warm) / warm,
+        "floor_first_mb": first,
+        "floor_last_mb": final,
+        "floor_growth_pct": 100 * (final - first) / first,
+    }
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -338,12 +377,12 @@ async def soak_run(args, base: str, pid: int | None) -> dict:
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
         t0 = time.monotonic()
-        soak = Soak(client, base, model, t0 + args.minutes * 60, args.requests,
-                    args.long_prompt_tokens)  # fmt: skip
+        soak = Soak(
+            client, base, model, t0 + args.minutes * 60, args.requests, args.long_prompt_tokens
+        )
         series: list = []
         sampler = asyncio.create_task(sample_rss(pid, args.sample_s, t0, series)) if pid else None
-        await asyncio.gather(*(worker(soak, args.seed * 1000 + i)
-                               for i in range(args.concurrency)))  # fmt: skip
+        await asyncio.gather(*(worker(soak, args.seed * 1000 + i) for i in range(args.concurrency)))
         wall = time.monotonic() - t0
         if sampler:
             sampler.cancel()
@@ -352,11 +391,17 @@ async def soak_run(args, base: str, pid: int | None) -> dict:
         health = await _health(client, base, soak.tally)
     tally = soak.tally
     warmup = args.warmup_s if args.warmup_s is not None else 0.2 * wall
-    return {"model": model, "duration_s": round(wall, 2), "requests": tally.total,
-            "requests_per_s": tally.total / wall, "health_after": health,
-            "outcomes": {cls: dict(sorted(c.items())) for cls, c in tally.counts.items()},
-            "unexpected_total": sum(tally.counts["unexpected"].values()),
-            "unexpected_examples": tally.examples, "rss": rss_summary(series, warmup)}  # fmt: skip
+    return {
+        "model": model,
+        "duration_s": round(wall, 2),
+        "requests": tally.total,
+        "requests_per_s": tally.total / wall,
+        "health_after": health,
+        "outcomes": {cls: dict(sorted(c.items())) for cls, c in tally.counts.items()},
+        "unexpected_total": sum(tally.counts["unexpected"].values()),
+        "unexpected_examples": tally.examples,
+        "rss": rss_summary(series, warmup),
+    }
 
 
 async def _health(client: httpx.AsyncClient, base: str, tally: Tally) -> int | str:
@@ -372,8 +417,10 @@ async def _health(client: httpx.AsyncClient, base: str, tally: Tally) -> int | s
 
 def print_table(report: dict) -> None:
     rate, health = report["requests_per_s"], report["health_after"]
-    print(f"{report['requests']} requests in {report['duration_s']:.1f} s ({rate:.1f}/s), "
-          f"/health after: {health}")  # fmt: skip
+    print(
+        f"{report['requests']} requests in {report['duration_s']:.1f} s ({rate:.1f}/s), "
+        f"/health after: {health}"
+    )
     print(f"{'class':<14}{'kind':<34}{'count':>8}")
     for cls, counts in report["outcomes"].items():
         for kind, n in counts.items():
@@ -382,29 +429,42 @@ def print_table(report: dict) -> None:
         print(f"  unexpected {e['kind']}: {e['detail'][:160]}")
     rss = report["rss"]
     if rss:
-        print(f"RSS MB: after warm-up ({rss['warmup_s']:.0f} s) {rss['after_warmup_mb']:.1f}, "
-              f"max {rss['max_mb']:.1f}, last {rss['last_mb']:.1f}, growth "
-              f"{rss['growth_pct']:+.1f}% (max {rss['max_growth_pct']:+.1f}%); floor of the "
-              f"first / last minute {rss['floor_first_mb']:.1f} / {rss['floor_last_mb']:.1f} "
-              f"({rss['floor_growth_pct']:+.1f}%)")  # fmt: skip
+        print(
+            f"RSS MB: after warm-up ({rss['warmup_s']:.0f} s) {rss['after_warmup_mb']:.1f}, "
+            f"max {rss['max_mb']:.1f}, last {rss['last_mb']:.1f}, growth "
+            f"{rss['growth_pct']:+.1f}% (max {rss['max_growth_pct']:+.1f}%); floor of the "
+            f"first / last minute {rss['floor_first_mb']:.1f} / {rss['floor_last_mb']:.1f} "
+            f"({rss['floor_growth_pct']:+.1f}%)"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running server")
     p.add_argument("--pid", type=int, default=None, help="its process id, for RSS (with --url)")
-    p.add_argument("--spawn", action="store_true",
-                   help="start `sparrow serve` (built-in model) on a free port, stop it after")
+    p.add_argument(
+        "--spawn",
+        action="store_true",
+        help="start `sparrow serve` (built-in model) on a free port, stop it after",
+    )
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--requests", type=int, default=None, help="stop after this many requests")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup-s", type=float, default=None,
-                   help="RSS baseline: first sample after this (default: 20%% of the run)")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help="RSS baseline: first sample after this (default: 20%% of the run)",
+    )
     p.add_argument("--sample-s", type=float, default=2.0, help="RSS sampling period")
     p.add_argument("--request-timeout", type=float, default=120.0)
-    p.add_argument("--long-prompt-tokens", type=int, default=300_000,
-                   help="token ids in the over-long prompt (over the built-in's 262144)")
+    p.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=300_000,
+        help="token ids in the over-long prompt (over the built-in's 262144)",
+    )
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--out", default="bench-out/soak.json")
     return p.parse_args(argv)
@@ -432,9 +492,14 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None and report["unexpected_total"]:
             log.seek(0)
             report["server_log_tail"] = log.read()[-4000:]
-    report = {"url": base, "spawned": args.spawn, "minutes": args.minutes,
-              "requests_cap": args.requests, "concurrency": args.concurrency,
-              "seed": args.seed} | report  # fmt: skip
+    report = {
+        "url": base,
+        "spawned": args.spawn,
+        "minutes": args.minutes,
+        "requests_cap": args.requests,
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+    } | report
     print_table(report)
     write_report(args.out, report)
     return 1 if report["unexpected_total"] else 0

@@ -25,14 +25,24 @@ from sparrow.tokenizer import load_tokenizer
 
 NS = "]<]minimax[>["
 ARGS = {"city": "Paris", "days": 3, "units": "metric", "detail": {"hourly": True, "wind": False}}
-SCHEMAS = {"get_weather": {"type": "object", "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": "string"},
-    "detail": {"type": "object"}}}}  # fmt: skip
+SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "units": {"type": "string"},
+            "detail": {"type": "object"},
+        },
+    }
+}
 
 
 def qwen3_call(name: str, args: dict) -> str:
-    params = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n"
-                     f"</parameter>\n" for k, v in args.items())  # fmt: skip
+    params = "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+        for k, v in args.items()
+    )
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>\n"
 
 

@@ -111,8 +111,9 @@ class KVCacheManager:
             table.append(block)
         self._chains[request_id] = [content for _, content in blocks]
 
-    def register(self, request_id: str, num_known: int,
-                 tokens: Callable[[int, int], list[int]]) -> None:  # fmt: skip
+    def register(
+        self, request_id: str, num_known: int, tokens: Callable[[int, int], list[int]]
+    ) -> None:
         """Key the request's blocks that its first `num_known` tokens (computed, and known on
         the host) now fill, so later requests can match them; tokens(start, stop) gives the
         request's token ids in that range."""

@@ -83,19 +83,20 @@ def required_block_size(specs: Sequence[CacheSpec | None]) -> int | None:
     return sizes.pop() if sizes else None
 
 
-def with_index_dtype(specs: Sequence[CacheSpec | None],
-                     index_dtype: str) -> list[CacheSpec | None]:  # fmt: skip
+def with_index_dtype(specs: Sequence[CacheSpec | None], index_dtype: str) -> list[CacheSpec | None]:
     """The specs with every MSA layer's index keys kept as `index_dtype`; ValueError for an
     index dtype other than "auto" when no layer has index keys."""
     if index_dtype != "auto" and not any(isinstance(s, SparseKVSpec) for s in specs):
-        raise ValueError(f"index cache dtype {index_dtype!r} applies to MSA index keys, and "
-                         "this model has no MSA layers (use 'auto')")  # fmt: skip
-    return [replace(s, index_dtype=index_dtype) if isinstance(s, SparseKVSpec) else s
-            for s in specs]  # fmt: skip
+        raise ValueError(
+            f"index cache dtype {index_dtype!r} applies to MSA index keys, and "
+            "this model has no MSA layers (use 'auto')"
+        )
+    return [
+        replace(s, index_dtype=index_dtype) if isinstance(s, SparseKVSpec) else s for s in specs
+    ]
 
 
-def paged_bytes_per_block(specs: Sequence[CacheSpec | None], block_size: int,
-                          itemsize: int) -> int:  # fmt: skip
+def paged_bytes_per_block(specs: Sequence[CacheSpec | None], block_size: int, itemsize: int) -> int:
     """Bytes one block takes across every paged layer."""
     return block_size * sum(s.bytes_per_token(itemsize) for s in specs if s is not None and s.paged)
 

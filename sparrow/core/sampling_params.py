@@ -53,8 +53,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)  # fmt: skip
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: normalised values are set once, here
@@ -73,13 +74,20 @@ class SamplingParams:
         if self.logprobs is not None:
             put(self, "logprobs", _int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
         if self.prompt_logprobs is not None:
-            put(self, "prompt_logprobs",
-                _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS))  # fmt: skip
+            put(
+                self,
+                "prompt_logprobs",
+                _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS),
+            )
         if not isinstance(self.skip_special_tokens, bool):
-            raise ValueError(f"skip_special_tokens must be a bool, got "
-                             f"{self.skip_special_tokens!r}")  # fmt: skip
-        put(self, "stop_token_ids", tuple(_int("stop_token_ids", t, 0, None)
-                                          for t in self.stop_token_ids))  # fmt: skip
+            raise ValueError(
+                f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"
+            )
+        put(
+            self,
+            "stop_token_ids",
+            tuple(_int("stop_token_ids", t, 0, None) for t in self.stop_token_ids),
+        )
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a sequence of strings, got {self.stop!r}")
         put(self, "stop", tuple(self.stop))
@@ -100,8 +108,13 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {self.grammar!r}")
         bias = dict(self.logit_bias)
-        put(self, "logit_bias", tuple(sorted(
-            (_int("logit_bias token", t, 0, None), _bias(b)) for t, b in bias.items())))
+        put(
+            self,
+            "logit_bias",
+            tuple(
+                sorted((_int("logit_bias token", t, 0, None), _bias(b)) for t, b in bias.items())
+            ),
+        )
 
 
 def _int(name: str, value: object, lo: int | None, hi: int | None) -> int:

@@ -54,8 +54,12 @@ class Scheduler:
         prefix hit needs a snapshot of that state where the hit ends. The scheduler sees
         token ids only (stop tokens, length); stop strings are the output processor's
         (sparrow/engine)."""
-        if None in (config.max_model_len, cache.block_size, cache.num_blocks,
-                    cache.num_state_slots):  # fmt: skip
+        if None in (
+            config.max_model_len,
+            cache.block_size,
+            cache.num_blocks,
+            cache.num_state_slots,
+        ):
             raise ValueError(f"unresolved scheduler settings: {config}, {cache}")
         self.config, self.cache_config = config, cache
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -102,8 +106,7 @@ class Scheduler:
         blocks, size = self.cache_config.num_blocks, self.cache_config.block_size
         if -(-total // size) > blocks:
             raise ValueError(
-                f"request needs {total} tokens of KV cache; the cache holds "
-                f"{blocks * size}"
+                f"request needs {total} tokens of KV cache; the cache holds {blocks * size}"
             )
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
@@ -133,8 +136,9 @@ class Scheduler:
             if request.num_pending and self._length_reached(request, request.num_pending):
                 i += 1  # its last token is in flight: it finishes when that is resolved
                 continue
-            n = self._to_fork(request, min(request.num_tokens - request.num_computed_tokens,
-                                           budget))  # fmt: skip
+            n = self._to_fork(
+                request, min(request.num_tokens - request.num_computed_tokens, budget)
+            )
             if self.kv.allocate(request.request_id, request.num_computed_tokens + n):
                 out.num_scheduled_tokens[request.request_id] = n
                 budget -= n
@@ -145,8 +149,12 @@ class Scheduler:
             out.preempted_ids.append(victim.request_id)
             if victim is request:
                 break
-        while (self.waiting and budget > 0 and not out.preempted_ids
-               and len(self.running) < self.config.max_num_seqs):  # fmt: skip
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted_ids
+            and len(self.running) < self.config.max_num_seqs
+        ):
             request = self.waiting[0]
             if request.num_pending:
                 break  # preempted with a token in flight: readmitted once it is resolved
@@ -327,16 +335,19 @@ class Scheduler:
         """Key the blocks the request's computed, host-known tokens fill; file the snapshots
         that follow them."""
         rid = request.request_id
-        known = min(request.num_computed_tokens,
-                    len(request.prompt_token_ids) + len(request.output_token_ids))  # fmt: skip
+        known = min(
+            request.num_computed_tokens,
+            len(request.prompt_token_ids) + len(request.output_token_ids),
+        )
         self.kv.register(rid, known, request.cache_key_ids)
         pending = []
         for num_blocks, snapshot in self._unfiled.pop(rid, []):
             content = self.kv.content_id(rid, num_blocks)
             if content is None:
                 pending.append((num_blocks, snapshot))
-            elif self.snapshots.file(snapshot, content) and \
-                    num_blocks * self.kv.block_size > len(request.prompt_token_ids):  # fmt: skip
+            elif self.snapshots.file(snapshot, content) and num_blocks * self.kv.block_size > len(
+                request.prompt_token_ids
+            ):
                 if rid in self._latest:  # keep the latest past the prompt only
                     self.snapshots.release(self._latest[rid])
                 self._latest[rid] = snapshot

@@ -50,8 +50,9 @@ class GrammarSpec:
         return cls("choice", json.dumps(list(choices)))
 
 
-def from_request(structured_outputs: dict[str, Any] | None,
-                 response_format: dict[str, Any] | None) -> GrammarSpec | None:  # fmt: skip
+def from_request(
+    structured_outputs: dict[str, Any] | None, response_format: dict[str, Any] | None
+) -> GrammarSpec | None:
     """The grammar of an OpenAI request: vLLM's `structured_outputs` ({"json": schema},
     {"regex": ...}, {"choice": [...]}, {"grammar": ...}, {"json_object": true}) or
     `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema":
@@ -108,5 +109,6 @@ def _from_response_format(fmt: dict[str, Any] | None) -> GrammarSpec | None:
         if not isinstance(schema, dict | bool):
             raise ValueError("response_format.json_schema.schema must be a JSON schema")
         return GrammarSpec.json_schema(schema)
-    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
-                     f"got {kind!r}")  # fmt: skip
+    raise ValueError(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+    )

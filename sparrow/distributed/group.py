@@ -14,23 +14,32 @@ import torch
 import torch.distributed as dist
 
 # set in each rank by `init`, before NCCL initialises
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 TIMEOUT_S = 120.0  # a collective waits this long for the other ranks
 # whether this process joined an engine's group (`init`): a process group the program made
 # for its own ends (one engine per process under torchrun, say) leaves the engine alone
 _joined = False
 
 
-def init(rank: int, size: int, init_method: str, device: torch.device,
-         timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
+def init(
+    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float = TIMEOUT_S
+) -> None:
     """Join the engine's group as `rank` of `size` (a `tcp://` or `file://` rendezvous)."""
     os.environ.update(NO_MULTICAST)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":  # NCCL's communicator and object collectives use this device
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     global _joined
     _joined = True
 

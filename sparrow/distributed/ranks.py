@@ -50,9 +50,15 @@ class Ranks:
         size = config.parallel.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, size, init_method, config),
-                             name=f"sparrow-rank-{r}", daemon=True)
-                 for r in range(1, size)]  # fmt: skip
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, size, init_method, config),
+                name=f"sparrow-rank-{r}",
+                daemon=True,
+            )
+            for r in range(1, size)
+        ]
         for p in procs:
             p.start()
         group.init(0, size, init_method, rank_device(device, 0))
@@ -62,8 +68,10 @@ class Ranks:
         """RankFailed if a rank has exited."""
         for p in self.procs:
             if not p.is_alive():
-                raise RankFailed(f"tensor-parallel rank {p.name.rsplit('-', 1)[-1]} exited "
-                                 f"with code {p.exitcode}")  # fmt: skip
+                raise RankFailed(
+                    f"tensor-parallel rank {p.name.rsplit('-', 1)[-1]} exited "
+                    f"with code {p.exitcode}"
+                )
 
     def send(self, *message) -> None:
         self.check()
@@ -98,8 +106,10 @@ class RequestUpdate:
 
     def apply(self, request: Request) -> None:
         request.output_token_ids.extend(self.new_output_ids)
-        request.num_computed_tokens, request.num_pending = (self.num_computed_tokens,
-                                                            self.num_pending)  # fmt: skip
+        request.num_computed_tokens, request.num_pending = (
+            self.num_computed_tokens,
+            self.num_pending,
+        )
         request.status = self.status
 
 
@@ -113,8 +123,9 @@ class RankedRunner:
         self.sent: dict[str, int] = {}  # request -> output tokens the other ranks hold
 
     def execute(self, plan, requests):
-        self.ranks.send("execute", plan, {rid: self._update(requests[rid])
-                                          for rid in plan.num_scheduled_tokens})  # fmt: skip
+        self.ranks.send(
+            "execute", plan, {rid: self._update(requests[rid]) for rid in plan.num_scheduled_tokens}
+        )
         return self.runner.execute(plan, requests)
 
     def _update(self, request: Request) -> Request | RequestUpdate:
@@ -123,8 +134,9 @@ class RankedRunner:
         self.sent[request.request_id] = len(out)
         if sent is None or sent > len(out):
             return request
-        return RequestUpdate(out[sent:], request.num_computed_tokens, request.num_pending,
-                             request.status)  # fmt: skip
+        return RequestUpdate(
+            out[sent:], request.num_computed_tokens, request.num_pending, request.status
+        )
 
     def free(self, request_id: str) -> None:
         self.ranks.send("free", request_id)
@@ -165,8 +177,9 @@ def _rank_main(rank: int, size: int, init_method: str, config) -> None:
         shard = Shard(rank, size, config.parallel.enable_expert_parallel)
         model = load_model(config, progress=False, shard=shard, device=device)
         scheduler_config, cache_config = group.broadcast_object()
-        runner = ModelRunner(model, scheduler_config, cache_config,
-                             cuda_graphs=not config.device.enforce_eager)  # fmt: skip
+        runner = ModelRunner(
+            model, scheduler_config, cache_config, cuda_graphs=not config.device.enforce_eager
+        )
         requests: dict[str, Request] = {}  # as rank 0 sent them
         while True:
             op, *args = group.broadcast_object()

@@ -41,20 +41,28 @@ def _sizes(cfg, experts: bool) -> tuple[list[str], dict[str, int]]:
     heads = ["num_attention_heads", "num_kv_heads"]
     attention = cfg.num_attention_heads * cfg.head_dim
     if isinstance(cfg, qwen3_5_moe.ModelArgs):
-        fields = heads + ["linear_num_key_heads", "linear_num_value_heads",
-                          "shared_expert_intermediate_size"]  # fmt: skip
-        inputs = {"attention heads x head_dim": attention,
-                  "value heads x linear_value_head_dim":
-                      cfg.linear_num_value_heads * cfg.linear_value_head_dim,
-                  "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+        fields = heads + [
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "shared_expert_intermediate_size",
+        ]
+        inputs = {
+            "attention heads x head_dim": attention,
+            "value heads x linear_value_head_dim": cfg.linear_num_value_heads
+            * cfg.linear_value_head_dim,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+        }
     elif isinstance(cfg, minimax_m3.ModelArgs):
         fields = heads + ["index_n_heads", "shared_intermediate_size", "dense_intermediate_size"]
-        inputs = {"attention heads x head_dim": attention,
-                  "shared_intermediate_size": cfg.shared_intermediate_size,
-                  "dense_intermediate_size": cfg.dense_intermediate_size}
+        inputs = {
+            "attention heads x head_dim": attention,
+            "shared_intermediate_size": cfg.shared_intermediate_size,
+            "dense_intermediate_size": cfg.dense_intermediate_size,
+        }
     else:
-        raise ConfigError(f"tensor parallelism runs Qwen3.5/3.6 and MiniMax M3, not "
-                          f"{type(cfg).__module__}")  # fmt: skip
+        raise ConfigError(
+            f"tensor parallelism runs Qwen3.5/3.6 and MiniMax M3, not {type(cfg).__module__}"
+        )
     if not experts:  # the experts' columns split too
         fields.append("moe_intermediate_size")
         inputs["moe_intermediate_size"] = cfg.moe_intermediate_size
@@ -70,17 +78,23 @@ def shard_args(cfg, shard: Shard):
     fields, inputs = _sizes(cfg, shard.experts)
     for name in fields + (["num_experts"] if shard.experts else []) + ["vocab_size"]:
         if getattr(cfg, name) % size:
-            raise ConfigError(f"{name} {getattr(cfg, name)} is not divisible by "
-                              f"tensor_parallel_size {size}")  # fmt: skip
+            raise ConfigError(
+                f"{name} {getattr(cfg, name)} is not divisible by tensor_parallel_size {size}"
+            )
     quant = cfg.quantization
     for what, k in inputs.items() if quant is not None else ():
         if (k // size) % quant.group_size:
-            raise ConfigError(f"{what} {k} over tensor_parallel_size {size} is not a "
-                              f"multiple of the quantisation group {quant.group_size}")
+            raise ConfigError(
+                f"{what} {k} over tensor_parallel_size {size} is not a "
+                f"multiple of the quantisation group {quant.group_size}"
+            )
     rows, held = cfg.vocab_size // size, cfg.num_experts // size
     experts = {"expert_range": (shard.rank * held, held)} if shard.experts else {}
-    return cfg.replace(**{name: getattr(cfg, name) // size for name in fields}, **experts,
-                       vocab_range=(shard.rank * rows, rows))  # fmt: skip
+    return cfg.replace(
+        **{name: getattr(cfg, name) // size for name in fields},
+        **experts,
+        vocab_range=(shard.rank * rows, rows),
+    )
 
 
 def pieces(param: str, cfg, shard: Shard) -> Cut | None:
@@ -107,12 +121,14 @@ def pieces(param: str, cfg, shard: Shard) -> Cut | None:
         return 0, [block(cfg.vocab_size)]
     qwen = isinstance(cfg, qwen3_5_moe.ModelArgs)
     if ".self_attn.indexer." in param:  # M3: one index head per KV group
-        return (0, [block(cfg.index_n_heads * cfg.index_head_dim)]) if module == "q_proj" \
-            else None  # fmt: skip
+        return (0, [block(cfg.index_n_heads * cfg.index_head_dim)]) if module == "q_proj" else None
     if ".self_attn." in param:
         d = cfg.head_dim
-        rows = {"q_proj": (2 if qwen else 1) * cfg.num_attention_heads * d,  # Qwen: q | gate
-                "k_proj": cfg.num_kv_heads * d, "v_proj": cfg.num_kv_heads * d}  # fmt: skip
+        rows = {
+            "q_proj": (2 if qwen else 1) * cfg.num_attention_heads * d,  # Qwen: q | gate
+            "k_proj": cfg.num_kv_heads * d,
+            "v_proj": cfg.num_kv_heads * d,
+        }
         if module in rows:
             return 0, [block(rows[module])]
         return (1, [block(cfg.num_attention_heads * d)]) if module == "o_proj" else None
@@ -137,8 +153,9 @@ def pieces(param: str, cfg, shard: Shard) -> Cut | None:
             return 2, [block(inter)]
         return mlp(module, inter)  # one expert's [I, hidden] or [hidden, I]
     if ".mlp.shared_expert." in param or ".mlp.shared_experts." in param:
-        return mlp(module, cfg.shared_expert_intermediate_size if qwen
-                   else cfg.shared_intermediate_size)  # fmt: skip
+        return mlp(
+            module, cfg.shared_expert_intermediate_size if qwen else cfg.shared_intermediate_size
+        )
     if ".mlp." in param and not qwen:  # M3's dense layers (the router stays whole)
         return mlp(module, cfg.dense_intermediate_size)
     return None
@@ -148,7 +165,7 @@ def cut_shape(shape: tuple[int, ...], cut: Cut | None) -> tuple[int, ...]:
     if cut is None:
         return shape
     dim, ranges = cut
-    return (*shape[:dim], sum(b - a for a, b in ranges), *shape[dim + 1:])
+    return (*shape[:dim], sum(b - a for a, b in ranges), *shape[dim + 1 :])
 
 
 def take(source, ndim: int, cut: Cut | None) -> torch.Tensor:
@@ -157,6 +174,8 @@ def take(source, ndim: int, cut: Cut | None) -> torch.Tensor:
     if cut is None:
         return source[tuple(slice(None) for _ in range(ndim))]
     dim, ranges = cut
-    parts = [source[tuple(slice(a, b) if d == dim else slice(None) for d in range(ndim))]
-             for a, b in ranges]  # fmt: skip
+    parts = [
+        source[tuple(slice(a, b) if d == dim else slice(None) for d in range(ndim))]
+        for a, b in ranges
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)

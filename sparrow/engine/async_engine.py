@@ -49,8 +49,12 @@ class AsyncEngine(EngineClient):
     """The in-process EngineClient over an `LLM`. At most `max_waiting` requests queue.
     `on_fatal(error)` is called on the engine thread if the loop stops on an error."""
 
-    def __init__(self, llm: LLM, max_waiting: int = 256,
-                 on_fatal: Callable[[BaseException], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        llm: LLM,
+        max_waiting: int = 256,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
         self._llm, self.max_waiting, self.on_fatal = llm, max_waiting, on_fatal
         self._info = llm.info()
         self._processor = llm.output_processor()  # the engine thread's alone
@@ -69,8 +73,13 @@ class AsyncEngine(EngineClient):
     def info(self) -> EngineInfo:
         return self._info
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  media: Sequence[MediaItem] = ()) -> AsyncIterator[OutputDelta]:  # fmt: skip
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        media: Sequence[MediaItem] = (),
+    ) -> AsyncIterator[OutputDelta]:
         self._check_accepting()
         if request_id in self._outputs:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
@@ -102,8 +111,9 @@ class AsyncEngine(EngineClient):
     def stats(self) -> EngineStats:
         stats = self._llm.stats()
         queued = self._added - self._taken
-        return EngineStats(stats.waiting + queued, stats.running, stats.kv_usage,
-                           stats.prefix_hit_rate)  # fmt: skip
+        return EngineStats(
+            stats.waiting + queued, stats.running, stats.kv_usage, stats.prefix_hit_rate
+        )
 
     def health(self) -> EngineHealth:
         alive = self._error is None and self._thread.is_alive()
@@ -162,8 +172,9 @@ class AsyncEngine(EngineClient):
         try:
             self._llm.admit(request, media)
         except ValueError:  # validated before; only a duplicate id lands here
-            self._post(request.request_id, OutputDelta(request.request_id, [], "",
-                                                       FinishReason.ABORT))  # fmt: skip
+            self._post(
+                request.request_id, OutputDelta(request.request_id, [], "", FinishReason.ABORT)
+            )
             return
         self._processor.add(request.request_id, request.params)
 
@@ -185,11 +196,16 @@ class AsyncEngine(EngineClient):
             outputs = self._llm.step()
         except StepFailed as e:
             self._failed_steps += 1
-            if (not e.request_ids or self._failed_steps >= MAX_FAILED_STEPS
-                    or "CUDA error" in str(e.cause)):  # fmt: skip
+            if (
+                not e.request_ids
+                or self._failed_steps >= MAX_FAILED_STEPS
+                or "CUDA error" in str(e.cause)
+            ):
                 raise
-            print(f"[sparrow] a step failed; its {len(e.request_ids)} requests end with an "
-                  "error:", file=sys.stderr)  # fmt: skip
+            print(
+                f"[sparrow] a step failed; its {len(e.request_ids)} requests end with an error:",
+                file=sys.stderr,
+            )
             traceback.print_exception(e.cause)
             for request_id in e.request_ids:
                 self._fail(request_id, f"the request failed in the engine: {e.cause!r}")

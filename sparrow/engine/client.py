@@ -76,8 +76,13 @@ class EngineClient(abc.ABC):
     def info(self) -> EngineInfo: ...
 
     @abc.abstractmethod
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  media: Sequence[MediaItem] = ()) -> AsyncIterator[OutputDelta]:  # fmt: skip
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        media: Sequence[MediaItem] = (),
+    ) -> AsyncIterator[OutputDelta]:
         """Queue a request (with its preprocessed images and videos, whose placeholder runs
         the prompt holds); returns the stream of its outputs, the last one with a finish
         reason. Raises before anything is queued: InvalidRequest (with the reason),

@@ -65,8 +65,12 @@ def checkpoint_dir(config: EngineConfig) -> Path:
     return Path(config.model) if config.model is not None else default_checkpoint()
 
 
-def load_model(config: EngineConfig, progress: bool = False, shard: Shard | None = None,
-               device: torch.device | None = None) -> torch.nn.Module:  # fmt: skip
+def load_model(
+    config: EngineConfig,
+    progress: bool = False,
+    shard: Shard | None = None,
+    device: torch.device | None = None,
+) -> torch.nn.Module:
     """The model `config` names, on its device (or `device`); with `shard`, one rank's share
     of it under tensor parallelism (dummy weights: each rank draws its own share)."""
     model_dir = checkpoint_dir(config)
@@ -84,16 +88,22 @@ def load_model(config: EngineConfig, progress: bool = False, shard: Shard | None
         if names_vision(hf_config):  # the tower too, as vLLM draws every weight
             model.visual = random_vision(hf_config, seed, device, dtype)
         return model
-    model = load_checkpoint(model_dir, device, dtype, quantize=config.quantization,
-                            progress=progress, shard=shard)  # fmt: skip
+    model = load_checkpoint(
+        model_dir, device, dtype, quantize=config.quantization, progress=progress, shard=shard
+    )
     attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
     return model
 
 
 class LLM:
-    def __init__(self, model: str | Path | torch.nn.Module | None = None,
-                 config: EngineConfig | None = None, *, progress: bool = False,
-                 **settings: Any):  # fmt: skip
+    def __init__(
+        self,
+        model: str | Path | torch.nn.Module | None = None,
+        config: EngineConfig | None = None,
+        *,
+        progress: bool = False,
+        **settings: Any,
+    ):
         """model: a checkpoint directory, None for the built-in default, or a model already
         in memory (prompts then go in as token ids). `config` or keyword shortcuts of
         `EngineConfig.from_kwargs` (`max_model_len=`, `max_num_seqs=`, `enforce_eager=`,
@@ -127,18 +137,24 @@ class LLM:
             group.broadcast_object((self.scheduler_config, self.cache_config))
         recurrent = slot_bytes(self.model.cache_specs(), 1) > 0
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, recurrent)
-        self.runner = ModelRunner(self.model, self.scheduler_config, self.cache_config,
-                                  cuda_graphs=not config.device.enforce_eager)  # fmt: skip
+        self.runner = ModelRunner(
+            self.model,
+            self.scheduler_config,
+            self.cache_config,
+            cuda_graphs=not config.device.enforce_eager,
+        )
         if self._ranks is not None:
             self.runner = RankedRunner(self.runner, self._ranks)
         self._in_flight: _InFlight | None = None  # launched, not read
         self._ids = itertools.count()
-        special = {self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")
-                   } if self.tokenizer else set()  # fmt: skip
+        special = (
+            {self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
+            if self.tokenizer
+            else set()
+        )
         self.default_stop_ids = tuple(sorted((special - {None}) | set(args.eos_token_ids)))
         self._grammars = None  # GrammarCompiler, built with the first structured request
         self._grammars_lock = threading.Lock()
-
 
     def warmup(self, lengths: tuple[int, ...] = (256, 1024, 4096), batch: int = 5) -> None:
         """Compile the kernels for prefill shapes before serving: one prompt of each length
@@ -151,9 +167,13 @@ class LLM:
         for prompts in groups:
             self.generate(prompts, params)
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None,
-                     media: Sequence[MediaItem] = ()) -> Request:  # fmt: skip
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        media: Sequence[MediaItem] = (),
+    ) -> Request:
         """A validated request (not queued yet): ValueError if it can never run. Stop token
         ids default to the model's end tokens unless `params` gives some or ignores EOS.
         `media`: its images and videos, whose placeholder runs the prompt holds (a model
@@ -162,8 +182,9 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if self.tokenizer is None and (isinstance(prompt, str) or params.stop):
-            raise ValueError("this engine has no tokenizer: give prompts as token ids and "
-                             "no stop strings")  # fmt: skip
+            raise ValueError(
+                "this engine has no tokenizer: give prompts as token ids and no stop strings"
+            )
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model.config.vocab_size
         if any(not 0 <= i < vocab for i in ids):
@@ -182,16 +203,21 @@ class LLM:
             if getattr(self.model, "joint_media", False) and len(media) > 1:
                 # each item's embeddings depend on every item: so do the cached blocks
                 digests = ["+".join(digests)] * len(media)
-            request.media = tuple(MediaSpan(*item.span(merge), d)
-                                  for item, d in zip(media, digests, strict=True))  # fmt: skip
+            request.media = tuple(
+                MediaSpan(*item.span(merge), d) for item, d in zip(media, digests, strict=True)
+            )
             if any(s.start < 0 or s.start + s.length > len(ids) for s in request.media):
                 raise ValueError("a media item's placeholder runs pass the prompt's end")
         self.scheduler.validate(request)
         return request
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None,
-                    media: Sequence[MediaItem] = ()) -> Request:  # fmt: skip
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        media: Sequence[MediaItem] = (),
+    ) -> Request:
         """Make (`make_request`) and queue a request."""
         request = self.make_request(prompt, params, request_id, media)
         self.admit(request, media)
@@ -205,8 +231,9 @@ class LLM:
         if spec is not None:
             # a request that ignores EOS still ends its grammar with an end token
             stops = request.params.stop_token_ids or self.default_stop_ids
-            self.runner.add_grammar(request.request_id, self.grammar_compiler().compile(spec),
-                                    stops, spec.after)  # fmt: skip
+            self.runner.add_grammar(
+                request.request_id, self.grammar_compiler().compile(spec), stops, spec.after
+            )
         try:
             self.scheduler.add_request(request)
         except ValueError:
@@ -225,8 +252,9 @@ class LLM:
             raise ValueError("this engine has no tokenizer: structured output needs one")
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
-                                                 self.default_stop_ids)  # fmt: skip
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.model.config.vocab_size, self.default_stop_ids
+                )
             return self._grammars
 
     def step(self) -> list[RequestOutput]:
@@ -256,8 +284,9 @@ class LLM:
         """Requests to run, or a step in flight still to read (finished requests' tokens)."""
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    def _resolve(self, sampling: list[str], launched: LaunchedStep,
-                 tokens: dict[str, list[int]]) -> list[RequestOutput]:  # fmt: skip
+    def _resolve(
+        self, sampling: list[str], launched: LaunchedStep, tokens: dict[str, list[int]]
+    ) -> list[RequestOutput]:
         outputs = self.scheduler.resolve(sampling, tokens)
         for out in outputs:
             if out.request_id in launched.logprobs and out.new_token_ids:
@@ -268,8 +297,9 @@ class LLM:
                 self.runner.free(out.request_id)
         return outputs
 
-    def _fail(self, planned: list[str], sampling: list[str], in_flight: _InFlight | None,
-              cause: Exception) -> StepFailed:  # fmt: skip
+    def _fail(
+        self, planned: list[str], sampling: list[str], in_flight: _InFlight | None, cause: Exception
+    ) -> StepFailed:
         """Drop the tokens of the failed step (`planned`, of which `sampling` committed) and
         of the one in flight, and abort every request they hold."""
         earlier = in_flight[0] if in_flight is not None else []
@@ -300,19 +330,28 @@ class LLM:
         one) and finishes here, with reason STOP, a request a stop string ended."""
         decode = self.tokenizer.decode if self.tokenizer is not None else _no_text
         special = self.tokenizer.skipped_ids if self.tokenizer is not None else frozenset()
-        return OutputProcessor(decode, on_stop=lambda rid: self.abort(rid, FinishReason.STOP),
-                               special_ids=special)  # fmt: skip
+        return OutputProcessor(
+            decode, on_stop=lambda rid: self.abort(rid, FinishReason.STOP), special_ids=special
+        )
 
     def info(self) -> EngineInfo:
         cache = self.cache_config
-        return EngineInfo(self.scheduler.config.max_model_len, self.model.config.vocab_size,
-                          self.default_stop_ids, cache.num_blocks * cache.block_size,
-                          media=getattr(self.model, "visual", None) is not None)  # fmt: skip
+        return EngineInfo(
+            self.scheduler.config.max_model_len,
+            self.model.config.vocab_size,
+            self.default_stop_ids,
+            cache.num_blocks * cache.block_size,
+            media=getattr(self.model, "visual", None) is not None,
+        )
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
-        return EngineStats(scheduler.num_waiting, len(scheduler.running), scheduler.kv.usage,
-                           scheduler.prefix_hit_rate)  # fmt: skip
+        return EngineStats(
+            scheduler.num_waiting,
+            len(scheduler.running),
+            scheduler.kv.usage,
+            scheduler.prefix_hit_rate,
+        )
 
     def generate(
         self,

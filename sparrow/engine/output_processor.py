@@ -128,20 +128,28 @@ class RequestText:
     `special_ids`: the tokens whose text is left out when the request skips special
     tokens."""
 
-    def __init__(self, request_id: str, decode: Decode, params: SamplingParams,
-                 special_ids: frozenset[int] = frozenset()):  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        decode: Decode,
+        params: SamplingParams,
+        special_ids: frozenset[int] = frozenset(),
+    ):
         self.request_id, self.decode = request_id, decode
         self.stops, self.stop_token_ids = params.stop, set(params.stop_token_ids)
-        self.textless = self.stop_token_ids | (special_ids if params.skip_special_tokens
-                                               else set())  # fmt: skip
+        self.textless = self.stop_token_ids | (special_ids if params.skip_special_tokens else set())
         self.wants_logprobs = params.logprobs is not None
         self.decoded = IncrementalText(decode)
         self.shown = 0  # characters of the decoded text given out so far
         self._searched = 0  # characters searched for stop strings
 
-    def add(self, token_ids: list[int], finish: FinishReason | None,
-            logprobs: list[TokenLogprob] | None = None,
-            prompt_logprobs: list[TokenLogprob] | None = None) -> OutputDelta:  # fmt: skip
+    def add(
+        self,
+        token_ids: list[int],
+        finish: FinishReason | None,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
+    ) -> OutputDelta:
         """Take the tokens a step gave (and the engine's finish reason); returns the delta.
         A stop string found here makes it the last: reason STOP, later tokens dropped."""
         kept: list[int] = []
@@ -167,10 +175,13 @@ class RequestText:
         lps = entries if self.wants_logprobs else None
         prompt = None
         if prompt_logprobs is not None:
-            prompt = [PromptLogprobEntry(self._token(lp.token_id, lp.logprob, lp.rank),
-                                         tuple(self._token(t, v, rank)
-                                               for rank, (t, v) in enumerate(lp.top, 1)))
-                      for lp in prompt_logprobs]  # fmt: skip
+            prompt = [
+                PromptLogprobEntry(
+                    self._token(lp.token_id, lp.logprob, lp.rank),
+                    tuple(self._token(t, v, rank) for rank, (t, v) in enumerate(lp.top, 1)),
+                )
+                for lp in prompt_logprobs
+            ]
         return OutputDelta(self.request_id, kept, delta, finish, lps, prompt)
 
     def _search(self, text: str) -> int | None:
@@ -200,16 +211,19 @@ class OutputProcessor:
 
     Not thread-safe: one owner thread or event loop calls it."""
 
-    def __init__(self, decode: Decode, on_stop: Callable[[str], None] | None = None,
-                 special_ids: frozenset[int] = frozenset()):  # fmt: skip
+    def __init__(
+        self,
+        decode: Decode,
+        on_stop: Callable[[str], None] | None = None,
+        special_ids: frozenset[int] = frozenset(),
+    ):
         self.decode, self.on_stop, self.special_ids = decode, on_stop, special_ids
         self._requests: dict[str, RequestText] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
-        self._requests[request_id] = RequestText(request_id, self.decode, params,
-                                                 self.special_ids)  # fmt: skip
+        self._requests[request_id] = RequestText(request_id, self.decode, params, self.special_ids)
 
     def process(self, outputs: Iterable[RequestOutput]) -> list[OutputDelta]:
         deltas = []
@@ -217,8 +231,9 @@ class OutputProcessor:
             state = self._requests.get(out.request_id)
             if state is None:
                 continue
-            delta = state.add(out.new_token_ids, out.finish_reason, out.logprobs,
-                              out.prompt_logprobs)  # fmt: skip
+            delta = state.add(
+                out.new_token_ids, out.finish_reason, out.logprobs, out.prompt_logprobs
+            )
             if delta.finish_reason is not None:
                 del self._requests[out.request_id]
                 if out.finish_reason is None and self.on_stop is not None:

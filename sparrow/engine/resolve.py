@@ -56,23 +56,29 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
         raise ConfigError(str(e)) from e
     limit = model_context(args)
     if sched.max_model_len is not None and sched.max_model_len > limit:
-        raise ConfigError(f"max_model_len {sched.max_model_len} exceeds the model's context "
-                          f"of {limit} tokens ({_context_source(args)})")  # fmt: skip
+        raise ConfigError(
+            f"max_model_len {sched.max_model_len} exceeds the model's context "
+            f"of {limit} tokens ({_context_source(args)})"
+        )
     sched = dataclasses.replace(sched, max_model_len=sched.max_model_len or limit)
     slots = cache.num_state_slots or sched.max_num_seqs
     block_size = _block_size(cache.block_size, model)
     recurrent = slot_bytes(specs, 1) > 0
     snapshots = cache.num_state_snapshots if cache.num_state_snapshots is not None else slots
     snapshots = snapshots if cache.enable_prefix_caching and recurrent else 0
-    cache = dataclasses.replace(cache, num_state_slots=slots, block_size=block_size,
-                                num_state_snapshots=snapshots)  # fmt: skip
+    cache = dataclasses.replace(
+        cache, num_state_slots=slots, block_size=block_size, num_state_snapshots=snapshots
+    )
     if cache.num_blocks is None:
         blocks = _blocks_for_memory(cache, model, specs, sched.max_model_len * slots)
         cache = dataclasses.replace(cache, num_blocks=blocks)
     if snapshots:
         size = snapshots * slot_bytes(specs, model.dtype.itemsize)
-        print(f"[sparrow] prefix caching: {snapshots} recurrent-state snapshots "
-              f"({size / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
+        print(
+            f"[sparrow] prefix caching: {snapshots} recurrent-state snapshots "
+            f"({size / 2**30:.2f} GiB)",
+            file=sys.stderr,
+        )
     return sched, cache
 
 
@@ -86,8 +92,10 @@ def model_context(args: Any) -> int:
 def _context_source(args: Any) -> str:
     yarn = getattr(args, "rope_scaling", None)
     if yarn is not None:
-        return (f"yarn rope scaling: factor {yarn.factor} x original_max_position_embeddings "
-                f"{yarn.original_max_position_embeddings}")  # fmt: skip
+        return (
+            f"yarn rope scaling: factor {yarn.factor} x original_max_position_embeddings "
+            f"{yarn.original_max_position_embeddings}"
+        )
     return "max_position_embeddings; rope_parameters of rope_type 'yarn' in config.json extend it"
 
 
@@ -95,22 +103,26 @@ def _block_size(asked: int | None, model: torch.nn.Module) -> int:
     """The cache page size: the model's MSA block if it has one (ConfigError for another)."""
     needed = required_block_size(model.cache_specs())
     if needed is not None and asked is not None and asked != needed:
-        raise ConfigError(f"block_size {asked} does not match the model's MSA block of "
-                          f"{needed} tokens (index_block_size): a cache page must be one MSA "
-                          f"block")  # fmt: skip
+        raise ConfigError(
+            f"block_size {asked} does not match the model's MSA block of "
+            f"{needed} tokens (index_block_size): a cache page must be one MSA "
+            f"block"
+        )
     return asked or needed or DEFAULT_BLOCK_SIZE
 
 
-def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module,
-                       specs: Sequence[CacheSpec | None], most_tokens: int) -> int:  # fmt: skip
+def _blocks_for_memory(
+    cache: CacheConfig, model: torch.nn.Module, specs: Sequence[CacheSpec | None], most_tokens: int
+) -> int:
     itemsize = model.dtype.itemsize
     per_block = paged_bytes_per_block(specs, cache.block_size, itemsize)
     if per_block == 0:  # no paged layer: blocks hold nothing, they only count tokens
         return -(-most_tokens // cache.block_size)
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
-        states = slot_bytes(specs, itemsize) * (cache.num_state_slots + 1
-                                                + cache.num_state_snapshots)
+        states = slot_bytes(specs, itemsize) * (
+            cache.num_state_slots + 1 + cache.num_state_snapshots
+        )
         # the share is this engine's own (as vLLM's): what other processes on the device hold
         # counts only where it leaves less free than the share would take
         own = torch.cuda.memory_reserved(model.device)
@@ -119,8 +131,13 @@ def _blocks_for_memory(cache: CacheConfig, model: torch.nn.Module,
     else:
         blocks = -(-CPU_CACHE_TOKENS // cache.block_size)
     if blocks < 1:
-        raise ConfigError("no memory left for the KV cache after loading the weights; raise "
-                          "gpu_memory_utilization or lower max_num_seqs")  # fmt: skip
-    print(f"[sparrow] KV cache: {blocks} blocks of {cache.block_size} tokens "
-          f"({blocks * per_block / 2**30:.2f} GiB)", file=sys.stderr)  # fmt: skip
+        raise ConfigError(
+            "no memory left for the KV cache after loading the weights; raise "
+            "gpu_memory_utilization or lower max_num_seqs"
+        )
+    print(
+        f"[sparrow] KV cache: {blocks} blocks of {cache.block_size} tokens "
+        f"({blocks * per_block / 2**30:.2f} GiB)",
+        file=sys.stderr,
+    )
     return blocks

@@ -55,18 +55,19 @@ def load_hf(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module
     model_type = json.loads((model_dir / "config.json").read_text()).get("model_type", "")
     if not model_type.startswith("qwen3_5_moe"):
         raise SystemExit(f"consistency runs Qwen3.5/3.6 MoE checkpoints, not {model_type!r}")
-    cls = (transformers.Qwen3_5MoeForCausalLM if model_type.endswith("_text")
-           else transformers.Qwen3_5MoeForConditionalGeneration)  # fmt: skip
+    cls = (
+        transformers.Qwen3_5MoeForCausalLM
+        if model_type.endswith("_text")
+        else transformers.Qwen3_5MoeForConditionalGeneration
+    )
     return cls.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
-def dequantised(state: dict[str, torch.Tensor], model: torch.nn.Module,
-                dtype: torch.dtype) -> dict:  # fmt: skip
+def dequantised(state: dict[str, torch.Tensor], model: torch.nn.Module, dtype: torch.dtype) -> dict:
     """`state` (HF names) with each tensor the quantised `model` quantises replaced by the
     weight its codes represent (in `dtype`): the same `quantize` call as the loader's,
     undone."""
-    assembler = WeightAssembler(build_empty_model(model.config, model.dtype), "meta",
-                                model.dtype)  # fmt: skip
+    assembler = WeightAssembler(build_empty_model(model.config, model.dtype), "meta", model.dtype)
     out = {}
     for name, t in state.items():
         target = assembler.target(name, tuple(t.shape), t.dtype, "HF state dict")
@@ -80,7 +81,7 @@ def dequantised(state: dict[str, torch.Tensor], model: torch.nn.Module,
 @torch.inference_mode()
 def hf_logits(hf: torch.nn.Module, ids: torch.Tensor, context: int) -> torch.Tensor:
     """fp32 logits [len(ids) - context, V] predicting ids[context:], one forward."""
-    return hf(ids[None, :-1]).logits[0, context - 1:].float()
+    return hf(ids[None, :-1]).logits[0, context - 1 :].float()
 
 
 def compare(ours: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -107,11 +108,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=64, help="prompt tokens before the first")
     p.add_argument("--text", default=None, help="a text file (default: held-out stdlib files)")
     p.add_argument("--device", default="cpu", help="cpu (fp32, reference path) or cuda")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="Sparrow's dtype (default: float32 on a CPU, bfloat16 on a GPU)")
-    p.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="HF's dtype (default: Sparrow's); float32 against a bf16 Sparrow "
-                        "measures both bf16 sides against the same fp32 truth")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="Sparrow's dtype (default: float32 on a CPU, bfloat16 on a GPU)",
+    )
+    p.add_argument(
+        "--hf-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="HF's dtype (default: Sparrow's); float32 against a bf16 Sparrow "
+        "measures both bf16 sides against the same fp32 truth",
+    )
     p.add_argument("--out", default="bench-out/consistency.json")
     args = p.parse_args(argv)
     if args.positions < 2 or args.context < 1:
@@ -125,36 +134,46 @@ def main(argv: list[str] | None = None) -> dict:
     if len(ids) < args.context + args.positions:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than --context + --positions")
     ids = torch.tensor(ids, device=args.device)
-    targets, teacher = ids[args.context:], ids[args.context:-1].tolist()
+    targets, teacher = ids[args.context :], ids[args.context : -1].tolist()
 
     def ours(model: torch.nn.Module) -> torch.Tensor:
         return logits_run(model, ids[: args.context], teacher).float()
 
-    hf = load_hf(model_dir, getattr(torch, args.hf_dtype) if args.hf_dtype else dtype,
-                 args.device)  # fmt: skip
+    hf = load_hf(model_dir, getattr(torch, args.hf_dtype) if args.hf_dtype else dtype, args.device)
     cfg = load_model_args(model_dir)
     state = hf.state_dict()
     ref = hf_logits(hf, ids, args.context)
     state = {name: t.to(dtype) for name, t in state.items()}  # Sparrow's dtype
-    pairs = {"sparrow_vs_hf": compare(ours(load_tensors(cfg, state, args.device, dtype)), ref,
-                                      targets)}  # fmt: skip
+    pairs = {
+        "sparrow_vs_hf": compare(ours(load_tensors(cfg, state, args.device, dtype)), ref, targets)
+    }
     if hf.dtype != dtype:  # HF's own rounding in Sparrow's dtype, against the same truth
         pairs[f"hf_{str(dtype).removeprefix('torch.')}_vs_hf"] = compare(
-            hf_logits(load_hf(model_dir, dtype, args.device), ids, args.context).float(), ref,
-            targets)  # fmt: skip
+            hf_logits(load_hf(model_dir, dtype, args.device), ids, args.context).float(),
+            ref,
+            targets,
+        )
     if args.quantize:
-        q = load_tensors(cfg, state, args.device, dtype,
-                         quantize=QuantConfig.from_name(args.quantize))  # fmt: skip
+        q = load_tensors(
+            cfg, state, args.device, dtype, quantize=QuantConfig.from_name(args.quantize)
+        )
         q_logits = ours(q)
         hf_q = copy.deepcopy(hf)
         hf_q.load_state_dict(dequantised(state, q, hf.dtype))
         pairs[f"sparrow_{args.quantize}_vs_hf_dequantised"] = compare(
-            q_logits, hf_logits(hf_q, ids, args.context), targets)
+            q_logits, hf_logits(hf_q, ids, args.context), targets
+        )
         pairs[f"sparrow_{args.quantize}_vs_hf_original"] = compare(q_logits, ref, targets)
-    report = {"model": str(model_dir), "device": args.device, "dtype": str(dtype),
-              "hf_dtype": str(hf.dtype),
-              "positions": args.positions, "context": args.context,
-              "text": args.text or "held-out standard library files", **pairs}  # fmt: skip
+    report = {
+        "model": str(model_dir),
+        "device": args.device,
+        "dtype": str(dtype),
+        "hf_dtype": str(hf.dtype),
+        "positions": args.positions,
+        "context": args.context,
+        "text": args.text or "held-out standard library files",
+        **pairs,
+    }
     write_report(args.out, report)
     for name, row in pairs.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.6g}" for k, v in row.items()))

@@ -50,20 +50,30 @@ def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPo
     """The app, its router and its media process pool (None for a text-only model); shut
     the pool down after the app stops."""
     tokenizer = load_tokenizer(settings.model_dir)
-    router = Router(settings.workers,
-                    lambda address: RemoteEngine(address, tokenizer.decode,
-                                                 special_ids=tokenizer.skipped_ids),
-                    make_policy(settings.policy), settings.router,
-                    wait_s=settings.wait_s)  # fmt: skip
+    router = Router(
+        settings.workers,
+        lambda address: RemoteEngine(address, tokenizer.decode, special_ids=tokenizer.skipped_ids),
+        make_policy(settings.policy),
+        settings.router,
+        wait_s=settings.wait_s,
+    )
     media = pool = None
     if router.info.media:  # the workers' model has a vision tower
         from sparrow.multimodal.pipeline import MediaPipeline, media_pool
 
         media = MediaPipeline.for_checkpoint(settings.model_dir, settings.media_limits)
         pool = media_pool(settings.media_processes)
-    app = build_app(router, tokenizer, settings.model_name, list(settings.api_keys) or None,
-                    settings.max_body_bytes, media=media, reasoning=settings.reasoning,
-                    tool_parser=settings.tool_parser,
-                    rate_limit=settings.rate_limit, media_executor=pool,
-                    collectors=[RouterCollector(router)])  # fmt: skip
+    app = build_app(
+        router,
+        tokenizer,
+        settings.model_name,
+        list(settings.api_keys) or None,
+        settings.max_body_bytes,
+        media=media,
+        reasoning=settings.reasoning,
+        tool_parser=settings.tool_parser,
+        rate_limit=settings.rate_limit,
+        media_executor=pool,
+        collectors=[RouterCollector(router)],
+    )
     return app, router, pool

@@ -20,16 +20,26 @@ class RouterCollector:
 
     def collect(self):
         labels = ["worker"]
-        healthy = GaugeMetricFamily("sparrow_gateway_worker_healthy",
-                                    "1 while the worker answers its health checks", labels=labels)
-        load = GaugeMetricFamily("sparrow_gateway_worker_load",
-                                 "requests at the worker (in flight or reported)", labels=labels)
-        breaker = GaugeMetricFamily("sparrow_gateway_worker_breaker_state",
-                                    "circuit breaker: 0 closed, 1 half-open, 2 open",
-                                    labels=labels)  # fmt: skip
-        retries = CounterMetricFamily("sparrow_gateway_worker_retries",
-                                      "requests handed on to another worker after failing here",
-                                      labels=labels)  # fmt: skip
+        healthy = GaugeMetricFamily(
+            "sparrow_gateway_worker_healthy",
+            "1 while the worker answers its health checks",
+            labels=labels,
+        )
+        load = GaugeMetricFamily(
+            "sparrow_gateway_worker_load",
+            "requests at the worker (in flight or reported)",
+            labels=labels,
+        )
+        breaker = GaugeMetricFamily(
+            "sparrow_gateway_worker_breaker_state",
+            "circuit breaker: 0 closed, 1 half-open, 2 open",
+            labels=labels,
+        )
+        retries = CounterMetricFamily(
+            "sparrow_gateway_worker_retries",
+            "requests handed on to another worker after failing here",
+            labels=labels,
+        )
         for w in self.router.workers:
             healthy.add_metric([w.address], float(w.alive))
             load.add_metric([w.address], float(w.load))

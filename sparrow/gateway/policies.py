@@ -105,10 +105,18 @@ class PrefixBlocks:
 
 
 class CacheAware(Policy):
-    def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 32,
-                 balance_rel: float = 1.1, max_blocks: int = 100_000):  # fmt: skip
+    def __init__(
+        self,
+        cache_threshold: float = 0.5,
+        balance_abs: int = 32,
+        balance_rel: float = 1.1,
+        max_blocks: int = 100_000,
+    ):
         self.cache_threshold, self.balance_abs, self.balance_rel = (
-            cache_threshold, balance_abs, balance_rel)  # fmt: skip
+            cache_threshold,
+            balance_abs,
+            balance_rel,
+        )
         self.max_blocks = max_blocks
         self.trees: dict[str, PrefixBlocks] = {}
 
@@ -120,7 +128,8 @@ class CacheAware(Policy):
     def choose(self, candidates, prompt):
         loads = [c.load for c in candidates]
         if max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(
-                loads):  # fmt: skip
+            loads
+        ):
             return min(candidates, key=lambda c: c.load)
         keys = PrefixBlocks.keys(prompt)
         best = max(candidates, key=lambda c: self._tree(c.name).matched(keys))

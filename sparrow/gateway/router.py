@@ -46,8 +46,9 @@ CONNECT_RETRY_S = 1.0  # a worker that has not answered yet is tried again this 
 class CircuitBreaker:
     """closed -> open after `failures` in a row -> half-open after `open_s` (one trial)."""
 
-    def __init__(self, failures: int = 5, open_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self, failures: int = 5, open_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ):
         self.failures, self.open_s, self.clock = failures, open_s, clock
         self._in_a_row, self._opened_at, self._trial = 0, None, False
 
@@ -79,8 +80,9 @@ class CircuitBreaker:
 class Worker:
     """One worker: `engine` once connected (`connect(address)` returns it or raises)."""
 
-    def __init__(self, address: str, connect: Callable[[str], EngineClient],
-                 breaker: CircuitBreaker):  # fmt: skip
+    def __init__(
+        self, address: str, connect: Callable[[str], EngineClient], breaker: CircuitBreaker
+    ):
         self.address, self.breaker = address, breaker
         self.engine: EngineClient | None = None
         self.in_flight = 0
@@ -137,22 +139,27 @@ class Router(EngineClient):
     opens one (a `RemoteEngine`). Waits up to `wait_s` for the first worker to answer (its
     ModelInfo is the model's); EngineError if none does."""
 
-    def __init__(self, addresses: Sequence[str], connect: Callable[[str], EngineClient],
-                 policy: Policy, settings: RouterSettings = RouterSettings(),
-                 wait_s: float = 30.0):  # fmt: skip
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        connect: Callable[[str], EngineClient],
+        policy: Policy,
+        settings: RouterSettings = RouterSettings(),
+        wait_s: float = 30.0,
+    ):
         if not addresses:
             raise ValueError("a router needs at least one worker address")
         self.policy, self.settings = policy, settings
-        self.workers = [Worker(a, connect, CircuitBreaker(settings.breaker_failures,
-                                                           settings.breaker_open_s))
-                        for a in addresses]  # fmt: skip
+        self.workers = [
+            Worker(a, connect, CircuitBreaker(settings.breaker_failures, settings.breaker_open_s))
+            for a in addresses
+        ]
         self._owner: dict[str, Worker] = {}  # request id -> the worker running it
         self._first = threading.Event()
         for w in self.workers:
             w.connect_in_background(self._connected)
         if not self._first.wait(wait_s):
-            raise EngineError(f"no worker answered within {wait_s:.0f} s: "
-                              f"{', '.join(addresses)}")  # fmt: skip
+            raise EngineError(f"no worker answered within {wait_s:.0f} s: {', '.join(addresses)}")
         self._info = next(w.engine.info for w in self.workers if w.engine is not None)
 
     def _connected(self, worker: Worker) -> None:
@@ -164,27 +171,37 @@ class Router(EngineClient):
         return self._info
 
     def eligible(self, exclude: set[str] = frozenset()) -> list[Worker]:
-        return [w for w in self.workers if w.address not in exclude and w.alive
-                and w.breaker.allows()]  # fmt: skip
+        return [
+            w for w in self.workers if w.address not in exclude and w.alive and w.breaker.allows()
+        ]
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  media: Sequence[MediaItem] = ()) -> AsyncIterator[OutputDelta]:  # fmt: skip
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        media: Sequence[MediaItem] = (),
+    ) -> AsyncIterator[OutputDelta]:
         tried: set[str] = set()
         last: Exception | None = None
         for _ in range(self.settings.max_attempts):
             workers = self.eligible(tried)
             if not workers:
                 break
-            chosen = self.policy.choose([Candidate(w.address, w.load) for w in workers],
-                                        prompt_token_ids)  # fmt: skip
+            chosen = self.policy.choose(
+                [Candidate(w.address, w.load) for w in workers], prompt_token_ids
+            )
             worker = next(w for w in workers if w.address == chosen.name)
             worker.breaker.start()
             try:
                 stream = await worker.engine.add(request_id, prompt_token_ids, params, media)
             except (EngineUnreachable, EngineFull) as e:
                 # full: the worker answered; unreachable: a worker failure
-                (worker.breaker.failure if isinstance(e, EngineUnreachable)
-                 else worker.breaker.success)()  # fmt: skip
+                (
+                    worker.breaker.failure
+                    if isinstance(e, EngineUnreachable)
+                    else worker.breaker.success
+                )()
                 tried.add(worker.address)
                 worker.retries += 1
                 last = e
@@ -199,12 +216,14 @@ class Router(EngineClient):
             self._owner[request_id] = worker
             return self._relay(request_id, worker, stream)
         if isinstance(last, EngineFull) or last is None:
-            raise EngineFull(f"no worker can take the request now "
-                             f"({len(self.workers)} configured)") from last  # fmt: skip
+            raise EngineFull(
+                f"no worker can take the request now ({len(self.workers)} configured)"
+            ) from last
         raise EngineUnreachable(f"no worker could be reached: {last}") from last
 
-    async def _relay(self, request_id: str, worker: Worker,
-                     stream: AsyncIterator[OutputDelta]) -> AsyncIterator[OutputDelta]:  # fmt: skip
+    async def _relay(
+        self, request_id: str, worker: Worker, stream: AsyncIterator[OutputDelta]
+    ) -> AsyncIterator[OutputDelta]:
         """The worker's stream, counted in flight until its last delta (callers may stop
         reading there); past the request timeout the worker aborts it and the stream ends
         with EngineError."""
@@ -214,8 +233,7 @@ class Router(EngineClient):
             expired.append(True)
             worker.engine.abort(request_id)
 
-        timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout,
-                                                                                     expire)
+        timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, expire)
         worker.in_flight += 1
         try:
             async for delta in stream:
@@ -252,9 +270,12 @@ class Router(EngineClient):
         stats = [w.engine.stats() for w in self.workers if w.alive]
         if not stats:
             return EngineStats(0, 0, 0.0)
-        return EngineStats(sum(s.waiting for s in stats), sum(s.running for s in stats),
-                           sum(s.kv_usage for s in stats) / len(stats),
-                           sum(s.prefix_hit_rate for s in stats) / len(stats))  # fmt: skip
+        return EngineStats(
+            sum(s.waiting for s in stats),
+            sum(s.running for s in stats),
+            sum(s.kv_usage for s in stats) / len(stats),
+            sum(s.prefix_hit_rate for s in stats) / len(stats),
+        )
 
     def health(self) -> EngineHealth:
         """Alive while some worker is; accepting while some worker takes requests."""
@@ -264,4 +285,3 @@ class Router(EngineClient):
     async def shutdown(self) -> None:
         """Close every connection; the workers keep running."""
         await asyncio.gather(*(w.close() for w in self.workers))
-

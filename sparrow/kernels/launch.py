@@ -103,8 +103,18 @@ class FastKernel:
         values = [*args, *(kwargs[n] if n in kwargs else self._defaults[n] for n in rest)]
         g = tuple(grid) + (1, 1)
         stream = _raw_stream(device.index)
-        entry.run(g[0], g[1], g[2], stream, entry.function, entry.packed_metadata, None, None,
-                  None, *values)  # fmt: skip
+        entry.run(
+            g[0],
+            g[1],
+            g[2],
+            stream,
+            entry.function,
+            entry.packed_metadata,
+            None,
+            None,
+            None,
+            *values,
+        )
         return entry
 
     def _all_constexprs_named(self, num_args: int, kwargs: dict) -> bool:

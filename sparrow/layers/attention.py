@@ -29,19 +29,20 @@ PROMPTS_PER_SDPA = 4
 CHUNK_TOKENS = 64
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int],
-                     scale: float) -> torch.Tensor:  # fmt: skip
+def prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int], scale: float
+) -> torch.Tensor:
     """Causal attention within each prompt of the step. q: [T, Hq, D]; k, v: [T, Hkv, D],
     prompts back to back (seq_lens on the host). K/V heads are repeated to Hq first and every
     operand is 4-D [1, H, L, D]: SDPA's FlashAttention kernel takes only that (a 3-D call
     falls back to the math path, fp32 scores in memory). Returns [T, Hq, D]."""
     rep = q.shape[1] // k.shape[1]
     outs = []
-    for q_s, k_s, v_s in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens),
-                             strict=True):  # fmt: skip
+    for q_s, k_s, v_s in zip(q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), strict=True):
         k_s, v_s = (x.repeat_interleave(rep, dim=1).transpose(0, 1)[None] for x in (k_s, v_s))
-        o = F.scaled_dot_product_attention(q_s.transpose(0, 1)[None], k_s, v_s, is_causal=True,
-                                           scale=scale)  # fmt: skip
+        o = F.scaled_dot_product_attention(
+            q_s.transpose(0, 1)[None], k_s, v_s, is_causal=True, scale=scale
+        )
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 
@@ -49,8 +50,7 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
 class GatedAttention(Projections, nn.Module):
     FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 eps: float):  # fmt: skip
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
@@ -82,35 +82,55 @@ class GatedAttention(Projections, nn.Module):
         q = self.q_norm.with_rope(q, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        cache_rows = (k_cache.view(-1, self.num_kv_heads, self.head_dim),
-                      v_cache.view(-1, self.num_kv_heads, self.head_dim), meta.slot_mapping)
-        k = self.k_norm.with_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin,
-                                  cache=(v, *cache_rows))  # writes k and v to the cache
+        cache_rows = (
+            k_cache.view(-1, self.num_kv_heads, self.head_dim),
+            v_cache.view(-1, self.num_kv_heads, self.head_dim),
+            meta.slot_mapping,
+        )
+        k = self.k_norm.with_rope(
+            k.view(t, self.num_kv_heads, self.head_dim), cos, sin, cache=(v, *cache_rows)
+        )  # writes k and v to the cache
         args = (k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.context_lens, self.scale)
         if use_triton(x) and self.kernel_fits and meta.max_q_len == 1:  # decode
-            out = paged_decode_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                         meta.context_lens, self.scale, gate)  # fmt: skip
+            out = paged_decode_attention(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                gate,
+            )
         elif use_triton(x) and meta.prefix_free and len(meta.seq_lens) <= PROMPTS_PER_SDPA:
             spans = [t] if meta.padded else meta.seq_lens  # no host reads in a graph
             out = prompt_attention(q, k, v, spans, self.scale) * torch.sigmoid(gate)
         elif use_triton(x) and self.kernel_fits and meta.prefix_lens is not None:
-            out = prefill_attention(q.contiguous(), gate.contiguous(), k, v, kv_cache, meta,
-                                    self.scale)  # fmt: skip
+            out = prefill_attention(
+                q.contiguous(), gate.contiguous(), k, v, kv_cache, meta, self.scale
+            )
         elif use_triton(x) and self.kernel_fits:
-            out = paged_attention(q.contiguous(), *args, gate=gate.contiguous(),
-                                  max_q_len=meta.max_q_len)  # fmt: skip
+            out = paged_attention(
+                q.contiguous(), *args, gate=gate.contiguous(), max_q_len=meta.max_q_len
+            )
         elif meta.max_q_len == 1:  # no host reads: decode graphs capture it
-            out = naive.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                               meta.context_lens, self.scale)  # fmt: skip
+            out = naive.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
             out = out * torch.sigmoid(gate)
         else:
             out = naive.paged_attention(q, *args) * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, -1))
 
 
-def prefill_attention(q: torch.Tensor, gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      kv_cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata,
-                      scale: float) -> torch.Tensor:  # fmt: skip
+def prefill_attention(
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    meta: StepMetadata,
+    scale: float,
+) -> torch.Tensor:
     """A step's gated attention over the paged cache (GPU): sequences of at least
     CHUNK_TOKENS new tokens, when at most PROMPTS_PER_SDPA and cuDNN takes q (`flash_fits`),
     one `chunk_attention` each; the rest in one paged-kernel launch over their rows.
@@ -118,23 +138,42 @@ def prefill_attention(q: torch.Tensor, gate: torch.Tensor, k: torch.Tensor, v: t
     (k_cache, v_cache), lens, tables = kv_cache, meta.seq_lens, meta.block_tables
     long = [b for b, n in enumerate(lens) if n >= CHUNK_TOKENS] if flash_fits(q) else []
     if not long or len(long) > PROMPTS_PER_SDPA:
-        return paged_attention(q, k_cache, v_cache, tables, meta.cu_seqlens, meta.context_lens,
-                               scale, gate=gate, max_q_len=meta.max_q_len)  # fmt: skip
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            meta.cu_seqlens,
+            meta.context_lens,
+            scale,
+            gate=gate,
+            max_q_len=meta.max_q_len,
+        )
     starts = [0, *itertools.accumulate(lens)]
     out = torch.empty_like(q)
     for b in long:
         rows = slice(starts[b], starts[b + 1])
-        o = chunk_attention(q[rows], k[rows], v[rows], k_cache, v_cache, tables[b],
-                            meta.prefix_lens[b], scale)  # fmt: skip
+        o = chunk_attention(
+            q[rows], k[rows], v[rows], k_cache, v_cache, tables[b], meta.prefix_lens[b], scale
+        )
         out[rows] = o * torch.sigmoid(gate[rows])
     short = [b for b in range(len(lens)) if b not in long]
     if short:
-        rows = to_device([r for b in short for r in range(starts[b], starts[b + 1])],
-                         torch.long, q.device)  # fmt: skip
+        rows = to_device(
+            [r for b in short for r in range(starts[b], starts[b + 1])], torch.long, q.device
+        )
         which = to_device(short, torch.long, q.device)
         short_lens = [lens[b] for b in short]
         cu = to_device([0, *itertools.accumulate(short_lens)], torch.int32, q.device)
-        out[rows] = paged_attention(q[rows], k_cache, v_cache, tables[which], cu,
-                                    meta.context_lens[which], scale, gate=gate[rows],
-                                    max_q_len=max(short_lens))  # fmt: skip
+        out[rows] = paged_attention(
+            q[rows],
+            k_cache,
+            v_cache,
+            tables[which],
+            cu,
+            meta.context_lens[which],
+            scale,
+            gate=gate[rows],
+            max_q_len=max(short_lens),
+        )
     return out

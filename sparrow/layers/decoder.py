@@ -44,8 +44,9 @@ class DecoderStack(nn.Module):
             x, residual = layer(x, residual, cos, sin, meta, layer_cache)
         return self.norm.add(x, residual)[1]
 
-    def embed_media(self, pixel_values: torch.Tensor,
-                    grids: list[tuple[int, int, int]]) -> torch.Tensor:  # fmt: skip
+    def embed_media(
+        self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
         """The patches [N, patch_dim] of images and videos with these grids, back to back ->
         their placeholder embeddings [N / merge^2, hidden] in the model's dtype (one tower
         call: with `joint_media`, the tower attends across them)."""

@@ -30,8 +30,16 @@ from sparrow.layers.norms import GatedRMSNorm
 class GatedDeltaNet(Projections, nn.Module):
     FUSED = {"in": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
 
-    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int, conv_kernel: int, eps: float):  # fmt: skip
+    def __init__(
+        self,
+        hidden: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ):
         super().__init__()
         d = hidden
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
@@ -52,8 +60,9 @@ class GatedDeltaNet(Projections, nn.Module):
         self.kernels_fit = fits_tiles(self.head_k_dim, self.head_v_dim)
 
     def cache_spec(self) -> RecurrentStateSpec:
-        return RecurrentStateSpec(self.conv_dim, self.kernel,
-                                  (self.num_v_heads, self.head_k_dim, self.head_v_dim))  # fmt: skip
+        return RecurrentStateSpec(
+            self.conv_dim, self.kernel, (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        )
 
     def forward(
         self, x: torch.Tensor, meta: StepMetadata, cache: tuple[torch.Tensor, torch.Tensor]
@@ -70,19 +79,26 @@ class GatedDeltaNet(Projections, nn.Module):
         if use_triton(x) and self.kernels_fit:
             o = self._mix_kernels(mixed_qkv, a, b, z, meta, conv_pool, state_pool)
         else:
-            o = self.norm(self._mix_reference(mixed_qkv, a, b, meta, conv_pool, state_pool)
-                          .to(x.dtype), z)  # fmt: skip
+            o = self.norm(
+                self._mix_reference(mixed_qkv, a, b, meta, conv_pool, state_pool).to(x.dtype), z
+            )
         return self.out_proj(o.flatten(1))
 
     def _gemv_fusions(self, x: torch.Tensor, meta: StepMetadata, conv_pool):
         """The fused in-projection if this step is one decode token whose projections are
         4-bit GEMVs that can take the conv and the norm (`_decode_one_token`), else None."""
         fused = self.fused("in")
-        fits = (use_triton(x) and self.kernels_fit and x.shape[0] == 1 and meta.max_q_len == 1
-                and fused is not None and is_quantized(fused.whole)
-                and is_quantized(self.out_proj)
-                and self.head_v_dim % self.out_proj.spec.group_size == 0
-                and conv_pool.stride(1) == 1)  # fmt: skip
+        fits = (
+            use_triton(x)
+            and self.kernels_fit
+            and x.shape[0] == 1
+            and meta.max_q_len == 1
+            and fused is not None
+            and is_quantized(fused.whole)
+            and is_quantized(self.out_proj)
+            and self.head_v_dim % self.out_proj.spec.group_size == 0
+            and conv_pool.stride(1) == 1
+        )
         return fused if fits else None
 
     def _decode_one_token(self, x, fused, meta, conv_pool, state_pool) -> torch.Tensor:
@@ -96,23 +112,44 @@ class GatedDeltaNet(Projections, nn.Module):
         sums the row's squares, scales its sums by 1 / rms at the end): end to end at batch 1
         538.7 / 559.4 tok/s at 4K / 512 context against 542.0 / 557.4 without it, one run."""
         w = fused.whole
-        y = quant_gemv_conv(x, w.weight, w.scales, w.biases, w.spec, self.conv1d.weight[:, 0],
-                            conv_pool, meta.state_slots)  # fmt: skip
+        y = quant_gemv_conv(
+            x,
+            w.weight,
+            w.scales,
+            w.biases,
+            w.spec,
+            self.conv1d.weight[:, 0],
+            conv_pool,
+            meta.state_slots,
+        )
         qkv, z, b, a = fused.split(y)
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         gated, sq_sums = fused_recurrent_step(
-            qkv, a, b, z, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps, state_pool,
-            meta.state_slots, self.num_k_heads, normed=False,
-        )  # fmt: skip
+            qkv,
+            a,
+            b,
+            z,
+            self.A_log,
+            self.dt_bias,
+            self.norm.weight,
+            self.norm.eps,
+            state_pool,
+            meta.state_slots,
+            self.num_k_heads,
+            normed=False,
+        )
         out = self.out_proj
-        return quant_gemv_rms_scaled(gated, sq_sums, self.norm.eps, out.weight, out.scales,
-                                     out.biases, out.spec, x.dtype)  # fmt: skip
+        return quant_gemv_rms_scaled(
+            gated, sq_sums, self.norm.eps, out.weight, out.scales, out.biases, out.spec, x.dtype
+        )
 
     def _split_heads(self, qkv: torch.Tensor):
         q, k, v = qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
-                k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
-                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))  # fmt: skip
+        return (
+            q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+            k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+            v.unflatten(-1, (self.num_v_heads, self.head_v_dim)),
+        )
 
     def _decay(self, a: torch.Tensor) -> torch.Tensor:
         return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -128,8 +165,13 @@ class GatedDeltaNet(Projections, nn.Module):
             qkv = causal_conv1d_step(mixed_qkv, conv_pool, slots, weight)
             return recurrent_step_batched(*self._split_heads(qkv), g, beta, state_pool, slots)
         outs = []
-        pieces = zip(mixed_qkv.split(meta.seq_lens), g.split(meta.seq_lens),
-                     beta.split(meta.seq_lens), meta.state_slots.tolist(), strict=True)  # fmt: skip
+        pieces = zip(
+            mixed_qkv.split(meta.seq_lens),
+            g.split(meta.seq_lens),
+            beta.split(meta.seq_lens),
+            meta.state_slots.tolist(),
+            strict=True,
+        )
         for qkv_s, g_s, beta_s, slot in pieces:
             qkv_s, conv_pool[slot] = causal_conv1d(qkv_s, conv_pool[slot], weight)
             rule = recurrent_gated_delta_rule if len(qkv_s) == 1 else chunk_gated_delta_rule
@@ -143,13 +185,31 @@ class GatedDeltaNet(Projections, nn.Module):
         output [T, Hv, Dv] in the activation dtype."""
         slots = meta.state_slots
         weight = self.conv1d.weight[:, 0]
-        qkv = causal_conv1d_varlen(mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight,
-                                   max_len=meta.max_q_len)
+        qkv = causal_conv1d_varlen(
+            mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight, max_len=meta.max_q_len
+        )
         if meta.max_q_len == 1:
-            return fused_recurrent_step(qkv, a, b, z, self.A_log, self.dt_bias,
-                                        self.norm.weight, self.norm.eps, state_pool, slots,
-                                        self.num_k_heads)  # fmt: skip
+            return fused_recurrent_step(
+                qkv,
+                a,
+                b,
+                z,
+                self.A_log,
+                self.dt_bias,
+                self.norm.weight,
+                self.norm.eps,
+                state_pool,
+                slots,
+                self.num_k_heads,
+            )
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        o = chunk_gated_delta_rule_varlen(*self._split_heads(qkv), g, beta, meta.cu_seqlens,
-                                          state_pool, slots, max_len=meta.max_q_len)  # fmt: skip
+        o = chunk_gated_delta_rule_varlen(
+            *self._split_heads(qkv),
+            g,
+            beta,
+            meta.cu_seqlens,
+            state_pool,
+            slots,
+            max_len=meta.max_q_len,
+        )
         return gated_rms_norm(o, z, self.norm.weight, self.norm.eps)

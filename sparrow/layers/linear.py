@@ -18,8 +18,11 @@ class FusedLinears:
     def __init__(self, whole: nn.Module, sizes: list[int], modules: list[nn.Module]):
         self.whole, self.sizes = whole, sizes
         self.pad = whole.out_features - sum(sizes)  # zero rows up to a multiple of 8
-        self.views = [(m, name, p.data_ptr()) for m in modules
-                      for name, p in m.named_parameters(recurse=False)]  # fmt: skip
+        self.views = [
+            (m, name, p.data_ptr())
+            for m in modules
+            for name, p in m.named_parameters(recurse=False)
+        ]
 
     def intact(self) -> bool:
         """Whether every module still holds its view of the fused weights (host-side check)."""
@@ -57,8 +60,7 @@ def fuse_linears(modules: list[nn.Module]) -> FusedLinears | None:
     pad = -sum(sizes) % 8
     with torch.device("meta"):
         if is_quantized(first):
-            whole = type(first)(first.in_features, sum(sizes) + pad, first.spec,
-                                first.scales.dtype)  # fmt: skip
+            whole = type(first)(first.in_features, sum(sizes) + pad, first.spec, first.scales.dtype)
         else:
             whole = nn.Linear(first.in_features, sum(sizes) + pad, bias=False)
     for name, _ in first.named_parameters(recurse=False):

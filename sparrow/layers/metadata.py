@@ -35,8 +35,9 @@ class StepMetadata:
     media_embeds: torch.Tensor | None = None  # [R, hidden]: the vision tower's output
 
 
-def to_device(values: list | torch.Tensor, dtype: torch.dtype,
-              device: torch.device | str) -> torch.Tensor:  # fmt: skip
+def to_device(
+    values: list | torch.Tensor, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """A host list (or CPU tensor) as a tensor on `device` without waiting for the device: on
     a GPU through pinned memory and an async copy (`torch.tensor(..., device=cuda)`
     synchronises the stream, which would wait for the step in flight)."""

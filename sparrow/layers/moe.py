@@ -42,8 +42,13 @@ class Experts(nn.Module):
     """Routed experts stored fused, as HF keeps them in memory:
     gate_up_proj [E, 2I, hidden] (gate rows first), down_proj [E, hidden, I]."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int,
-                 expert_range: tuple[int, int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        expert_range: tuple[int, int] | None = None,
+    ):
         """expert_range: (first, count) of the router's experts held here (expert
         parallelism: the others' assignments contribute nothing here); None: all."""
         super().__init__()
@@ -75,9 +80,14 @@ class Experts(nn.Module):
         e, two_i, hidden = self.gate_up_proj.shape
         return QuantizedExperts(e, hidden, two_i // 2, spec, dtype, self.expert_range)
 
-    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                      shared: SwiGLU | None = None,
-                      shared_gate: torch.Tensor | None = None):  # fmt: skip
+    def route_and_run(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        top_k: int,
+        shared: SwiGLU | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ):
         """Route (softmax top-k) and run the experts: [T, hidden] -> [T, hidden]. With a
         shared expert and its gate logit [T, 1], add sigmoid(gate) * shared(x)."""
         weights, ids = self.held(*naive.route(router_logits, top_k))
@@ -105,8 +115,7 @@ class Experts(nn.Module):
         ends = counts.cumsum(0, dtype=torch.int32)
         rows = x[order // k]
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=ends)
-        y = torch._grouped_mm(self.activation(gate_up), self.down_proj.transpose(-2, -1),
-                              offs=ends)  # fmt: skip
+        y = torch._grouped_mm(self.activation(gate_up), self.down_proj.transpose(-2, -1), offs=ends)
         y = y * weights.flatten()[order, None]
         out = torch.empty_like(y).index_copy_(0, order, y)
         return out.view(t, k, -1).sum(1)
@@ -125,9 +134,15 @@ class Experts(nn.Module):
 class SparseMoE(Projections, nn.Module):
     FUSED = {"gates": ("gate", "shared_expert_gate")}  # the router and the shared expert's
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
-                 shared_intermediate: int,
-                 expert_range: tuple[int, int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        shared_intermediate: int,
+        expert_range: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
@@ -138,5 +153,6 @@ class SparseMoE(Projections, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         router_logits, shared_gate = self.project("gates", x)
-        return self.experts.route_and_run(x, router_logits, self.top_k, self.shared_expert,
-                                          shared_gate)  # fmt: skip
+        return self.experts.route_and_run(
+            x, router_logits, self.top_k, self.shared_expert, shared_gate
+        )

@@ -29,9 +29,15 @@ class Indexer(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ik_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ik_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        ik_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x: [T, hidden]. Writes the index keys to ik_cache [pages, bs, Di] at slot_mapping
         [T] (with ik_scale [pages, bs]: their fp8 codes there and their scales in ik_scale);
         returns the index queries [T, Hi, Di]."""
@@ -56,8 +62,15 @@ def index_cache(cache: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Te
 
 
 class M3Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 eps: float, sparse: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        sparse: dict | None = None,
+    ):
         """sparse: None for full attention, else the MSA settings {index_heads,
         index_head_dim, block_size, topk, local_blocks}."""
         super().__init__()
@@ -76,11 +89,21 @@ class M3Attention(nn.Module):
     def cache_spec(self) -> PagedKVSpec | SparseKVSpec:
         if self.sparse is None:
             return PagedKVSpec(self.num_kv_heads, self.head_dim)
-        return SparseKVSpec(self.num_kv_heads, self.head_dim, self.sparse["index_head_dim"],
-                            self.sparse["block_size"])  # fmt: skip
+        return SparseKVSpec(
+            self.num_kv_heads,
+            self.head_dim,
+            self.sparse["index_head_dim"],
+            self.sparse["block_size"],
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMetadata, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: StepMetadata,
+        cache: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
         """x: [T, hidden]; cos, sin: [T, rotary]; cache: this layer's paged K and V
         [pages, bs, Hkv, D] (and on sparse layers the index keys, `index_cache`), written
         here for the step's tokens, then read."""
@@ -101,17 +124,31 @@ class M3Attention(nn.Module):
     def _dense(self, q, k_cache, v_cache, meta: StepMetadata) -> torch.Tensor:
         if use_triton(q) and fits_tiles(self.head_dim):
             if meta.max_q_len == 1:
-                return paged.paged_decode_attention(q.contiguous(), k_cache, v_cache,
-                                                    meta.block_tables, meta.context_lens,
-                                                    self.scale)  # fmt: skip
-            return paged.paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables,
-                                         meta.cu_seqlens, meta.context_lens, self.scale,
-                                         max_q_len=meta.max_q_len)  # fmt: skip
+                return paged.paged_decode_attention(
+                    q.contiguous(),
+                    k_cache,
+                    v_cache,
+                    meta.block_tables,
+                    meta.context_lens,
+                    self.scale,
+                )
+            return paged.paged_attention(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.cu_seqlens,
+                meta.context_lens,
+                self.scale,
+                max_q_len=meta.max_q_len,
+            )
         if meta.max_q_len == 1:  # no host reads
-            return dense.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                                meta.context_lens, self.scale)  # fmt: skip
-        return dense.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens,
-                                     meta.context_lens, self.scale)  # fmt: skip
+            return dense.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        return dense.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.context_lens, self.scale
+        )
 
     def _sparse(self, q, iq, cache, meta: StepMetadata) -> torch.Tensor:
         """The MSA kernels (`kernels.msa.kernels`) with the Triton backend where the dims
@@ -122,25 +159,33 @@ class M3Attention(nn.Module):
         dims = (self.head_dim, self.sparse["index_head_dim"], self.sparse["block_size"])
         ops = msa_kernels if use_triton(q) and fits_tiles(*dims) else msa
         if meta.max_q_len == 1:  # one query per sequence: no host reads
-            blocks = ops.decode_select_blocks(iq, ik_cache, meta.block_tables, meta.positions,
-                                              topk, local, ik_scale=ik_scale)  # fmt: skip
+            blocks = ops.decode_select_blocks(
+                iq, ik_cache, meta.block_tables, meta.positions, topk, local, ik_scale=ik_scale
+            )
             tables = meta.block_tables
         else:
             blocks = self._select_per_sequence(ops, iq, ik_cache, ik_scale, meta, topk, local)
             tables = ops.token_tables(meta.block_tables, meta.cu_seqlens, q.shape[0])
-        return ops.sparse_attention(q, k_cache, v_cache, tables, meta.positions, blocks,
-                                    self.scale)  # fmt: skip
+        return ops.sparse_attention(q, k_cache, v_cache, tables, meta.positions, blocks, self.scale)
 
     @staticmethod
-    def _select_per_sequence(ops, iq, ik_cache, ik_scale, meta: StepMetadata, topk: int,
-                             local: int):  # fmt: skip
+    def _select_per_sequence(
+        ops, iq, ik_cache, ik_scale, meta: StepMetadata, topk: int, local: int
+    ):
         """Prompts and chunks: each sequence's queries score its keys (read once per chunk);
         reads the context lengths on the host."""
         out, start = [], 0
-        for b, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens.tolist(),
-                                         strict=True)):  # fmt: skip
-            out.append(ops.select_blocks(iq[start : start + n], ik_cache, meta.block_tables[b],
-                                         range(ctx - n, ctx), topk, local,
-                                         ik_scale=ik_scale))  # fmt: skip
+        for b, (n, ctx) in enumerate(zip(meta.seq_lens, meta.context_lens.tolist(), strict=True)):
+            out.append(
+                ops.select_blocks(
+                    iq[start : start + n],
+                    ik_cache,
+                    meta.block_tables[b],
+                    range(ctx - n, ctx),
+                    topk,
+                    local,
+                    ik_scale=ik_scale,
+                )
+            )
             start += n
         return torch.cat(out)

@@ -36,8 +36,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         ops = kernels if use_triton(x) else naive
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  cache: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    def with_rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple | None = None
+    ) -> torch.Tensor:
         """Per-head norm then partial RoPE: x [T, H, D] (a view of a projection is fine).
         cache = (v, k_cache, v_cache, rows): also write the result and v there (see
         `naive.rms_norm_rope`)."""

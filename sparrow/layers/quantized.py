@@ -46,8 +46,9 @@ def companion(param: str, kind: str) -> str:
     return f"{param}_{kind}"
 
 
-def _packed_params(module: nn.Module, name: str, shape: tuple[int, ...], spec: QuantSpec,
-                   dtype: torch.dtype) -> None:  # fmt: skip
+def _packed_params(
+    module: nn.Module, name: str, shape: tuple[int, ...], spec: QuantSpec, dtype: torch.dtype
+) -> None:
     """Register `name` (packed words) and its scales/biases for a float weight of `shape`."""
     module.register_parameter(
         name, nn.Parameter(torch.empty(spec.packed_shape(shape), dtype=torch.int32), False)
@@ -105,9 +106,15 @@ class QuantizedEmbedding(nn.Module):
 class QuantizedExperts(Experts):
     """Experts with 4-bit gate_up [E, 2I, hidden] and down [E, hidden, I] weights."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, spec: QuantSpec,
-                 dtype: torch.dtype,
-                 expert_range: tuple[int, int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        spec: QuantSpec,
+        dtype: torch.dtype,
+        expert_range: tuple[int, int] | None = None,
+    ):
         """num_experts: those held here (`Experts`' expert_range)."""
         nn.Module.__init__(self)
         self.spec, self.expert_range = spec, expert_range
@@ -118,9 +125,14 @@ class QuantizedExperts(Experts):
         for name, shape in self.logical_shapes.items():
             _packed_params(self, name, shape, spec, dtype)
 
-    def route_and_run(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                      shared: nn.Module | None = None,
-                      shared_gate: torch.Tensor | None = None):  # fmt: skip
+    def route_and_run(
+        self,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        top_k: int,
+        shared: nn.Module | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ):
         """With the Triton backend: GPU routing + fused-dequant expert GEMVs or grouped GEMMs,
         no host sync. A shared expert quantised like one routed expert runs inside the
         experts' kernels (one more assignment per token); otherwise as its own layers, its
@@ -135,8 +147,9 @@ class QuantizedExperts(Experts):
         if self.expert_range is not None:  # routed on all experts, run on those held here
             weights, ids = self.held(*topk_route(router_logits, top_k))
             side = None if shared is None else torch.sigmoid(shared_gate) * shared(x)
-            return moe_experts_routed(rows, weights, ids, *self.packed(), self.spec,
-                                      shared_output=side)  # fmt: skip
+            return moe_experts_routed(
+                rows, weights, ids, *self.packed(), self.spec, shared_output=side
+            )
         side = None
         if shared is not None:
             weights = self._like_an_expert(shared)
@@ -145,8 +158,10 @@ class QuantizedExperts(Experts):
 
     def packed(self) -> tuple[tuple, tuple]:
         """(gate_up, down) as the expert kernels take them: (packed words, scales, biases)."""
-        return ((self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
-                (self.down_proj, self.down_proj_scales, self.down_proj_biases))  # fmt: skip
+        return (
+            (self.gate_up_proj, self.gate_up_proj_scales, self.gate_up_proj_biases),
+            (self.down_proj, self.down_proj_scales, self.down_proj_biases),
+        )
 
     def _like_an_expert(self, shared: nn.Module) -> tuple[tuple, tuple] | None:
         """The shared expert's packed (gate_up, down) if they match one routed expert's
@@ -155,21 +170,32 @@ class QuantizedExperts(Experts):
         if mods is None or not all(isinstance(m, QuantizedLinear) for m in mods):
             return None
         packed = tuple((m.weight, m.scales, m.biases) for m in mods)
-        mine = ((self.gate_up_proj, self.gate_up_proj_scales),
-                (self.down_proj, self.down_proj_scales))  # fmt: skip
+        mine = (
+            (self.gate_up_proj, self.gate_up_proj_scales),
+            (self.down_proj, self.down_proj_scales),
+        )
         for m, (w, s, _), (ew, es) in zip(mods, packed, mine, strict=True):
-            if m.spec != self.spec or w.shape != ew.shape[1:] or s.shape != es.shape[1:] \
-                    or s.dtype != es.dtype:  # fmt: skip
+            if (
+                m.spec != self.spec
+                or w.shape != ew.shape[1:]
+                or s.shape != es.shape[1:]
+                or s.dtype != es.dtype
+            ):
                 return None
         return packed
 
     def expert_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.gate_up_proj_scales.dtype
         return tuple(
-            dequantize(getattr(self, n)[e], getattr(self, f"{n}_scales")[e],
-                       getattr(self, f"{n}_biases")[e], self.spec, dtype)
+            dequantize(
+                getattr(self, n)[e],
+                getattr(self, f"{n}_scales")[e],
+                getattr(self, f"{n}_biases")[e],
+                self.spec,
+                dtype,
+            )
             for n in ("gate_up_proj", "down_proj")
-        )  # fmt: skip
+        )
 
 
 def quantize_modules(
@@ -186,8 +212,12 @@ def quantize_modules(
             new = QuantizedLinear(module.in_features, module.out_features, spec, dtype)
         elif isinstance(module, nn.Embedding) and module.embedding_dim % spec.group_size == 0:
             new = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, spec, dtype)
-        elif isinstance(module, Experts) and not hasattr(module, "spec") and all(
-            w.shape[-1] % spec.group_size == 0 for w in (module.gate_up_proj, module.down_proj)
+        elif (
+            isinstance(module, Experts)
+            and not hasattr(module, "spec")
+            and all(
+                w.shape[-1] % spec.group_size == 0 for w in (module.gate_up_proj, module.down_proj)
+            )
         ):
             new = module.quantized(spec, dtype)
         else:

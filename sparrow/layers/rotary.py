@@ -57,13 +57,16 @@ class YarnScaling:
 
     def __post_init__(self) -> None:
         if not self.factor > 0 or self.original_max_position_embeddings < 1:
-            raise ConfigError(f"yarn needs factor > 0 and original_max_position_embeddings "
-                              f">= 1, got {self.factor} and "
-                              f"{self.original_max_position_embeddings}")  # fmt: skip
+            raise ConfigError(
+                f"yarn needs factor > 0 and original_max_position_embeddings "
+                f">= 1, got {self.factor} and "
+                f"{self.original_max_position_embeddings}"
+            )
 
     @classmethod
-    def from_hf(cls, rope: dict[str, Any], max_position_embeddings: int,
-                original: int | None = None) -> YarnScaling:  # fmt: skip
+    def from_hf(
+        cls, rope: dict[str, Any], max_position_embeddings: int, original: int | None = None
+    ) -> YarnScaling:
         """From a `rope_parameters` dict of rope_type "yarn". `original`: a text config's own
         `original_max_position_embeddings` key, which HF puts before the one in `rope`; with
         neither, HF takes max_position_embeddings. A null `factor` is max_position_embeddings
@@ -79,10 +82,16 @@ class YarnScaling:
         def optional(key: str) -> float | None:
             return None if rope.get(key) is None else float(rope[key])
 
-        return cls(factor, original, float(rope.get("beta_fast") or 32),
-                   float(rope.get("beta_slow") or 1), optional("mscale"),
-                   optional("mscale_all_dim"), optional("attention_factor"),
-                   bool(rope.get("truncate", True)))  # fmt: skip
+        return cls(
+            factor,
+            original,
+            float(rope.get("beta_fast") or 32),
+            float(rope.get("beta_slow") or 1),
+            optional("mscale"),
+            optional("mscale_all_dim"),
+            optional("attention_factor"),
+            bool(rope.get("truncate", True)),
+        )
 
     def to_hf(self) -> dict[str, Any]:
         """The keys this adds to a `rope_parameters` dict (None values left out)."""
@@ -117,8 +126,13 @@ class YarnScaling:
 
 
 class RotaryEmbedding:
-    def __init__(self, rotary_dim: int, theta: float, mrope_section: tuple[int, ...],
-                 scaling: YarnScaling | None = None):  # fmt: skip
+    def __init__(
+        self,
+        rotary_dim: int,
+        theta: float,
+        mrope_section: tuple[int, ...],
+        scaling: YarnScaling | None = None,
+    ):
         self.rotary_dim = rotary_dim
         if scaling is None:
             # Explicitly on the CPU: models are built under torch.device("meta").
@@ -144,9 +158,12 @@ class RotaryEmbedding:
         device = positions.device
         if device not in self._tables:  # copied once per device, from pinned memory on a
             # GPU: such a copy is legal while a CUDA graph is being captured
-            self._tables[device] = tuple(t.pin_memory().to(device, non_blocking=True)
-                                         if device.type == "cuda" else t.to(device)
-                                         for t in (self.inv_freq, self.axis))  # fmt: skip
+            self._tables[device] = tuple(
+                t.pin_memory().to(device, non_blocking=True)
+                if device.type == "cuda"
+                else t.to(device)
+                for t in (self.inv_freq, self.axis)
+            )
         inv_freq, axis = self._tables[device]
         freqs = positions.float()[:, :, None] * inv_freq  # [3, T, R/2]
         freqs = freqs.gather(0, axis.expand(1, freqs.shape[1], -1))[0]
@@ -157,8 +174,9 @@ class RotaryEmbedding:
         return cos.to(dtype), sin.to(dtype)
 
 
-def mrope_positions(num_tokens: int, media: list[tuple[int, tuple[int, int, int]]],
-                    merge: int) -> tuple[torch.Tensor, int]:  # fmt: skip
+def mrope_positions(
+    num_tokens: int, media: list[tuple[int, tuple[int, int, int]]], merge: int
+) -> tuple[torch.Tensor, int]:
     """Qwen3.5/3.6's (t, h, w) positions of a prompt of `num_tokens` whose media placeholder
     runs start at the given offsets with the given grids (patches, before the merge), as HF
     5.17 `get_rope_index` lays them out: text counts on from the last position on all three
@@ -172,12 +190,15 @@ def mrope_positions(num_tokens: int, media: list[tuple[int, tuple[int, int, int]
     for start, (t, h, w) in sorted(media):
         gh, gw = h // merge, w // merge
         if start < cursor or start + t * gh * gw > num_tokens:
-            raise ValueError(f"media run at {start} ({t * gh * gw} tokens) overlaps another "
-                             f"or passes the prompt's {num_tokens} tokens")  # fmt: skip
+            raise ValueError(
+                f"media run at {start} ({t * gh * gw} tokens) overlaps another "
+                f"or passes the prompt's {num_tokens} tokens"
+            )
         out[:, cursor:start] = torch.arange(pos, pos + start - cursor)
         pos += start - cursor
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw),
-                                          indexing="ij")).reshape(3, -1)  # fmt: skip
+        grid = torch.stack(
+            torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        ).reshape(3, -1)
         cursor = start + grid.shape[1]
         out[:, start:cursor] = grid + pos
         pos += max(gh, gw)

@@ -46,8 +46,15 @@ class DenseMLP(nn.Module):
 class OAIExperts(Experts):
     """Routed experts with the SwiGLU-OAI activation (fused [E, 2I, H] / [E, H, I])."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float,
-                 limit: float, expert_range: tuple[int, int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        alpha: float,
+        limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ):
         super().__init__(num_experts, hidden, intermediate, expert_range)
         self.alpha, self.limit = alpha, limit
 
@@ -58,16 +65,23 @@ class OAIExperts(Experts):
         """The activation as the fused kernels take it."""
         return Glu.swiglu_oai(self.alpha, self.limit)
 
-    def scaled_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   scale: float, shared: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def scaled_sum(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        scale: float,
+        shared: torch.Tensor,
+    ) -> torch.Tensor:
         """The MoE layer's output [T, H]: scale * the routed sum (rounded to x's dtype) +
         shared, the shared expert's output [T, H] (HF's `MiniMaxM3VLSparseMoeBlock`)."""
         return self(x, weights, ids).to(x.dtype) * scale + shared
 
     def quantized(self, spec, dtype: torch.dtype) -> nn.Module:
         e, two_i, hidden = self.gate_up_proj.shape
-        return QuantizedOAIExperts(e, hidden, two_i // 2, spec, dtype, self.alpha, self.limit,
-                                   self.expert_range)  # fmt: skip
+        return QuantizedOAIExperts(
+            e, hidden, two_i // 2, spec, dtype, self.alpha, self.limit, self.expert_range
+        )
 
 
 class QuantizedOAIExperts(QuantizedExperts):
@@ -76,9 +90,17 @@ class QuantizedOAIExperts(QuantizedExperts):
     each expert that receives rows is dequantised and runs as the float reference (reads the
     routing on the host)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, spec, dtype,
-                 alpha: float, limit: float,
-                 expert_range: tuple[int, int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        spec,
+        dtype,
+        alpha: float,
+        limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ):
         super().__init__(num_experts, hidden, intermediate, spec, dtype, expert_range)
         self.alpha, self.limit = alpha, limit
 
@@ -91,8 +113,14 @@ class QuantizedOAIExperts(QuantizedExperts):
             return self._fused(x, weights, ids)
         return naive.experts(x, weights, ids, self.expert_weights, self.activation)
 
-    def scaled_sum(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   scale: float, shared: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def scaled_sum(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        scale: float,
+        shared: torch.Tensor,
+    ) -> torch.Tensor:
         """`OAIExperts.scaled_sum`. With the Triton backend the combine kernel scales each
         token's routed sum (fp32) and adds shared, rounding once to x's dtype."""
         if use_triton(x):
@@ -100,8 +128,9 @@ class QuantizedOAIExperts(QuantizedExperts):
         return OAIExperts.scaled_sum(self, x, weights, ids, scale, shared)
 
     def _fused(self, x, weights, ids, scale: float = 1.0, shared=None) -> torch.Tensor:
-        return moe_experts_routed(x, weights, ids, *self.packed(), self.spec, self.glu(),
-                                  scale, shared)  # fmt: skip
+        return moe_experts_routed(
+            x, weights, ids, *self.packed(), self.spec, self.glu(), scale, shared
+        )
 
 
 class SigmoidRouter(nn.Module):
@@ -110,8 +139,7 @@ class SigmoidRouter(nn.Module):
     def __init__(self, hidden: int, num_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts),
-                                                    requires_grad=False)  # fmt: skip
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
 
     def forward(self, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] fp32 summing to 1, expert ids [T, k]): top-k of
@@ -125,9 +153,18 @@ class SigmoidRouter(nn.Module):
 class SigmoidMoE(nn.Module):
     """experts(x) * routed_scale + shared_experts(x)."""
 
-    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
-                 shared_intermediate: int, routed_scale: float, alpha: float,
-                 limit: float, expert_range: tuple[int, int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        shared_intermediate: int,
+        routed_scale: float,
+        alpha: float,
+        limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.top_k, self.routed_scale = top_k, routed_scale
         self.gate = SigmoidRouter(hidden, num_experts)
@@ -140,5 +177,4 @@ class SigmoidMoE(nn.Module):
         GPU's grouped path (HF's `grouped_mm`) and in the fused 4-bit kernels, which also
         add the shared expert's output before rounding (`QuantizedOAIExperts.scaled_sum`)."""
         weights, ids = self.experts.held(*self.gate(x, self.top_k))
-        return self.experts.scaled_sum(x, weights, ids, self.routed_scale,
-                                       self.shared_experts(x))  # fmt: skip
+        return self.experts.scaled_sum(x, weights, ids, self.routed_scale, self.shared_experts(x))

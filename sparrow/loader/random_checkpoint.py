@@ -118,8 +118,14 @@ def random_model(
 ) -> torch.nn.Module:
     """A model with random weights materialised directly on `device` (no checkpoint file),
     quantised tensor by tensor when `quantize` is given (the float model never exists)."""
-    return load_tensors(cfg, random_tensors(cfg, seed, device, dtype), device, dtype,
-                        where="random weights", quantize=quantize)  # fmt: skip
+    return load_tensors(
+        cfg,
+        random_tensors(cfg, seed, device, dtype),
+        device,
+        dtype,
+        where="random weights",
+        quantize=quantize,
+    )
 
 
 def write_random_checkpoint(

@@ -37,8 +37,13 @@ def load_vision_tensors(
     return _assemble(config, ((name, t, where) for name, t in items), device, dtype, where)
 
 
-def _assemble(config: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor, str]],
-              device: torch.device | str, dtype: torch.dtype, where: str) -> torch.nn.Module:
+def _assemble(
+    config: dict[str, Any],
+    tensors: Iterable[tuple[str, torch.Tensor, str]],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    where: str,
+) -> torch.nn.Module:
     """Build the tower on the meta device and fill it from (name, tensor, source) triples."""
     arch = vision_architecture(config)
     with torch.device("meta"):
@@ -50,11 +55,14 @@ def _assemble(config: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor,
         if param is None:
             continue
         if param not in params:
-            raise CheckpointError(f"{source}: tensor {name!r} (as {param}) does not belong to "
-                                  f"this {type(model).__name__}")  # fmt: skip
+            raise CheckpointError(
+                f"{source}: tensor {name!r} (as {param}) does not belong to "
+                f"this {type(model).__name__}"
+            )
         if param in loaded:
-            raise CheckpointError(f"{source}: tensor {name!r} fills {param}, which another "
-                                  f"tensor already filled")  # fmt: skip
+            raise CheckpointError(
+                f"{source}: tensor {name!r} fills {param}, which another tensor already filled"
+            )
         _check(name, tensor, params[param], source)
         loaded[param] = tensor.to(device=device, dtype=dtype)
     missing = [f"{n} (expected shape {list(s)})" for n, s in params.items() if n not in loaded]
@@ -67,11 +75,14 @@ def _assemble(config: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor,
 
 def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...], source: str) -> None:
     if tuple(tensor.shape) != shape:
-        raise CheckpointError(f"{source}: tensor {name!r} has shape {list(tensor.shape)}, "
-                              f"expected {list(shape)}")  # fmt: skip
+        raise CheckpointError(
+            f"{source}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
+        )
     if tensor.dtype not in _FLOAT_DTYPES:
-        raise CheckpointError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a "
-                              f"float dtype with shape {list(shape)}")  # fmt: skip
+        raise CheckpointError(
+            f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a "
+            f"float dtype with shape {list(shape)}"
+        )
 
 
 def load_vision_checkpoint(
@@ -96,8 +107,9 @@ def load_vision_checkpoint(
     return _assemble(config, _vision_tensors(files, arch), device, dtype, str(model_dir))
 
 
-def _vision_tensors(files: Iterable[Path],
-                    arch: ModuleType) -> Iterator[tuple[str, torch.Tensor, str]]:  # fmt: skip
+def _vision_tensors(
+    files: Iterable[Path], arch: ModuleType
+) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(name, tensor, file) for the tower's tensors, read one at a time."""
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -123,12 +135,18 @@ def has_vision_tensors(model_dir: str | Path) -> bool:
 
 def names_vision(config: dict[str, Any]) -> bool:
     """Whether an HF config.json dict describes a model with a vision tower."""
-    return (isinstance(config.get("vision_config"), dict)
-            and config.get("model_type") in VISION_MODEL_TYPES)  # fmt: skip
+    return (
+        isinstance(config.get("vision_config"), dict)
+        and config.get("model_type") in VISION_MODEL_TYPES
+    )
 
 
-def random_vision(config: dict[str, Any], seed: int = 0, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> torch.nn.Module:  # fmt: skip
+def random_vision(
+    config: dict[str, Any],
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
     """The tower `config` describes with random weights drawn on `device` (no file): matrices
     normal(0, 0.02), norm weights 1, biases 0; in eval mode."""
     arch = vision_architecture(config)

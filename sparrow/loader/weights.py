@@ -31,9 +31,12 @@ from sparrow.quant.affine import QuantSpec, quantize
 _FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
 _PACKED_DTYPES = {torch.int32, torch.uint32}
 _SAFETENSORS_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I32": torch.int32, "U32": torch.uint32,
-}  # fmt: skip
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+}
 
 
 class CheckpointError(ValueError):
@@ -63,9 +66,14 @@ class Target:
 class WeightAssembler:
     """Collects checkpoint tensors into a model's parameters on `device` in `dtype`."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype,
-                 mlx_layout: bool = False,
-                 shard: tuple[Shard, ModelArgs] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        mlx_layout: bool = False,
+        shard: tuple[Shard, ModelArgs] | None = None,
+    ):
         """shard: (this rank's share, the full model's config): `model` is the rank's model
         and each tensor is read in the part the rank keeps (`distributed.shard`)."""
         self.model, self.device, self.dtype = model, torch.device(device), dtype
@@ -93,8 +101,10 @@ class WeightAssembler:
         cut = None
         if self.shard is not None:
             if self.mlx_layout or src_dtype not in _FLOAT_DTYPES:
-                raise CheckpointError(f"{source}: tensor {name!r}: tensor parallelism loads "
-                                      f"float checkpoints in HF layout (quantise on load)")
+                raise CheckpointError(
+                    f"{source}: tensor {name!r}: tensor parallelism loads "
+                    f"float checkpoints in HF layout (quantise on load)"
+                )
             cut = pieces(param, self.shard[1], self.shard[0])
             src_shape = cut_shape(tuple(src_shape), cut)
         index: tuple = ()
@@ -156,8 +166,9 @@ class WeightAssembler:
         value = value.view(torch.int32) if value.dtype == torch.uint32 else value.to(dtype)
         if not index:
             if param in self.sources:
-                raise CheckpointError(f"{source}: {param} was already loaded from "
-                                      f"{self.sources[param]}")  # fmt: skip
+                raise CheckpointError(
+                    f"{source}: {param} was already loaded from {self.sources[param]}"
+                )
             self.tensors[param], self.sources[param] = value, source
             self.filled[param] = torch.ones((), dtype=torch.bool)
             return
@@ -175,8 +186,11 @@ class WeightAssembler:
                 if f"embed_tokens.{kind}" in self.tensors and f"lm_head.{kind}" in self.params:
                     self.tensors[f"lm_head.{kind}"] = self.tensors[f"embed_tokens.{kind}"]
                     self.filled[f"lm_head.{kind}"] = self.filled[f"embed_tokens.{kind}"]
-        missing = [self._describe_missing(n) for n in self.params
-                   if n not in self.filled or not bool(self.filled[n].all())]  # fmt: skip
+        missing = [
+            self._describe_missing(n)
+            for n in self.params
+            if n not in self.filled or not bool(self.filled[n].all())
+        ]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(f"{where}: missing tensors: {', '.join(missing[:5])}{more}")
@@ -252,10 +266,16 @@ def load_checkpoint(
     arch = get_architecture(cfg.architecture)
     mlx = any(
         arch.is_mlx_conv(arch.checkpoint_name(n) or "", shape)
-        for tensors in headers.values() for n, (shape, _) in tensors.items()
-    )  # fmt: skip
-    assembler = WeightAssembler(build_empty_model(cfg, dtype), device, dtype, mlx_layout=mlx,
-                                shard=(shard, full) if shard is not None else None)  # fmt: skip
+        for tensors in headers.values()
+        for n, (shape, _) in tensors.items()
+    )
+    assembler = WeightAssembler(
+        build_empty_model(cfg, dtype),
+        device,
+        dtype,
+        mlx_layout=mlx,
+        shard=(shard, full) if shard is not None else None,
+    )
     total = sum(len(t) for t in headers.values())
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
         for path, tensors in headers.items():
@@ -264,8 +284,11 @@ def load_checkpoint(
                 for name, (shape, src_dtype) in tensors.items():
                     target = assembler.target(name, shape, src_dtype, str(path))
                     if target is not None:
-                        tensor = (take(f.get_slice(name), len(shape), target.cut)
-                                  if target.cut is not None else f.get_tensor(name))
+                        tensor = (
+                            take(f.get_slice(name), len(shape), target.cut)
+                            if target.cut is not None
+                            else f.get_tensor(name)
+                        )
                         assembler.add(target, tensor, str(path))
                     bar.update(1)
     return assembler.finish(str(model_dir)).eval()

@@ -130,8 +130,9 @@ class ModelArgs:
             types = (FULL_ATTENTION,) * first + (SPARSE_ATTENTION,) * (self.num_layers - first)
             object.__setattr__(self, "layer_types", types)
         if not self.mlp_layer_types:
-            object.__setattr__(self, "mlp_layer_types",
-                               (DENSE,) * first + (MOE,) * (self.num_layers - first))  # fmt: skip
+            object.__setattr__(
+                self, "mlp_layer_types", (DENSE,) * first + (MOE,) * (self.num_layers - first)
+            )
         _validate(self)
 
     @classmethod
@@ -156,9 +157,13 @@ class ModelArgs:
 
     def sparse_settings(self) -> dict[str, int]:
         """What an MSA layer needs besides its attention shapes."""
-        return {"index_heads": self.index_n_heads, "index_head_dim": self.index_head_dim,
-                "block_size": self.index_block_size, "topk": self.index_topk_blocks,
-                "local_blocks": self.index_local_blocks}  # fmt: skip
+        return {
+            "index_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+            "block_size": self.index_block_size,
+            "topk": self.index_topk_blocks,
+            "local_blocks": self.index_local_blocks,
+        }
 
     def replace(self, **changes: Any) -> ModelArgs:
         values = {f.name: getattr(self, f.name) for f in fields(self)} | changes
@@ -174,13 +179,17 @@ class ModelArgs:
             "model_type": "minimax_m3_vl_text",
             "layer_types": list(self.layer_types),
             "mlp_layer_types": list(self.mlp_layer_types),
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                "partial_rotary_factor": self.partial_rotary_factor},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            },
             "rotary_dim": self.rotary_dim,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+            "eos_token_id": list(self.eos_token_ids)
+            if len(self.eos_token_ids) > 1
             else self.eos_token_ids[0],
             "bos_token_id": 200034,
-        }  # fmt: skip
+        }
 
     def to_hf_config(self) -> dict[str, Any]:
         """A full HF `config.json` of model_type `minimax_m3_vl` (text config nested)."""
@@ -217,8 +226,9 @@ def _hf_values(cls, raw: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]
             values[key] = float(rope.get(key, text.get(key)))
     layer_types, mlp_types = text.get("layer_types"), text.get("mlp_layer_types")
     if layer_types is None and "sparse_attention_freq" in legacy:
-        layer_types = [SPARSE_ATTENTION if f else FULL_ATTENTION
-                       for f in legacy["sparse_attention_freq"]]  # fmt: skip
+        layer_types = [
+            SPARSE_ATTENTION if f else FULL_ATTENTION for f in legacy["sparse_attention_freq"]
+        ]
     if mlp_types is None and text.get("moe_layer_freq") is not None:
         mlp_types = [MOE if f else DENSE for f in text["moe_layer_freq"]]
     n = values.get("num_layers", 60)
@@ -231,59 +241,98 @@ def _hf_values(cls, raw: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]
 
 
 def _validate(cfg: ModelArgs) -> None:
-    positive = ["vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-                "num_kv_heads", "head_dim", "index_n_heads", "index_head_dim",
-                "index_block_size", "index_topk_blocks", "num_experts", "num_experts_per_tok",
-                "moe_intermediate_size", "dense_intermediate_size", "shared_intermediate_size",
-                "max_position_embeddings"]  # fmt: skip
+    positive = [
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_kv_heads",
+        "head_dim",
+        "index_n_heads",
+        "index_head_dim",
+        "index_block_size",
+        "index_topk_blocks",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "dense_intermediate_size",
+        "shared_intermediate_size",
+        "max_position_embeddings",
+    ]
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
-    for name, types, known in (("layer_types", cfg.layer_types, LAYER_TYPES),
-                               ("mlp_layer_types", cfg.mlp_layer_types, MLP_LAYER_TYPES)):
+    for name, types, known in (
+        ("layer_types", cfg.layer_types, LAYER_TYPES),
+        ("mlp_layer_types", cfg.mlp_layer_types, MLP_LAYER_TYPES),
+    ):
         if len(types) != cfg.num_layers:
-            raise ConfigError(f"{name} has {len(types)} entries but num_hidden_layers is "
-                              f"{cfg.num_layers}")  # fmt: skip
+            raise ConfigError(
+                f"{name} has {len(types)} entries but num_hidden_layers is {cfg.num_layers}"
+            )
         unknown = sorted(set(types) - set(known))
         if unknown:
             raise ConfigError(f"unknown {name} {unknown}; expected one of {list(known)}")
     if cfg.num_attention_heads % cfg.num_kv_heads:
-        raise ConfigError(f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple "
-                          f"of num_key_value_heads ({cfg.num_kv_heads})")  # fmt: skip
+        raise ConfigError(
+            f"num_attention_heads ({cfg.num_attention_heads}) must be a multiple "
+            f"of num_key_value_heads ({cfg.num_kv_heads})"
+        )
     if SPARSE_ATTENTION in cfg.layer_types and cfg.index_n_heads != cfg.num_kv_heads:
-        raise ConfigError(f"index_n_heads ({cfg.index_n_heads}) must equal num_key_value_heads "
-                          f"({cfg.num_kv_heads}): one block selection per KV group")  # fmt: skip
+        raise ConfigError(
+            f"index_n_heads ({cfg.index_n_heads}) must equal num_key_value_heads "
+            f"({cfg.num_kv_heads}): one block selection per KV group"
+        )
     bs = cfg.index_block_size
     if bs & (bs - 1):
-        raise ConfigError(f"index_block_size must be a power of two (it is the cache page), "
-                          f"got {bs}")  # fmt: skip
+        raise ConfigError(
+            f"index_block_size must be a power of two (it is the cache page), got {bs}"
+        )
     if cfg.index_local_blocks < 0:
         raise ConfigError(f"index_local_blocks must be >= 0, got {cfg.index_local_blocks}")
     if cfg.num_experts_per_tok > cfg.num_experts:
-        raise ConfigError(f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds "
-                          f"num_local_experts ({cfg.num_experts})")  # fmt: skip
+        raise ConfigError(
+            f"num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds "
+            f"num_local_experts ({cfg.num_experts})"
+        )
     rotary = cfg.rotary_dim
     if not (0 < rotary <= cfg.head_dim) or rotary % 2:
-        raise ConfigError(f"partial_rotary_factor {cfg.partial_rotary_factor} gives rotary dim "
-                          f"{rotary}; it must be even and in (0, head_dim={cfg.head_dim}]")
+        raise ConfigError(
+            f"partial_rotary_factor {cfg.partial_rotary_factor} gives rotary dim "
+            f"{rotary}; it must be even and in (0, head_dim={cfg.head_dim}]"
+        )
 
 
 def _mlp(cfg: ModelArgs, mlp_type: str) -> nn.Module:
     if mlp_type == DENSE:
-        return DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
-                        cfg.swiglu_limit)  # fmt: skip
-    return SigmoidMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                      cfg.moe_intermediate_size, cfg.shared_intermediate_size,
-                      cfg.routed_scaling_factor, cfg.swiglu_alpha, cfg.swiglu_limit,
-                      cfg.expert_range)  # fmt: skip
+        return DenseMLP(
+            cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit
+        )
+    return SigmoidMoE(
+        cfg.hidden_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.moe_intermediate_size,
+        cfg.shared_intermediate_size,
+        cfg.routed_scaling_factor,
+        cfg.swiglu_alpha,
+        cfg.swiglu_limit,
+        cfg.expert_range,
+    )
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArgs, layer_type: str, mlp_type: str):
         super().__init__()
         sparse = cfg.sparse_settings() if layer_type == SPARSE_ATTENTION else None
-        self.self_attn = M3Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads,
-                                     cfg.head_dim, cfg.rms_norm_eps, sparse)  # fmt: skip
+        self.self_attn = M3Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            sparse,
+        )
         self.mlp = _mlp(cfg, mlp_type)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -308,8 +357,10 @@ class MiniMaxM3Model(DecoderStack):
         self.config = cfg
         vocab = cfg.vocab_range[1] if cfg.vocab_range else cfg.vocab_size
         self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t, m) for t, m in
-                                    zip(cfg.layer_types, cfg.mlp_layer_types, strict=True))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, t, m)
+            for t, m in zip(cfg.layer_types, cfg.mlp_layer_types, strict=True)
+        )
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         # Plain 1-D RoPE: every frequency takes the token's (text) position.
@@ -331,8 +382,10 @@ class MiniMaxM3Model(DecoderStack):
 
 
 # Checkpoint names -> parameter names.
-_IGNORED = re.compile(r"^(model\.)?(mtp\.|vision_tower\.|multi_modal_projector\.|"
-                      r"patch_merge_mlp\.)")  # fmt: skip
+_IGNORED = re.compile(
+    r"^(model\.)?(mtp\.|vision_tower\.|multi_modal_projector\.|"
+    r"patch_merge_mlp\.)"
+)
 _PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|model\.)")
 _LM_HEAD = re.compile(r"^(language_model\.)?lm_head\.(weight|scales|biases)$")
 # The original MiniMax spellings (what HF's VL conversion maps from) -> HF-native.
@@ -348,8 +401,10 @@ _PER_EXPERT = re.compile(
 _SWITCH_MLP = re.compile(
     r"^(layers\.\d+\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
 )
-_GATE_UP = re.compile(r"^(layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\."
-                      r"(weight|scales|biases)$")  # fmt: skip
+_GATE_UP = re.compile(
+    r"^(layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\."
+    r"(weight|scales|biases)$"
+)
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 

@@ -114,8 +114,10 @@ class ModelArgs:
         if not self.layer_types:
             # Every interval-th layer is full attention (3, 7, 11, ... for 4), as HF lays out.
             every = self.full_attention_interval
-            types = tuple(FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION
-                          for i in range(self.num_layers))  # fmt: skip
+            types = tuple(
+                FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION
+                for i in range(self.num_layers)
+            )
             object.__setattr__(self, "layer_types", types)
         _validate(self)
 
@@ -126,8 +128,11 @@ class ModelArgs:
         text = raw.get("text_config", raw) if raw.get("model_type") == "qwen3_5_moe" else raw
         if not isinstance(text, dict):
             raise ConfigError("text_config must be a JSON object")
-        for key, expected in (("hidden_act", "silu"), ("attention_bias", False),
-                              ("attn_output_gate", True)):  # fmt: skip
+        for key, expected in (
+            ("hidden_act", "silu"),
+            ("attention_bias", False),
+            ("attn_output_gate", True),
+        ):
             if key in text and text[key] != expected:
                 raise ConfigError(f"{key}={text[key]!r} is not supported (expected {expected!r})")
         # HF takes a legacy `rope_scaling` block in place of rope_parameters, and `type`
@@ -137,8 +142,10 @@ class ModelArgs:
             raise ConfigError("rope_parameters must be a JSON object")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_TYPES:
-            raise ConfigError(f"rope_type {rope_type!r} is not supported (expected one of "
-                              f"{', '.join(map(repr, ROPE_TYPES))})")  # fmt: skip
+            raise ConfigError(
+                f"rope_type {rope_type!r} is not supported (expected one of "
+                f"{', '.join(map(repr, ROPE_TYPES))})"
+            )
         eos = text.get("eos_token_id")
         eos = raw.get("eos_token_id") if eos is None else eos
         eos = 248046 if eos is None or eos == [] else eos  # HF leaves it null by default
@@ -159,11 +166,16 @@ class ModelArgs:
                 values["full_attention_interval"] = int(text["full_attention_interval"])
             if rope_type == "yarn":
                 values["rope_scaling"] = YarnScaling.from_hf(
-                    rope, values["max_position_embeddings"],
-                    text.get("original_max_position_embeddings"))  # fmt: skip
-            return cls(**values, layer_types=tuple(text.get("layer_types") or ()),
-                       eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
-                       quantization=QuantConfig.from_checkpoint(raw))  # fmt: skip
+                    rope,
+                    values["max_position_embeddings"],
+                    text.get("original_max_position_embeddings"),
+                )
+            return cls(
+                **values,
+                layer_types=tuple(text.get("layer_types") or ()),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+                quantization=QuantConfig.from_checkpoint(raw),
+            )
         except (TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
@@ -216,7 +228,8 @@ class ModelArgs:
                 **{key: getattr(self, key) for key in _ROPE_KEYS},
                 "mrope_section": list(self.mrope_section),
                 "mrope_interleaved": True,
-            } | (self.rope_scaling.to_hf() if self.rope_scaling is not None else {}),
+            }
+            | (self.rope_scaling.to_hf() if self.rope_scaling is not None else {}),
             "eos_token_id": self.eos_token_ids[0]
             if len(self.eos_token_ids) == 1
             else list(self.eos_token_ids),
@@ -243,12 +256,24 @@ class ModelArgs:
 
 def _validate(cfg: ModelArgs) -> None:
     positive = [
-        "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads",
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_kv_heads",
         "full_attention_interval",
-        "head_dim", "linear_conv_kernel", "linear_num_key_heads", "linear_num_value_heads",
-        "linear_key_head_dim", "linear_value_head_dim", "num_experts", "num_experts_per_tok",
-        "moe_intermediate_size", "shared_expert_intermediate_size", "max_position_embeddings",
-    ]  # fmt: skip
+        "head_dim",
+        "linear_conv_kernel",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "max_position_embeddings",
+    ]
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
@@ -287,9 +312,14 @@ def _validate(cfg: ModelArgs) -> None:
 
 def sparse_moe(cfg: ModelArgs) -> SparseMoE:
     """The MoE block of one layer (also built alone by benchmarks and tests)."""
-    return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                     cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
-                     cfg.expert_range)  # fmt: skip
+    return SparseMoE(
+        cfg.hidden_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.moe_intermediate_size,
+        cfg.shared_expert_intermediate_size,
+        cfg.expert_range,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -297,13 +327,23 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_attention = layer_type == FULL_ATTENTION
         if self.is_attention:
-            self.self_attn = GatedAttention(cfg.hidden_size, cfg.num_attention_heads,
-                                            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+            self.self_attn = GatedAttention(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.rms_norm_eps,
+            )
         else:
             self.linear_attn = GatedDeltaNet(
-                cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
-                cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel,
-                cfg.rms_norm_eps)
+                cfg.hidden_size,
+                cfg.linear_num_key_heads,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                cfg.linear_conv_kernel,
+                cfg.rms_norm_eps,
+            )
         self.mlp = sparse_moe(cfg)
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -340,8 +380,9 @@ class Qwen3_5MoeModel(DecoderStack):
         self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section,
-                                      cfg.rope_scaling)  # fmt: skip
+        self.rotary = RotaryEmbedding(
+            cfg.rotary_dim, cfg.rope_theta, cfg.mrope_section, cfg.rope_scaling
+        )
         self.requires_grad_(False)
 
     @property
@@ -350,7 +391,8 @@ class Qwen3_5MoeModel(DecoderStack):
         when every Gated DeltaNet layer takes the kernels, which read sequence bounds on the
         device; the reference path splits the step by lengths read on the host."""
         return use_triton(self.norm.weight) and all(
-            layer.linear_attn.kernels_fit for layer in self.layers if not layer.is_attention)
+            layer.linear_attn.kernels_fit for layer in self.layers if not layer.is_attention
+        )
 
     def cache_specs(self) -> list[CacheSpec | None]:
         """What each layer keeps between steps: paged K/V for attention, conv + recurrent

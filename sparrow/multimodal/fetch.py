@@ -32,8 +32,9 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 LIMITS = MediaLimits()
 
 
-def load_image(source: str, limits: MediaLimits = LIMITS,
-               client: httpx.Client | None = None) -> Image.Image:  # fmt: skip
+def load_image(
+    source: str, limits: MediaLimits = LIMITS, client: httpx.Client | None = None
+) -> Image.Image:
     """Load an image from a data URL, an http(s) URL or an allowed local file, as RGB.
 
     `client` replaces the default httpx client (tests pass one with a MockTransport).
@@ -41,8 +42,9 @@ def load_image(source: str, limits: MediaLimits = LIMITS,
     return decode_image(fetch_bytes(source, limits, client), limits)
 
 
-def fetch_bytes(source: str, limits: MediaLimits = LIMITS,
-                client: httpx.Client | None = None) -> bytes:  # fmt: skip
+def fetch_bytes(
+    source: str, limits: MediaLimits = LIMITS, client: httpx.Client | None = None
+) -> bytes:
     """The raw bytes behind `source`, at most `limits.max_bytes` of them.
 
     An http(s) source goes through the address checks even with a `client` given; the client
@@ -53,7 +55,7 @@ def fetch_bytes(source: str, limits: MediaLimits = LIMITS,
     if source.startswith(("http://", "https://")):
         return _http_bytes(source, limits, client)
     if source.startswith("file://"):
-        return _file_bytes(source[len("file://"):], limits)
+        return _file_bytes(source[len("file://") :], limits)
     if os.path.isabs(source):
         return _file_bytes(source, limits)
     raise MediaError("image source must be a data URL, an http(s) URL or an allowed file path")
@@ -76,9 +78,13 @@ def is_public(address: Address) -> bool:
             return is_public(embedded)
     # `is_global` alone passes IPv4 multicast (224.0.0.0/4) and IPv4-compatible ::a.b.c.d.
     return address.is_global and not (
-        address.is_multicast or address.is_reserved or address.is_unspecified
-        or address.is_loopback or address.is_link_local or address.is_private
-    )  # fmt: skip
+        address.is_multicast
+        or address.is_reserved
+        or address.is_unspecified
+        or address.is_loopback
+        or address.is_link_local
+        or address.is_private
+    )
 
 
 def _data_url_bytes(url: str, limits: MediaLimits) -> bytes:
@@ -156,14 +162,17 @@ def _checked_addresses(url: httpx.URL, allow_private: bool) -> list[Address]:
         # private answers.
         for address in addresses:
             if not is_public(address):
-                raise MediaError(f"media URL host {host!r} resolves to a private or reserved "
-                                 f"address ({address}); refused")  # fmt: skip
+                raise MediaError(
+                    f"media URL host {host!r} resolves to a private or reserved "
+                    f"address ({address}); refused"
+                )
     return addresses
 
 
 @contextlib.contextmanager
-def _get(client: httpx.Client, url: httpx.URL, limits: MediaLimits,
-         deadline: float) -> Iterator[httpx.Response]:  # fmt: skip
+def _get(
+    client: httpx.Client, url: httpx.URL, limits: MediaLimits, deadline: float
+) -> Iterator[httpx.Response]:
     """A streamed GET of `url` sent to its checked addresses, in the resolver's order until one
     connects, with `url`'s Host header and TLS server name."""
     addresses = _checked_addresses(url, limits.allow_private_urls)
@@ -174,8 +183,13 @@ def _get(client: httpx.Client, url: httpx.URL, limits: MediaLimits,
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _timed_out(url, limits)
-        request = client.build_request("GET", url.copy_with(host=str(address)), headers=headers,
-                                       timeout=remaining, extensions=extensions)  # fmt: skip
+        request = client.build_request(
+            "GET",
+            url.copy_with(host=str(address)),
+            headers=headers,
+            timeout=remaining,
+            extensions=extensions,
+        )
         try:
             response = client.send(request, stream=True, follow_redirects=False)
             break
@@ -190,8 +204,9 @@ def _get(client: httpx.Client, url: httpx.URL, limits: MediaLimits,
         response.close()
 
 
-def _read_body(response: httpx.Response, url: httpx.URL, limits: MediaLimits,
-               deadline: float) -> bytes:  # fmt: skip
+def _read_body(
+    response: httpx.Response, url: httpx.URL, limits: MediaLimits, deadline: float
+) -> bytes:
     if response.status_code != 200:
         raise MediaError(f"fetching {url} returned HTTP {response.status_code}")
     declared = response.headers.get("content-length")

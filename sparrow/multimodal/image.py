@@ -75,8 +75,9 @@ def resize_uint8(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
         raise TypeError(f"resize_uint8 takes uint8, got {images.dtype}")
     if tuple(images.shape[-2:]) == (height, width):
         return images
-    return F.interpolate(images, size=[height, width], mode="bicubic", align_corners=False,
-                         antialias=True)
+    return F.interpolate(
+        images, size=[height, width], mode="bicubic", align_corners=False, antialias=True
+    )
 
 
 def normalize(images: torch.Tensor, spec: ImageSpec) -> torch.Tensor:

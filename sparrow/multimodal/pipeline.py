@@ -34,8 +34,11 @@ from sparrow.multimodal.video import (
     preprocess_video,
 )
 
-_VIDEO_BY_MODEL_TYPE = {"qwen3_5_moe": QWEN3_5_MOE_VIDEO, "qwen3_5": QWEN3_5_MOE_VIDEO,
-                        "minimax_m3_vl": MINIMAX_M3_VIDEO}  # fmt: skip
+_VIDEO_BY_MODEL_TYPE = {
+    "qwen3_5_moe": QWEN3_5_MOE_VIDEO,
+    "qwen3_5": QWEN3_5_MOE_VIDEO,
+    "minimax_m3_vl": MINIMAX_M3_VIDEO,
+}
 _WRAPPED_IMAGES = {"minimax_m3_vl"}  # the image replacement carries start/end itself
 
 
@@ -66,8 +69,9 @@ class Prepared:
 class MediaPipeline:
     """Images and videos for one model: its specs, the byte and size limits."""
 
-    def __init__(self, image: ImageSpec, video: VideoSpec, limits: MediaLimits,
-                 wrap_images: bool = False):  # fmt: skip
+    def __init__(
+        self, image: ImageSpec, video: VideoSpec, limits: MediaLimits, wrap_images: bool = False
+    ):
         self.image, self.video, self.limits, self.wrap_images = image, video, limits, wrap_images
 
     @classmethod
@@ -93,14 +97,21 @@ class MediaPipeline:
         data = fetch_bytes(source, self.limits)
         if video:
             out = preprocess_video(data, self.video, self.limits)
-            return Loaded(True, out.pixel_values, out.grid_thw, media_digest(data, self.video),
-                          len(data), placeholder_text(out, self.video))  # fmt: skip
+            return Loaded(
+                True,
+                out.pixel_values,
+                out.grid_thw,
+                media_digest(data, self.video),
+                len(data),
+                placeholder_text(out, self.video),
+            )
         out = preprocess_image(decode_image(data, self.limits), self.image)
         pads = [self.image.image_token_id] * out.num_tokens
         if self.wrap_images:
             pads = [self.image.start_token_id, *pads, self.image.end_token_id]
-        return Loaded(False, out.pixel_values, out.grid_thw, media_digest(data, self.image),
-                      len(data), pads)  # fmt: skip
+        return Loaded(
+            False, out.pixel_values, out.grid_thw, media_digest(data, self.image), len(data), pads
+        )
 
     @staticmethod
     def finish(loaded: Loaded, encode: Callable[[str], list[int]]) -> Prepared:
@@ -109,11 +120,13 @@ class MediaPipeline:
         replacement = loaded.placeholder
         if isinstance(replacement, str):
             replacement = encode(replacement)
-        return Prepared(loaded.video, loaded.pixel_values, loaded.grid_thw, loaded.digest,
-                        replacement)  # fmt: skip
+        return Prepared(
+            loaded.video, loaded.pixel_values, loaded.grid_thw, loaded.digest, replacement
+        )
 
-    def expand(self, ids: list[int], prepared: list[Prepared],
-               video_token_id: int) -> tuple[list[int], list[MediaItem]]:  # fmt: skip
+    def expand(
+        self, ids: list[int], prepared: list[Prepared], video_token_id: int
+    ) -> tuple[list[int], list[MediaItem]]:
         """Replace the template's placeholder tokens (one per item, in order: the image
         token id or `video_token_id`) by the items' replacements. Returns the prompt and
         each item's MediaItem (its runs: where its placeholder tokens start)."""
@@ -124,18 +137,26 @@ class MediaPipeline:
                 out.append(token)
                 continue
             if not queue or queue[0].video != is_video:
-                raise MediaError("the prompt's image and video placeholders do not match the "
-                                 "request's media parts")  # fmt: skip
+                raise MediaError(
+                    "the prompt's image and video placeholders do not match the "
+                    "request's media parts"
+                )
             item = queue.pop(0)
             pad = video_token_id if item.video else self.image.image_token_id
-            runs = [len(out) + i for i, t in enumerate(item.replacement)
-                    if t == pad and (i == 0 or item.replacement[i - 1] != pad)]  # fmt: skip
+            runs = [
+                len(out) + i
+                for i, t in enumerate(item.replacement)
+                if t == pad and (i == 0 or item.replacement[i - 1] != pad)
+            ]
             out.extend(item.replacement)
-            items.append(MediaItem(tuple(runs), item.pixel_values, item.grid_thw, item.digest,
-                                   item.video))  # fmt: skip
+            items.append(
+                MediaItem(tuple(runs), item.pixel_values, item.grid_thw, item.digest, item.video)
+            )
         if queue:
-            raise MediaError(f"{len(queue)} media part(s) have no placeholder in the prompt "
-                             "(does the chat template render images and videos?)")  # fmt: skip
+            raise MediaError(
+                f"{len(queue)} media part(s) have no placeholder in the prompt "
+                "(does the chat template render images and videos?)"
+            )
         return out, items
 
 
@@ -143,5 +164,9 @@ def media_pool(processes: int) -> ProcessPoolExecutor:
     """A pool for `MediaPipeline.load`: spawned processes (a fork would copy the parent's
     gRPC and server threads, which do not survive it), each decoding on one thread, so that
     the processes, not torch's intra-op threads, share the cores."""
-    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=torch.set_num_threads, initargs=(1,))  # fmt: skip
+    return ProcessPoolExecutor(
+        processes,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=torch.set_num_threads,
+        initargs=(1,),
+    )

@@ -42,8 +42,9 @@ class ImageSpec:
         if min(self.patch_size, self.temporal_patch_size, self.merge_size) < 1:
             raise ValueError(f"patch, temporal patch and merge sizes must be >= 1: {self}")
         if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels}, "
-                             f"{self.max_pixels}")
+            raise ValueError(
+                f"need 0 < min_pixels <= max_pixels, got {self.min_pixels}, {self.max_pixels}"
+            )
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or not all(self.image_std):
             raise ValueError(f"image_mean/image_std need 3 values, std non-zero: {self}")
 
@@ -76,8 +77,7 @@ class ImageSpec:
                 changes["max_pixels"] = int(size["longest_edge"])
         # MiniMax M3's published file says size [672, 672]; HF ignores it (the class default
         # stands), and so does any other non-dict size here.
-        for key in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size",
-                    "merge_size"):
+        for key in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"):
             if config.get(key) is not None:
                 changes[key] = int(config[key])
         for key in ("image_mean", "image_std"):
@@ -90,8 +90,10 @@ class ImageSpec:
 
 def _reject_unsupported(config: dict[str, Any]) -> None:
     if config.get("resample", BICUBIC) != BICUBIC:
-        raise ValueError(f"preprocessor_config resample={config['resample']}: only bicubic "
-                         f"({BICUBIC}) is implemented")
+        raise ValueError(
+            f"preprocessor_config resample={config['resample']}: only bicubic "
+            f"({BICUBIC}) is implemented"
+        )
     for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
         if config.get(key, True) is not True:
             raise ValueError(f"preprocessor_config {key}={config[key]}: only true is implemented")
@@ -100,18 +102,30 @@ def _reject_unsupported(config: dict[str, Any]) -> None:
 # Qwen3.5/3.6-MoE: Qwen2VLImageProcessor with the checkpoint's preprocessor_config.json
 # (size 65,536..16,777,216 pixels, patch 16, mean = std = 0.5); tokens from config.json.
 QWEN3_5_MOE = ImageSpec(
-    patch_size=16, temporal_patch_size=2, merge_size=2,
-    min_pixels=65_536, max_pixels=16_777_216,
-    image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-    image_token_id=248056, start_token_id=248053, end_token_id=248054,
+    patch_size=16,
+    temporal_patch_size=2,
+    merge_size=2,
+    min_pixels=65_536,
+    max_pixels=16_777_216,
+    image_mean=(0.5, 0.5, 0.5),
+    image_std=(0.5, 0.5, 0.5),
+    image_token_id=248056,
+    start_token_id=248053,
+    end_token_id=248054,
 )
 
 # MiniMax M3: MiniMaxM3VLImageProcessor class defaults (3,136..451,584 pixels, CLIP mean/std).
 MINIMAX_M3 = ImageSpec(
-    patch_size=14, temporal_patch_size=2, merge_size=2,
-    min_pixels=4 * 28 * 28, max_pixels=451_584,
-    image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD,
-    image_token_id=200025, start_token_id=200029, end_token_id=200030,
+    patch_size=14,
+    temporal_patch_size=2,
+    merge_size=2,
+    min_pixels=4 * 28 * 28,
+    max_pixels=451_584,
+    image_mean=OPENAI_CLIP_MEAN,
+    image_std=OPENAI_CLIP_STD,
+    image_token_id=200025,
+    start_token_id=200029,
+    end_token_id=200030,
 )
 
 _BY_MODEL_TYPE = {"qwen3_5_moe": QWEN3_5_MOE, "qwen3_5": QWEN3_5_MOE, "minimax_m3_vl": MINIMAX_M3}
@@ -122,5 +136,6 @@ def spec_for_model_type(model_type: str) -> ImageSpec:
     try:
         return _BY_MODEL_TYPE[model_type]
     except KeyError:
-        raise KeyError(f"no image spec for model_type {model_type!r}; known: "
-                       f"{sorted(_BY_MODEL_TYPE)}") from None
+        raise KeyError(
+            f"no image spec for model_type {model_type!r}; known: {sorted(_BY_MODEL_TYPE)}"
+        ) from None

@@ -60,26 +60,50 @@ class VideoSpec:
         if isinstance(size, dict):
             pixels.setdefault("min_pixels", size.get("shortest_edge") or self.min_pixels)
             pixels.setdefault("max_pixels", size.get("longest_edge") or self.max_pixels)
-        image_keys = {k: v for k, v in config.items() if k not in
-                      ("size", "min_pixels", "max_pixels")}  # fmt: skip
-        changes = {k: type(getattr(self, k))(config[k]) for k in
-                   ("fps", "min_frames", "max_frames") if config.get(k) is not None}  # fmt: skip
-        return replace(self, image=self.image.from_preprocessor_config(image_keys),
-                       **{k: int(v) for k, v in pixels.items()}, **changes)  # fmt: skip
+        image_keys = {
+            k: v for k, v in config.items() if k not in ("size", "min_pixels", "max_pixels")
+        }
+        changes = {
+            k: type(getattr(self, k))(config[k])
+            for k in ("fps", "min_frames", "max_frames")
+            if config.get(k) is not None
+        }
+        return replace(
+            self,
+            image=self.image.from_preprocessor_config(image_keys),
+            **{k: int(v) for k, v in pixels.items()},
+            **changes,
+        )
 
 
 QWEN3_5_MOE_VIDEO = VideoSpec(
-    image=QWEN3_5_MOE, video_token="<|video_pad|>", start_token="<|vision_start|>",
-    end_token="<|vision_end|>", fps=2.0, min_frames=4, max_frames=768, min_pixels=4096,
-    max_pixels=25_165_824, total_budget=True, timestamp="<{:.1f} seconds>",
+    image=QWEN3_5_MOE,
+    video_token="<|video_pad|>",
+    start_token="<|vision_start|>",
+    end_token="<|vision_end|>",
+    fps=2.0,
+    min_frames=4,
+    max_frames=768,
+    min_pixels=4096,
+    max_pixels=25_165_824,
+    total_budget=True,
+    timestamp="<{:.1f} seconds>",
     mean_timestamp=True,
-)  # fmt: skip
+)
 MINIMAX_M3_VIDEO = VideoSpec(
-    image=MINIMAX_M3, video_token="]<]video[>[", start_token="]<]start of image[>[",
-    end_token="]<]end of image[>[", fps=1.0, min_frames=2, max_frames=768,
-    min_pixels=4 * 28 * 28, max_pixels=768 * 28 * 28, total_budget=False,
-    timestamp="]<]{:.1f} seconds[>[", mean_timestamp=False,
-)  # fmt: skip
+    image=MINIMAX_M3,
+    video_token="]<]video[>[",
+    start_token="]<]start of image[>[",
+    end_token="]<]end of image[>[",
+    fps=1.0,
+    min_frames=2,
+    max_frames=768,
+    min_pixels=4 * 28 * 28,
+    max_pixels=768 * 28 * 28,
+    total_budget=False,
+    timestamp="]<]{:.1f} seconds[>[",
+    mean_timestamp=False,
+)
 
 
 @dataclass(frozen=True)
@@ -112,8 +136,9 @@ def video_size(frames: int, height: int, width: int, spec: VideoSpec) -> tuple[i
     """Target (height, width) of every frame (HF's video `smart_resize` for a total budget,
     the image one per frame otherwise)."""
     if frames < spec.image.temporal_patch_size:
-        raise MediaError(f"video has {frames} frame(s); at least "
-                         f"{spec.image.temporal_patch_size} are needed")  # fmt: skip
+        raise MediaError(
+            f"video has {frames} frame(s); at least {spec.image.temporal_patch_size} are needed"
+        )
     frame_spec = replace(spec.image, min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
     if not spec.total_budget:
         return smart_resize(height, width, frame_spec)
@@ -150,8 +175,9 @@ def patchify_video(frames: torch.Tensor, spec: ImageSpec) -> torch.Tensor:
     return patches.reshape(gt * gh * gw, c * t * p * p)
 
 
-def preprocess_frames(frames: np.ndarray, indices: list[int], source_fps: float,
-                      spec: VideoSpec) -> ProcessedVideo:  # fmt: skip
+def preprocess_frames(
+    frames: np.ndarray, indices: list[int], source_fps: float, spec: VideoSpec
+) -> ProcessedVideo:
     """Sampled RGB frames [F, H, W, 3] uint8 -> patches for `spec`'s tower."""
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise MediaError(f"frames must be uint8 [F, H, W, 3], got {frames.dtype} {frames.shape}")
@@ -184,12 +210,15 @@ def placeholder_text(video: ProcessedVideo, spec: VideoSpec) -> str:
     `replace_video_token`)."""
     grid_t, h, w = video.grid_thw
     per_group = spec.video_token * (h * w // spec.image.merge_size**2)
-    return "".join(spec.timestamp.format(ts) + spec.start_token + per_group + spec.end_token
-                   for ts in group_timestamps(video, spec)[:grid_t])  # fmt: skip
+    return "".join(
+        spec.timestamp.format(ts) + spec.start_token + per_group + spec.end_token
+        for ts in group_timestamps(video, spec)[:grid_t]
+    )
 
 
-def decode_video(data: bytes, spec: VideoSpec,
-                 limits: MediaLimits = LIMITS) -> tuple[np.ndarray, list[int], float]:  # fmt: skip
+def decode_video(
+    data: bytes, spec: VideoSpec, limits: MediaLimits = LIMITS
+) -> tuple[np.ndarray, list[int], float]:
     """Encoded video bytes -> (sampled RGB frames [F, H, W, 3] uint8, their indices, the
     stream's frame rate). MediaError for anything PyAV cannot read, no video stream, a frame
     over `limits.max_pixels` or a stream over `limits.max_video_frames`."""
@@ -221,8 +250,9 @@ def _video_stream(container, limits: MediaLimits):
         raise MediaError("media has no video stream")
     stream = container.streams.video[0]
     if stream.width * stream.height > limits.max_pixels:
-        raise MediaError(f"video frame {stream.width}x{stream.height} exceeds "
-                         f"{limits.max_pixels} pixels")  # fmt: skip
+        raise MediaError(
+            f"video frame {stream.width}x{stream.height} exceeds {limits.max_pixels} pixels"
+        )
     if min(stream.width, stream.height) < limits.min_side:
         raise MediaError(f"video frame {stream.width}x{stream.height} is too small")
     return stream
@@ -239,8 +269,7 @@ def _decode_at(container, wanted: set[int], last: int) -> list[np.ndarray]:
     return frames
 
 
-def preprocess_video(data: bytes, spec: VideoSpec,
-                     limits: MediaLimits = LIMITS) -> ProcessedVideo:  # fmt: skip
+def preprocess_video(data: bytes, spec: VideoSpec, limits: MediaLimits = LIMITS) -> ProcessedVideo:
     """Decode, sample, resize, normalise and patchify one encoded video."""
     frames, indices, rate = decode_video(data, spec, limits)
     return preprocess_frames(frames, indices, rate, spec)

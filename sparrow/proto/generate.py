@@ -21,8 +21,13 @@ def main(out: Path = ROOT) -> int:
     from grpc_tools import protoc
 
     proto = HERE / "worker.proto"
-    args = ["protoc", f"-I{ROOT}", f"--python_out={out}", f"--grpc_python_out={out}",
-            str(proto.relative_to(ROOT))]  # fmt: skip
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"--python_out={out}",
+        f"--grpc_python_out={out}",
+        str(proto.relative_to(ROOT)),
+    ]
     return protoc.main(args)
 
 

@@ -62,9 +62,14 @@ class RemoteEngine(EngineClient):
     `special_ids` its special tokens (`Tokenizer.skipped_ids`). Raises EngineError if the
     worker does not answer ModelInfo within `timeout_s`."""
 
-    def __init__(self, target: str, decode: Callable[[list[int]], str],
-                 timeout_s: float = RPC_TIMEOUT_S, poll_s: float = POLL_S,
-                 special_ids: frozenset[int] = frozenset()):  # fmt: skip
+    def __init__(
+        self,
+        target: str,
+        decode: Callable[[list[int]], str],
+        timeout_s: float = RPC_TIMEOUT_S,
+        poll_s: float = POLL_S,
+        special_ids: frozenset[int] = frozenset(),
+    ):
         self.target, self.timeout_s, self.poll_s = target, timeout_s, poll_s
         self._processor = OutputProcessor(decode, on_stop=self.abort, special_ids=special_ids)
         self._sync = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -90,15 +95,23 @@ class RemoteEngine(EngineClient):
     def info(self) -> EngineInfo:
         return self._info
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  media: Sequence[MediaItem] = ()) -> AsyncIterator[OutputDelta]:  # fmt: skip
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        media: Sequence[MediaItem] = (),
+    ) -> AsyncIterator[OutputDelta]:
         stub = self._stub_here()
         if request_id in self._processor:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
         params = params.stopping_at(self._info.default_stop_token_ids)
-        request = pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     sampling_params=convert.params_to_pb(params),
-                                     media=[convert.media_to_pb(m) for m in media])  # fmt: skip
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=convert.params_to_pb(params),
+            media=[convert.media_to_pb(m) for m in media],
+        )
         call = stub.Generate(request)
         try:
             accepted = await call.read()
@@ -120,10 +133,13 @@ class RemoteEngine(EngineClient):
                 chunk = await call.read()
                 if chunk is grpc.aio.EOF:
                     raise EngineError("the worker ended the stream before the request finished")
-                out = RequestOutput(request_id, list(chunk.token_ids),
-                                    convert.FINISH_FROM_PB[chunk.finish_reason],
-                                    convert.logprobs_from_pb(chunk.logprobs),
-                                    convert.prompt_logprobs_from_pb(chunk))  # fmt: skip
+                out = RequestOutput(
+                    request_id,
+                    list(chunk.token_ids),
+                    convert.FINISH_FROM_PB[chunk.finish_reason],
+                    convert.logprobs_from_pb(chunk.logprobs),
+                    convert.prompt_logprobs_from_pb(chunk),
+                )
                 for delta in self._processor.process([out]):
                     finished = delta.finish_reason is not None
                     yield delta

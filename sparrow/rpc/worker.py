@@ -84,12 +84,14 @@ class WorkerService(pb_grpc.WorkerServicer):
 
 
 def _chunk(delta: OutputDelta, prompt_tokens: int, completion_tokens: int) -> pb.GenerateChunk:
-    return pb.GenerateChunk(token_ids=delta.token_ids, prompt_tokens=prompt_tokens,
-                            completion_tokens=completion_tokens,
-                            logprobs=convert.logprobs_to_pb(delta.logprobs),
-                            finish_reason=convert.FINISH_TO_PB[delta.finish_reason],
-                            prompt_logprobs=convert.prompt_logprobs_to_pb(
-                                delta.prompt_logprobs))  # fmt: skip
+    return pb.GenerateChunk(
+        token_ids=delta.token_ids,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        logprobs=convert.logprobs_to_pb(delta.logprobs),
+        finish_reason=convert.FINISH_TO_PB[delta.finish_reason],
+        prompt_logprobs=convert.prompt_logprobs_to_pb(delta.prompt_logprobs),
+    )
 
 
 def make_server(engine: EngineClient, address: str) -> tuple[grpc.aio.Server, int]:

@@ -33,18 +33,30 @@ from sparrow.server.reasoning import ReasoningFormat
 from sparrow.server.tool_parsers import ToolFormat
 from sparrow.tokenizer import Tokenizer
 
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               429: "rate_limit_error", 503: "server_overloaded"}  # fmt: skip
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "server_overloaded",
+}
 
 
-def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-              api_key: str | Sequence[str] | None = None, max_body_bytes: int | None = None,
-              max_waiting: int | None = None, drain_s: float = 10.0,
-              media: MediaPipeline | None = None,
-              reasoning: ReasoningFormat | None = None, rate_limit: float | None = None,
-              media_executor: Executor | None = None,
-              collectors: Sequence[object] = (),
-              tool_parser: ToolFormat | None = None) -> FastAPI:  # fmt: skip
+def build_app(
+    engine: EngineClient,
+    tokenizer: Tokenizer,
+    model_name: str,
+    api_key: str | Sequence[str] | None = None,
+    max_body_bytes: int | None = None,
+    max_waiting: int | None = None,
+    drain_s: float = 10.0,
+    media: MediaPipeline | None = None,
+    reasoning: ReasoningFormat | None = None,
+    rate_limit: float | None = None,
+    media_executor: Executor | None = None,
+    collectors: Sequence[object] = (),
+    tool_parser: ToolFormat | None = None,
+) -> FastAPI:
     """The app serving `model_name` from `engine`; `tokenizer` encodes prompts and applies
     the chat template. `api_key`: one or more keys (plain, or `sha256:<hex>`), one of which
     is required as a bearer token on /v1/ routes; `rate_limit`: requests per minute per key.
@@ -69,8 +81,9 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
         await engine.shutdown()  # uvicorn stopped taking requests and drained in-flight ones
         print("[sparrow] server stopped", file=sys.stderr, flush=True)
 
-    app = FastAPI(title="sparrow", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)  # fmt: skip
+    app = FastAPI(
+        title="sparrow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.drain = drain
     metrics = Metrics(engine)
     for collector in collectors:
@@ -78,35 +91,50 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, model_name: str,
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes or ((64 << 20) if media else 1 << 20))
     if api_key:
         keys = KeyRing([api_key] if isinstance(api_key, str) else api_key)
-        app.add_middleware(ApiKeys, keys=keys,
-                           limiter=RateLimiter(rate_limit) if rate_limit else None)  # fmt: skip
+        app.add_middleware(
+            ApiKeys, keys=keys, limiter=RateLimiter(rate_limit) if rate_limit else None
+        )
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: sees every answer
     _add_error_handlers(app)
-    handlers = Handlers(engine, tokenizer, model_name, metrics, drain, max_waiting, media,
-                        reasoning, media_executor, tool_parser)  # fmt: skip
+    handlers = Handlers(
+        engine,
+        tokenizer,
+        model_name,
+        metrics,
+        drain,
+        max_waiting,
+        media,
+        reasoning,
+        media_executor,
+        tool_parser,
+    )
     _add_routes(app, engine, handlers, metrics, model_name)
     return app
 
 
-def _error(status: int, message: str, kind: str, headers: dict | None = None,
-           param: str | None = None) -> JSONResponse:  # fmt: skip
-    return JSONResponse(error_body(message, kind, status, param), status_code=status,
-                        headers=headers)  # fmt: skip
+def _error(
+    status: int, message: str, kind: str, headers: dict | None = None, param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, kind, status, param), status_code=status, headers=headers
+    )
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(_, exc: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: "
-                             f"{e['msg'].removeprefix('Value error, ')}"
-                             for e in exc.errors()[:5])  # fmt: skip
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'][1:])) or 'body'}: "
+            f"{e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()[:5]
+        )
         return _error(400, problems or "malformed request", "invalid_request_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(_, exc: StarletteHTTPException):
-        kind = ERROR_TYPES.get(exc.status_code,
-                               "server_error" if exc.status_code >= 500
-                               else "invalid_request_error")  # fmt: skip
+        kind = ERROR_TYPES.get(
+            exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        )
         return _error(exc.status_code, str(exc.detail), kind, exc.headers)
 
     @app.exception_handler(ApiError)
@@ -118,8 +146,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(500, f"internal error: {exc!r}", "server_error")
 
 
-def _add_routes(app: FastAPI, engine: EngineClient, handlers: Handlers, metrics: Metrics,
-                model_name: str) -> None:  # fmt: skip
+def _add_routes(
+    app: FastAPI, engine: EngineClient, handlers: Handlers, metrics: Metrics, model_name: str
+) -> None:
     @app.get("/health")
     async def health():
         state = engine.health()
@@ -135,8 +164,10 @@ def _add_routes(app: FastAPI, engine: EngineClient, handlers: Handlers, metrics:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": 0, "owned_by": "sparrow"}]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "sparrow"}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -45,6 +45,7 @@ DISCONNECT_POLL_S = 0.25  # a whole-response request checks its client this ofte
 
 MEDIA_PARTS = ("image_url", "video_url")  # as vLLM accepts them
 
+
 @dataclass
 class Choice:
     """One of the n completions of a request, as its deltas arrive."""
@@ -106,18 +107,26 @@ class Job:
     def prompt_logprobs(self) -> list[dict | None] | None:
         """The prompt logprobs in vLLM's shape (the first choice computes them for all),
         None when not asked for."""
-        entries = next((c.prompt_logprobs for c in self.choices
-                        if c.prompt_logprobs is not None), None)  # fmt: skip
+        entries = next(
+            (c.prompt_logprobs for c in self.choices if c.prompt_logprobs is not None), None
+        )
         return None if entries is None else protocol.prompt_logprobs_body(entries)
 
 
 class Handlers:
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-                 metrics: Metrics, drain: Drain, max_waiting: int | None = None,
-                 media: MediaPipeline | None = None,
-                 reasoning: ReasoningFormat | None = None,
-                 media_executor: Executor | None = None,
-                 tool_parser: ToolFormat | None = None):  # fmt: skip
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        model_name: str,
+        metrics: Metrics,
+        drain: Drain,
+        max_waiting: int | None = None,
+        media: MediaPipeline | None = None,
+        reasoning: ReasoningFormat | None = None,
+        media_executor: Executor | None = None,
+        tool_parser: ToolFormat | None = None,
+    ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics, self.drain, self.max_waiting = metrics, drain, max_waiting
         self.media, self.reasoning, self.media_executor = media, reasoning, media_executor
@@ -132,11 +141,13 @@ class Handlers:
         try:
             ids = self.tokenizer.encode_chat(messages, **kwargs)
             inside = self.reasoning is not None and prompt_opens(
-                self.reasoning, self.tokenizer.apply_chat_template(messages, **kwargs))
+                self.reasoning, self.tokenizer.apply_chat_template(messages, **kwargs)
+            )
             media = []
             if sources:  # fetch, decode and preprocess off the event loop
-                ids, media = self.media.expand(ids, await self._prepare(sources),
-                                               self.video_token_id)  # fmt: skip
+                ids, media = self.media.expand(
+                    ids, await self._prepare(sources), self.video_token_id
+                )
         except ValueError as e:  # MediaError is one
             raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -160,26 +171,40 @@ class Handlers:
                 if kind == "text":
                     continue
                 if kind not in MEDIA_PARTS:
-                    raise ApiError(400, f"content part type {kind!r} is not supported",
-                                   "invalid_request_error", param="messages")  # fmt: skip
+                    raise ApiError(
+                        400,
+                        f"content part type {kind!r} is not supported",
+                        "invalid_request_error",
+                        param="messages",
+                    )
                 if self.media is None:
-                    raise ApiError(400, f"content part type {kind!r} is not supported: this "
-                                        "model takes text only", "invalid_request_error",
-                                   param="messages")  # fmt: skip
+                    raise ApiError(
+                        400,
+                        f"content part type {kind!r} is not supported: this model takes text only",
+                        "invalid_request_error",
+                        param="messages",
+                    )
                 url = part.get(kind)
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
-                    raise ApiError(400, f"a {kind} part needs {{'{kind}': {{'url': ...}}}}",
-                                   "invalid_request_error", param="messages")  # fmt: skip
+                    raise ApiError(
+                        400,
+                        f"a {kind} part needs {{'{kind}': {{'url': ...}}}}",
+                        "invalid_request_error",
+                        param="messages",
+                    )
                 sources.append((kind == "video_url", url))
         return sources
 
     async def _prepare(self, sources: list[tuple[bool, str]]) -> list:
         """Each item loaded on the media executor (all at once), then its placeholder ids."""
         loop, start = asyncio.get_running_loop(), time.perf_counter()
-        loaded = await asyncio.gather(*(loop.run_in_executor(self.media_executor,
-                                                             self.media.load, video, url)
-                                        for video, url in sources))  # fmt: skip
+        loaded = await asyncio.gather(
+            *(
+                loop.run_in_executor(self.media_executor, self.media.load, video, url)
+                for video, url in sources
+            )
+        )
         self.metrics.media_seconds.observe(time.perf_counter() - start)
         self.metrics.media_bytes.inc(sum(item.nbytes for item in loaded))
         return [self.media.finish(item, self.tokenizer.encode) for item in loaded]
@@ -202,16 +227,16 @@ class Handlers:
                 ids = self.tokenizer.encode_chat(_template_messages(body.messages), **kwargs)
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e
-        return {"count": len(ids), "max_model_len": self.engine.info.max_model_len,
-                "tokens": ids}  # fmt: skip
+        return {"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids}
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
         """vLLM's /detokenize: {prompt}."""
         self._check_model(body.model)
         vocab = self.engine.info.vocab_size
         if any(t >= vocab for t in body.tokens):
-            raise ApiError(400, f"token ids must be in [0, {vocab})", "invalid_request_error",
-                           param="tokens")  # fmt: skip
+            raise ApiError(
+                400, f"token ids must be in [0, {vocab})", "invalid_request_error", param="tokens"
+            )
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def _stop_ids(self, body: SamplingFields) -> tuple[int, ...]:
@@ -224,30 +249,39 @@ class Handlers:
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
-            raise ApiError(404, f"model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", "not_found_error",
-                           param="model")  # fmt: skip
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                "not_found_error",
+                param="model",
+            )
 
     def _check(self, body: SamplingFields) -> None:
         if self.drain.draining:
             raise ApiError(503, "the server is shutting down", "server_overloaded")
         self._check_model(body.model)
         if self.max_waiting is not None and body.n > self.max_waiting:
-            raise ApiError(400, f"n = {body.n} exceeds the server's queue limit of "
-                                f"{self.max_waiting} requests", "invalid_request_error",
-                           param="n")  # fmt: skip
+            raise ApiError(
+                400,
+                f"n = {body.n} exceeds the server's queue limit of {self.max_waiting} requests",
+                "invalid_request_error",
+                param="n",
+            )
 
-    def _params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
-                thinking: bool = False):  # fmt: skip
+    def _params(
+        self, body: SamplingFields, prompt_len: int, max_tokens: int | None, thinking: bool = False
+    ):
         """The request's SamplingParams; `thinking`: the prompt leaves the model inside a
         think block, so a grammar applies after its end marker."""
         limit = self.engine.info.request_limit
         if prompt_len >= limit:
-            raise ApiError(400, f"the prompt has {prompt_len} tokens; the limit of {limit} "
-                                "tokens per request leaves no room to generate",
-                           "invalid_request_error",
-                           param="messages" if isinstance(body, ChatCompletionRequest)
-                           else "prompt")  # fmt: skip
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens; the limit of {limit} "
+                "tokens per request leaves no room to generate",
+                "invalid_request_error",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            )
         try:
             grammar = structured.from_request(body.structured_outputs, body.response_format)
             if grammar is not None and thinking:
@@ -255,22 +289,36 @@ class Handlers:
                 grammar = dataclasses.replace(grammar, after=end)
             return SamplingParams(
                 max_tokens=max_tokens or min(DEFAULT_MAX_TOKENS, limit - prompt_len),
-                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                seed=body.seed, stop=body.stop_strings(), logprobs=body.logprobs_count(),
-                ignore_eos=body.ignore_eos, min_p=body.min_p, min_tokens=body.min_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop=body.stop_strings(),
+                logprobs=body.logprobs_count(),
+                ignore_eos=body.ignore_eos,
+                min_p=body.min_p,
+                min_tokens=body.min_tokens,
                 logit_bias=_logit_bias(body.logit_bias),
-                presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
+                presence_penalty=body.presence_penalty,
+                repetition_penalty=body.repetition_penalty,
                 frequency_penalty=body.frequency_penalty,
                 stop_token_ids=self._stop_ids(body),
-                grammar=grammar, prompt_logprobs=body.prompt_logprobs,
+                grammar=grammar,
+                prompt_logprobs=body.prompt_logprobs,
                 skip_special_tokens=body.skip_special_tokens,
-            )  # fmt: skip
+            )
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_request_error") from e
 
-    async def _start(self, body: SamplingFields, ids: list[int], max_tokens: int | None,
-                     chat: bool, media: list | None = None,
-                     thinking: bool = False) -> Job:  # fmt: skip
+    async def _start(
+        self,
+        body: SamplingFields,
+        ids: list[int],
+        max_tokens: int | None,
+        chat: bool,
+        media: list | None = None,
+        thinking: bool = False,
+    ) -> Job:
         """Add the n choices (seeds seed, seed + 1, ... so they differ reproducibly; the first
         alone computes the prompt logprobs, when asked for); on any refusal the ones added are
         aborted and the error becomes the response."""
@@ -293,8 +341,9 @@ class Handlers:
 
     async def _respond(self, job: Job, request: Request):
         if job.body.stream:
-            return StreamingResponse(sse_events(job, self.events(job), self.model_name),
-                                     media_type="text/event-stream")  # fmt: skip
+            return StreamingResponse(
+                sse_events(job, self.events(job), self.model_name), media_type="text/event-stream"
+            )
         collect = asyncio.create_task(self._collect(job))
         try:
             while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
@@ -312,18 +361,26 @@ class Handlers:
         chat = job.chat
         ids = job.body.return_token_ids
         prompt = job.prompt_logprobs()
-        choices = [protocol.choice_body(c.index, c.text,
-                                        protocol.finish_reason(c.finish_reason, bool(c.tool_calls)),
-                                        protocol.logprobs_body(c.logprobs, chat), chat,
-                                        token_ids=c.token_ids if ids else None,
-                                        reasoning=c.reasoning, tool_calls=c.tool_calls)
-                   for c in job.choices]  # fmt: skip
+        choices = [
+            protocol.choice_body(
+                c.index,
+                c.text,
+                protocol.finish_reason(c.finish_reason, bool(c.tool_calls)),
+                protocol.logprobs_body(c.logprobs, chat),
+                chat,
+                token_ids=c.token_ids if ids else None,
+                reasoning=c.reasoning,
+                tool_calls=c.tool_calls,
+            )
+            for c in job.choices
+        ]
         if prompt is not None and not chat:  # vLLM's places: in each choice of a completion
             for choice in choices:
                 choice["prompt_logprobs"] = prompt
         extra = {"prompt_logprobs": prompt} if prompt is not None and chat else {}
-        return protocol.response_body(job.response_id, job.created, self.model_name, choices,
-                                      chat, usage=job.usage(), **extra)  # fmt: skip
+        return protocol.response_body(
+            job.response_id, job.created, self.model_name, choices, chat, usage=job.usage(), **extra
+        )
 
     async def _collect(self, job: Job) -> None:
         async with contextlib.aclosing(self.events(job)) as events:
@@ -353,13 +410,16 @@ class Handlers:
                 if isinstance(delta, EngineError):
                     raise delta
                 if delta is DRAINED:
-                    raise ShuttingDown("the server is shutting down; the request did not "
-                                       f"finish within the {self.drain.drain_s:g} s drain")
+                    raise ShuttingDown(
+                        "the server is shutting down; the request did not "
+                        f"finish within the {self.drain.drain_s:g} s drain"
+                    )
                 if delta.token_ids:
                     now = time.perf_counter()
                     first = choice.num_tokens == 0
                     (self.metrics.ttft if first else self.metrics.itl).observe(
-                        now - (start if first else last))  # fmt: skip
+                        now - (start if first else last)
+                    )
                     last = now
                     self.metrics.generation_tokens.inc(len(delta.token_ids))
                 choice.take(delta)
@@ -381,9 +441,12 @@ def _template_kwargs(kwargs: dict | None, tools: list[protocol.Tool] | None) -> 
     them); 400 for keys the template call sets itself."""
     kwargs = kwargs or {}
     if kwargs.keys() & {"messages", "add_generation_prompt", "tools"}:
-        raise ApiError(400, "chat_template_kwargs may not set messages, add_generation_prompt "
-                            "or tools", "invalid_request_error",
-                       param="chat_template_kwargs")  # fmt: skip
+        raise ApiError(
+            400,
+            "chat_template_kwargs may not set messages, add_generation_prompt or tools",
+            "invalid_request_error",
+            param="chat_template_kwargs",
+        )
     if tools:
         kwargs = kwargs | {"tools": [t.model_dump(exclude_none=True) for t in tools]}
     return kwargs
@@ -402,9 +465,13 @@ def _template_messages(messages: list[protocol.ChatMessage]) -> list[dict]:
             except ValueError:
                 args = None
             if not isinstance(args, dict):
-                raise ApiError(400, f"the arguments of tool call {call['function']['name']!r} "
-                                    "are not a JSON object", "invalid_request_error",
-                               param="messages")  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"the arguments of tool call {call['function']['name']!r} "
+                    "are not a JSON object",
+                    "invalid_request_error",
+                    param="messages",
+                )
             call["function"]["arguments"] = args
         out.append(message)
     return out

@@ -13,30 +13,37 @@ class Metrics:
     def __init__(self, engine: EngineClient):
         self.engine = engine
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("sparrow_requests", "HTTP requests", ["endpoint", "status"],
-                                registry=r)  # fmt: skip
+        self.requests = Counter(
+            "sparrow_requests", "HTTP requests", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("sparrow_prompt_tokens", "prompt tokens", registry=r)
-        self.generation_tokens = Counter("sparrow_generation_tokens", "generated tokens",
-                                         registry=r)  # fmt: skip
+        self.generation_tokens = Counter(
+            "sparrow_generation_tokens", "generated tokens", registry=r
+        )
         self.aborted = Counter("sparrow_aborted_requests", "requests aborted", registry=r)
-        self.media_items = Counter("sparrow_media_items", "images and videos in prompts",
-                                   registry=r)  # fmt: skip
-        self.media_seconds = Histogram("sparrow_media_preprocess_seconds",
-                                       "fetch, decode and preprocess of a request's media",
-                                       registry=r)  # fmt: skip
-        self.media_bytes = Counter("sparrow_media_bytes", "encoded media bytes fetched",
-                                   registry=r)  # fmt: skip
-        self.ttft = Histogram("sparrow_time_to_first_token_seconds", "time to first token",
-                              registry=r)  # fmt: skip
-        self.itl = Histogram("sparrow_inter_token_latency_seconds", "inter-token latency",
-                             registry=r)  # fmt: skip
+        self.media_items = Counter(
+            "sparrow_media_items", "images and videos in prompts", registry=r
+        )
+        self.media_seconds = Histogram(
+            "sparrow_media_preprocess_seconds",
+            "fetch, decode and preprocess of a request's media",
+            registry=r,
+        )
+        self.media_bytes = Counter("sparrow_media_bytes", "encoded media bytes fetched", registry=r)
+        self.ttft = Histogram(
+            "sparrow_time_to_first_token_seconds", "time to first token", registry=r
+        )
+        self.itl = Histogram(
+            "sparrow_inter_token_latency_seconds", "inter-token latency", registry=r
+        )
         self.waiting = Gauge("sparrow_queue_depth", "requests waiting", registry=r)
         self.running = Gauge("sparrow_running_requests", "requests running", registry=r)
-        self.kv_usage = Gauge("sparrow_kv_cache_usage", "fraction of KV blocks in use",
-                              registry=r)  # fmt: skip
-        self.prefix_hit_rate = Gauge("sparrow_prefix_cache_hit_rate",
-                                     "prompt tokens found in the prefix cache / admitted",
-                                     registry=r)  # fmt: skip
+        self.kv_usage = Gauge("sparrow_kv_cache_usage", "fraction of KV blocks in use", registry=r)
+        self.prefix_hit_rate = Gauge(
+            "sparrow_prefix_cache_hit_rate",
+            "prompt tokens found in the prefix cache / admitted",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         """The Prometheus text format, engine gauges updated now."""

@@ -23,18 +23,32 @@ from sparrow.server.metrics import Metrics
 from sparrow.server.protocol import error_body
 
 # Route path -> the `endpoint` label; any other path counts as "other" (bounded labels).
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-             "/v1/models": "models", "/health": "health", "/metrics": "metrics"}  # fmt: skip
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/models": "models",
+    "/health": "health",
+    "/metrics": "metrics",
+}
 
 
-async def send_error(send: Send, status: int, message: str, kind: str,
-                     headers: dict[str, str] | None = None) -> None:  # fmt: skip
+async def send_error(
+    send: Send, status: int, message: str, kind: str, headers: dict[str, str] | None = None
+) -> None:
     """Answer with OpenAI's error body (and any extra headers)."""
     body = json.dumps(error_body(message, kind, status)).encode()
     extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), *extra]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *extra,
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -98,16 +112,24 @@ class ApiKeys:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             auth = header(scope, b"authorization") or ""
-            key = self.keys.match(auth.removeprefix("Bearer ")) if auth.startswith(
-                "Bearer ") else None  # fmt: skip
+            key = (
+                self.keys.match(auth.removeprefix("Bearer "))
+                if auth.startswith("Bearer ")
+                else None
+            )
             if key is None:
-                return await send_error(send, 401, "missing or wrong API key",
-                                        "authentication_error")  # fmt: skip
+                return await send_error(
+                    send, 401, "missing or wrong API key", "authentication_error"
+                )
             wait = self.limiter.take(key) if self.limiter is not None else 0.0
             if wait > 0:
-                return await send_error(send, 429, "rate limit reached for this API key",
-                                        "rate_limit_error",
-                                        headers={"retry-after": str(math.ceil(wait))})  # fmt: skip
+                return await send_error(
+                    send,
+                    429,
+                    "rate limit reached for this API key",
+                    "rate_limit_error",
+                    headers={"retry-after": str(math.ceil(wait))},
+                )
         await self.app(scope, receive, send)
 
 

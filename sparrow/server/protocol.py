@@ -14,11 +14,17 @@ from sparrow.server.tool_parsers import ToolCall
 # Fields the server does not implement, each with the value that changes nothing: a request
 # giving another value (null aside) is refused rather than served as if the field were absent.
 UNSUPPORTED = {
-    "functions": [], "function_call": "none",
-    "suffix": "", "best_of": 1, "echo": False,
+    "functions": [],
+    "function_call": "none",
+    "suffix": "",
+    "best_of": 1,
+    "echo": False,
     # vLLM's older spellings of structured_outputs: refused rather than ignored
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-}  # fmt: skip
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+}
 CHAT_ONLY = {"tools": [], "tool_choice": "none"}  # refused by /v1/completions
 
 
@@ -207,8 +213,7 @@ class ChatCompletionRequest(SamplingFields):
         if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
             raise ValueError("tool_choice other than none or auto needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in "
-                             "tools")  # fmt: skip
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
         return self
 
     def tool_schemas(self) -> dict[str, dict] | None:
@@ -232,21 +237,28 @@ class ApiError(Exception):
     """An error answered with the error body: HTTP status, message, OpenAI error type, and
     the request field at fault (`param`) when there is one."""
 
-    def __init__(self, status: int, message: str, kind: str, headers: dict | None = None,
-                 param: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        headers: dict | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
         self.param = param
 
 
-def error_body(message: str, kind: str, code: int | str | None = None,
-               param: str | None = None) -> dict[str, Any]:  # fmt: skip
+def error_body(
+    message: str, kind: str, code: int | str | None = None, param: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def finish_reason(reason: FinishReason | None, called: bool = False) -> str | None:
-    """"length" at max_tokens or the context limit; "stop" at a stop token or string (and an
+    """ "length" at max_tokens or the context limit; "stop" at a stop token or string (and an
     abort); "tool_calls" when the completion (`called`) made tool calls."""
     if reason is None:
         return None
@@ -256,8 +268,11 @@ def finish_reason(reason: FinishReason | None, called: bool = False) -> str | No
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
@@ -266,16 +281,17 @@ def chat_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
     def one(t: TokenText) -> dict[str, Any]:
         return {"token": t.text, "logprob": t.logprob, "bytes": list(t.bytes)}
 
-    return {"content": [one(e.token) | {"top_logprobs": [one(t) for t in e.top]}
-                        for e in entries]}  # fmt: skip
+    return {"content": [one(e.token) | {"top_logprobs": [one(t) for t in e.top]} for e in entries]}
 
 
 def text_logprobs(entries: list[LogprobEntry]) -> dict[str, Any]:
     """Completions format: parallel lists, with each token's character offset."""
-    return {"tokens": [e.token.text for e in entries],
-            "token_logprobs": [e.token.logprob for e in entries],
-            "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
-            "text_offset": [e.offset for e in entries]}  # fmt: skip
+    return {
+        "tokens": [e.token.text for e in entries],
+        "token_logprobs": [e.token.logprob for e in entries],
+        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
+        "text_offset": [e.offset for e in entries],
+    }
 
 
 def prompt_logprobs_body(entries: list[PromptLogprobEntry]) -> list[dict[str, Any] | None]:
@@ -294,10 +310,17 @@ def logprobs_body(entries: list[LogprobEntry] | None, chat: bool) -> dict[str, A
     return chat_logprobs(entries) if chat else text_logprobs(entries)
 
 
-def choice_body(index: int, text: str, reason: str | None, logprobs: dict | None,
-                chat: bool, delta: bool = False, token_ids: list[int] | None = None,
-                reasoning: str | None = None,
-                tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:  # fmt: skip
+def choice_body(
+    index: int,
+    text: str,
+    reason: str | None,
+    logprobs: dict | None,
+    chat: bool,
+    delta: bool = False,
+    token_ids: list[int] | None = None,
+    reasoning: str | None = None,
+    tool_calls: list[ToolCall] | None = None,
+) -> dict[str, Any]:
     """One choice of a response (`delta`: of a stream chunk); `token_ids` when asked for;
     `reasoning` (None: no reasoning parser) as `reasoning_content`; a whole message's
     `tool_calls` (its content then null when empty)."""
@@ -307,9 +330,14 @@ def choice_body(index: int, text: str, reason: str | None, logprobs: dict | None
             message["reasoning_content"] = reasoning
         if tool_calls:
             message["content"] = text or None
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in tool_calls]  # fmt: skip
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in tool_calls
+            ]
         content = {"delta" if delta else "message": message}
     else:
         content = {"text": text}
@@ -320,16 +348,35 @@ def choice_body(index: int, text: str, reason: str | None, logprobs: dict | None
 def tool_call_deltas(index: int, position: int, call: ToolCall) -> list[dict[str, Any]]:
     """A call as stream deltas of choice `index`, OpenAI's shape: its id, type and name (no
     arguments yet), then its arguments; `position`: the call's index among the choice's."""
-    head = {"index": position, "id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+    head = {
+        "index": position,
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": ""},
+    }
     args = {"index": position, "function": {"arguments": call.arguments}}
-    return [{"index": index, "delta": {"tool_calls": [part]}, "finish_reason": None,
-             "logprobs": None} for part in (head, args)]  # fmt: skip
+    return [
+        {"index": index, "delta": {"tool_calls": [part]}, "finish_reason": None, "logprobs": None}
+        for part in (head, args)
+    ]
 
 
-def response_body(response_id: str, created: int, model: str, choices: list[dict],
-                  chat: bool, chunk: bool = False, **extra: Any) -> dict[str, Any]:  # fmt: skip
+def response_body(
+    response_id: str,
+    created: int,
+    model: str,
+    choices: list[dict],
+    chat: bool,
+    chunk: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
     """A whole response, or (`chunk`) one event of a stream."""
     kind = "chat.completion" if chat else "text_completion"
-    return {"id": response_id, "object": f"{kind}.chunk" if chat and chunk else kind,
-            "created": created, "model": model, "choices": choices, **extra}  # fmt: skip
+    return {
+        "id": response_id,
+        "object": f"{kind}.chunk" if chat and chunk else kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }

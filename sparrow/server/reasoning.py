@@ -54,7 +54,7 @@ class ReasoningSplitter:
         if self.state == "start":
             stripped = buf.lstrip()
             if stripped.startswith(self.fmt.start):
-                self.state, buf = "inside", stripped[len(self.fmt.start):]
+                self.state, buf = "inside", stripped[len(self.fmt.start) :]
             elif self.fmt.start.startswith(stripped):
                 self.held = buf  # perhaps the start marker, not whole yet
                 return "", ""
@@ -64,10 +64,10 @@ class ReasoningSplitter:
             i = buf.find(self.fmt.end)
             if i < 0:
                 keep = partial_marker(buf, self.fmt.end)
-                self.held = buf[len(buf) - keep:]
+                self.held = buf[len(buf) - keep :]
                 return buf[: len(buf) - keep], ""
             self.state, self.strip = "after", True
-            return buf[:i], self._content(buf[i + len(self.fmt.end):])
+            return buf[:i], self._content(buf[i + len(self.fmt.end) :])
         return "", self._content(buf)
 
     def _content(self, text: str) -> str:

@@ -25,19 +25,30 @@ def event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def sse_events(job: Job, events: AsyncIterator[tuple[Choice, OutputDelta]],
-                     model: str) -> AsyncIterator[str]:  # fmt: skip
+async def sse_events(
+    job: Job, events: AsyncIterator[tuple[Choice, OutputDelta]], model: str
+) -> AsyncIterator[str]:
     """The events of `job` from its (choice, delta) stream; closing this closes `events`
     (which aborts unfinished choices)."""
 
     def chunk(choices: list[dict], **extra: Any) -> str:
-        return event(protocol.response_body(job.response_id, job.created, model, choices,
-                                            job.chat, chunk=True, **extra))  # fmt: skip
+        return event(
+            protocol.response_body(
+                job.response_id, job.created, model, choices, job.chat, chunk=True, **extra
+            )
+        )
 
     if job.chat:
         for c in job.choices:
-            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                          "finish_reason": None}])  # fmt: skip
+            yield chunk(
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                    }
+                ]
+            )
     async with contextlib.aclosing(events):
         try:
             ids = job.body.return_token_ids
@@ -46,13 +57,28 @@ async def sse_events(job: Job, events: AsyncIterator[tuple[Choice, OutputDelta]]
                 reasoning, text = c.last  # the delta's text, split when a parser is on
                 calls = c.last_calls  # and the tool calls it completed
                 parts = []
-                if (text or reasoning or delta.logprobs or ids and delta.token_ids
-                        or reason and not calls):  # fmt: skip
+                if (
+                    text
+                    or reasoning
+                    or delta.logprobs
+                    or ids
+                    and delta.token_ids
+                    or reason
+                    and not calls
+                ):
                     logprobs = protocol.logprobs_body(delta.logprobs, job.chat)
-                    parts.append(protocol.choice_body(
-                        c.index, text, None, logprobs, job.chat, delta=True,
-                        token_ids=delta.token_ids if ids else None,
-                        reasoning=reasoning if c.splitter is not None else None))
+                    parts.append(
+                        protocol.choice_body(
+                            c.index,
+                            text,
+                            None,
+                            logprobs,
+                            job.chat,
+                            delta=True,
+                            token_ids=delta.token_ids if ids else None,
+                            reasoning=reasoning if c.splitter is not None else None,
+                        )
+                    )
                 first = len(c.tool_calls) - len(calls)
                 for position, call in enumerate(calls, first):
                     parts += protocol.tool_call_deltas(c.index, position, call)

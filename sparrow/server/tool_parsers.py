@@ -162,8 +162,9 @@ class MiniMaxM3Format(ToolFormat):
 
     start, end = NS + "<tool_call>", NS + "</tool_call>"
     invoke_start, invoke_end = NS + '<invoke name="', NS + "</invoke>"
-    invoke = re.compile(re.escape(NS) + r'<invoke name="([^"\n]+)">(.*)' + re.escape(NS)
-                        + "</invoke>", re.S)  # fmt: skip
+    invoke = re.compile(
+        re.escape(NS) + r'<invoke name="([^"\n]+)">(.*)' + re.escape(NS) + "</invoke>", re.S
+    )
 
     def step(self, body: str, schemas: Schemas) -> Step | None:
         rest = body.lstrip()
@@ -189,8 +190,9 @@ class MiniMaxM3Format(ToolFormat):
             return None
         name = m.group(1).strip()
         schema = {"type": "object", **(schemas.get(name) or {})}
-        return ToolCall(name, _arguments(_m3_object(tree if isinstance(tree, list) else [],
-                                                    schema)))  # fmt: skip
+        return ToolCall(
+            name, _arguments(_m3_object(tree if isinstance(tree, list) else [], schema))
+        )
 
 
 _M3_TAG = re.compile(r"<(/?)([^<>/\n][^<>\n]*)>(.*)", re.S)
@@ -287,17 +289,17 @@ class ToolCallSplitter:
                 if i < 0:
                     keep = partial_marker(buf, self.fmt.start)
                     shown.append(buf[: len(buf) - keep].rstrip())
-                    self.held = buf[len(shown[-1]):]
+                    self.held = buf[len(shown[-1]) :]
                     return "".join(shown), calls
                 shown.append(buf[:i].rstrip())
-                self.in_block, self.raw = True, buf[len(shown[-1]):i] + self.fmt.start
-                buf = buf[i + len(self.fmt.start):]
+                self.in_block, self.raw = True, buf[len(shown[-1]) : i] + self.fmt.start
+                buf = buf[i + len(self.fmt.start) :]
                 continue
             step = self.fmt.step(buf, self.schemas)
             if step is None:
                 self.held = buf
                 return "".join(shown), calls
-            piece, buf = buf[: step.n], buf[step.n:]
+            piece, buf = buf[: step.n], buf[step.n :]
             if step.call is not None:
                 calls.append(step.call)
                 self.raw = ""

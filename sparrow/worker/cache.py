@@ -40,30 +40,46 @@ class ModelCache:
     `snapshots[i]`: a recurrent layer's saved states (`num_snapshots` of them, laid out like
     its slots), what prefix caching resumes from; None for other layers."""
 
-    def __init__(self, specs: Sequence[CacheSpec | None], num_blocks: int, block_size: int,
-                 num_slots: int, device: torch.device | str, dtype: torch.dtype,
-                 num_snapshots: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        specs: Sequence[CacheSpec | None],
+        num_blocks: int,
+        block_size: int,
+        num_slots: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        num_snapshots: int = 0,
+    ):
         self.specs, self.block_size = list(specs), block_size
         needed = required_block_size(self.specs)
         if needed is not None and needed != block_size:
-            raise ValueError(f"cache block size {block_size} does not match the model's MSA "
-                             f"block of {needed} tokens: a cache page must be one MSA block "
-                             f"(set block_size={needed})")  # fmt: skip
+            raise ValueError(
+                f"cache block size {block_size} does not match the model's MSA "
+                f"block of {needed} tokens: a cache page must be one MSA block "
+                f"(set block_size={needed})"
+            )
         self.pad_block, self.pad_slot = num_blocks, num_slots
-        self.layers = [self._allocate(s, num_blocks + 1, num_slots + 1, device, dtype)
-                       for s in self.specs]  # fmt: skip
-        self.snapshots = [self._allocate(s, 0, num_snapshots, device, dtype)
-                          if num_snapshots and s is not None and not s.paged else None
-                          for s in self.specs]  # fmt: skip
+        self.layers = [
+            self._allocate(s, num_blocks + 1, num_slots + 1, device, dtype) for s in self.specs
+        ]
+        self.snapshots = [
+            self._allocate(s, 0, num_snapshots, device, dtype)
+            if num_snapshots and s is not None and not s.paged
+            else None
+            for s in self.specs
+        ]
 
-    def _allocate(self, spec: CacheSpec | None, num_blocks: int, num_slots: int, device,
-                  dtype) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
+    def _allocate(
+        self, spec: CacheSpec | None, num_blocks: int, num_slots: int, device, dtype
+    ) -> tuple[torch.Tensor, ...] | None:
         if spec is None:
             return None
         if isinstance(spec, PagedKVSpec):
             shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-            return (torch.zeros(shape, device=device, dtype=dtype),
-                    torch.zeros(shape, device=device, dtype=dtype))  # fmt: skip
+            return (
+                torch.zeros(shape, device=device, dtype=dtype),
+                torch.zeros(shape, device=device, dtype=dtype),
+            )
         if isinstance(spec, SparseKVSpec):
             kv = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
             index = (num_blocks, self.block_size, spec.index_head_dim)
@@ -71,13 +87,16 @@ class ModelCache:
             if spec.index_dtype == "auto":
                 return k, v, torch.zeros(index, device=device, dtype=dtype)
             if spec.index_dtype == "fp8_e4m3":
-                return (k, v, torch.zeros(index, device=device, dtype=torch.float8_e4m3fn),
-                        torch.zeros(index[:2], device=device, dtype=torch.float32))  # fmt: skip
+                return (
+                    k,
+                    v,
+                    torch.zeros(index, device=device, dtype=torch.float8_e4m3fn),
+                    torch.zeros(index[:2], device=device, dtype=torch.float32),
+                )
             raise ValueError(f"index dtype {spec.index_dtype!r}: expected 'auto' or 'fp8_e4m3'")
         if isinstance(spec, RecurrentStateSpec):
             conv = state_pool(num_slots, spec.conv_channels, spec.conv_kernel, device, dtype)
-            state = torch.zeros(num_slots, *spec.state_shape, device=device,
-                                dtype=torch.float32)  # fmt: skip
+            state = torch.zeros(num_slots, *spec.state_shape, device=device, dtype=torch.float32)
             return conv, state
         raise TypeError(f"no cache storage for spec {spec!r}")
 
@@ -133,7 +152,7 @@ def build_metadata(
         cu_seqlens=as_tensor(cu, torch.int32),
         context_lens=as_tensor(
             [c + n for c, n in zip(computed, seq_lens, strict=True)], torch.int32
-        ),  # fmt: skip
+        ),
         block_tables=as_tensor(tables, torch.int32),
         slot_mapping=as_tensor(slot_mapping, torch.long),
         state_slots=as_tensor(state_slots, torch.int32),

@@ -20,8 +20,9 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, cache: ModelCache, max_batch: int,
-                 max_blocks_per_seq: int):  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, cache: ModelCache, max_batch: int, max_blocks_per_seq: int
+    ):
         self.model, self.cache = model, cache
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [max_batch]
         n, dev = max_batch, model.device
@@ -30,21 +31,28 @@ class DecodeGraphs:
         self.rope_positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((n, max_blocks_per_seq), cache.pad_block,
-                                       dtype=torch.int32, device=dev)  # fmt: skip
-        self.slot_mapping = torch.full((n,), cache.pad_block * cache.block_size,
-                                       dtype=torch.long, device=dev)  # fmt: skip
+        self.block_tables = torch.full(
+            (n, max_blocks_per_seq), cache.pad_block, dtype=torch.int32, device=dev
+        )
+        self.slot_mapping = torch.full(
+            (n,), cache.pad_block * cache.block_size, dtype=torch.long, device=dev
+        )
         self.state_slots = torch.full((n,), cache.pad_slot, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _meta(self, b: int) -> StepMetadata:
         return StepMetadata(
-            input_ids=self.input_ids[:b], positions=self.positions[:b], seq_lens=[1] * b,
+            input_ids=self.input_ids[:b],
+            positions=self.positions[:b],
+            seq_lens=[1] * b,
             rope_positions=self.rope_positions[:b],
-            cu_seqlens=self.cu_seqlens[: b + 1], context_lens=self.context_lens[:b],
-            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
-            state_slots=self.state_slots[:b], max_q_len=1,
-        )  # fmt: skip
+            cu_seqlens=self.cu_seqlens[: b + 1],
+            context_lens=self.context_lens[:b],
+            block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b],
+            state_slots=self.state_slots[:b],
+            max_q_len=1,
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -53,16 +61,23 @@ class DecodeGraphs:
         for b in reversed(self.sizes):
             meta = self._meta(b)
             self.graphs[b], pool = capture_graph(
-                lambda meta=meta: self.model.logits(self.model(meta, self.cache)), pool)
+                lambda meta=meta: self.model.logits(self.model(meta, self.cache)), pool
+            )
         torch.cuda.synchronize()
 
     def padded_size(self, batch: int) -> int | None:
         return next((s for s in self.sizes if s >= batch), None)
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], positions: list[int], block_tables: list[list[int]],
-            state_slots: list[int], device_tokens: torch.Tensor,
-            rope_offsets: list[int] | None = None) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        state_slots: list[int],
+        device_tokens: torch.Tensor,
+        rope_offsets: list[int] | None = None,
+    ) -> torch.Tensor:
         """One decode step for len(tokens) sequences: token b sits at positions[b] of the
         sequence with that block table and slot, its rotary position that plus
         rope_offsets[b] (mRoPE after media; default 0); a token < 0 is still on the device, in
@@ -72,18 +87,22 @@ class DecodeGraphs:
         size = self.padded_size(b)
         pad = size - b
         bs = self.cache.block_size
-        rows = [table[p // bs] * bs + p % bs
-                for table, p in zip(block_tables, positions, strict=True)]  # fmt: skip
+        rows = [
+            table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions, strict=True)
+        ]
         dev = to_device(
-            [tokens + [0] * pad,
-             positions + [0] * pad,
-             [p + 1 for p in positions] + [1] * pad,
-             rows + [self.cache.pad_block * bs] * pad,
-             state_slots + [self.cache.pad_slot] * pad,
-             [p + o for p, o in zip(positions, rope_offsets or [0] * b, strict=True)]
-             + [0] * pad],
-            torch.long, self.input_ids.device,
-        )  # fmt: skip
+            [
+                tokens + [0] * pad,
+                positions + [0] * pad,
+                [p + 1 for p in positions] + [1] * pad,
+                rows + [self.cache.pad_block * bs] * pad,
+                state_slots + [self.cache.pad_slot] * pad,
+                [p + o for p, o in zip(positions, rope_offsets or [0] * b, strict=True)]
+                + [0] * pad,
+            ],
+            torch.long,
+            self.input_ids.device,
+        )
         self.input_ids[:size].copy_(dev[0])
         self.positions[:size].copy_(dev[1])
         self.context_lens[:size].copy_(dev[2])
@@ -121,8 +140,9 @@ class PrefillGraphs:
     attention over all rows at once (`StepMetadata.padded`) gives the prompt's rows exactly
     their own. The graph ends with the lm_head on the prompt's last row."""
 
-    def __init__(self, model: torch.nn.Module, cache: ModelCache, max_tokens: int,
-                 max_blocks_per_seq: int):  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, cache: ModelCache, max_tokens: int, max_blocks_per_seq: int
+    ):
         self.model, self.cache = model, cache
         self.sizes = [n for n in PREFILL_TOKENS if n <= max_tokens]
         rows, dev = (self.sizes[-1] if self.sizes else 0) + PAD_TOKENS, model.device
@@ -132,8 +152,9 @@ class PrefillGraphs:
         self.slot_mapping = torch.full((rows,), scratch, dtype=torch.long, device=dev)
         self.cu_seqlens = torch.tensor([0, 1, rows], dtype=torch.int32, device=dev)
         self.context_lens = torch.tensor([1, rows - 1], dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((2, max_blocks_per_seq), cache.pad_block,
-                                       dtype=torch.int32, device=dev)  # fmt: skip
+        self.block_tables = torch.full(
+            (2, max_blocks_per_seq), cache.pad_block, dtype=torch.int32, device=dev
+        )
         self.state_slots = torch.full((2,), cache.pad_slot, dtype=torch.int32, device=dev)
         self.last_row = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -141,12 +162,19 @@ class PrefillGraphs:
     def _meta(self, n: int) -> StepMetadata:
         rows = n + PAD_TOKENS
         return StepMetadata(
-            input_ids=self.input_ids[:rows], positions=self.positions[:rows],
-            seq_lens=[n, PAD_TOKENS], cu_seqlens=self.cu_seqlens,
-            context_lens=self.context_lens, block_tables=self.block_tables,
-            slot_mapping=self.slot_mapping[:rows], state_slots=self.state_slots,
-            max_q_len=rows, prefix_free=True, prefix_lens=[0, 0], padded=True,
-        )  # fmt: skip
+            input_ids=self.input_ids[:rows],
+            positions=self.positions[:rows],
+            seq_lens=[n, PAD_TOKENS],
+            cu_seqlens=self.cu_seqlens,
+            context_lens=self.context_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping[:rows],
+            state_slots=self.state_slots,
+            max_q_len=rows,
+            prefix_free=True,
+            prefix_lens=[0, 0],
+            padded=True,
+        )
 
     def forward(self, meta: StepMetadata) -> torch.Tensor:
         """What a graph runs on its metadata: fp32 logits [1, V] of the prompt's last row."""
@@ -178,16 +206,25 @@ class PrefillGraphs:
         rows = n + PAD_TOKENS
         scratch = self.cache.pad_block * bs
         cache_rows = [block_table[p // bs] * bs + p % bs for p in range(t)]
-        dev = to_device([tokens + [0] * (rows - t), list(range(t)) + [0] * (rows - t),
-                         cache_rows + [scratch] * (rows - t)], torch.long,
-                        self.input_ids.device)  # fmt: skip
+        dev = to_device(
+            [
+                tokens + [0] * (rows - t),
+                list(range(t)) + [0] * (rows - t),
+                cache_rows + [scratch] * (rows - t),
+            ],
+            torch.long,
+            self.input_ids.device,
+        )
         self.input_ids[:rows].copy_(dev[0])
         self.positions[:rows].copy_(dev[1])
         self.slot_mapping[:rows].copy_(dev[2])
         width = self.block_tables.shape[1]
-        small = to_device([0, t, rows, t, rows - t, state_slot, t - 1, *block_table]
-                          + [self.cache.pad_block] * (width - len(block_table)), torch.int32,
-                          self.input_ids.device)  # fmt: skip
+        small = to_device(
+            [0, t, rows, t, rows - t, state_slot, t - 1, *block_table]
+            + [self.cache.pad_block] * (width - len(block_table)),
+            torch.int32,
+            self.input_ids.device,
+        )
         self.cu_seqlens.copy_(small[:3])
         self.context_lens.copy_(small[3:5])
         self.state_slots[:1].copy_(small[5:6])

@@ -39,9 +39,12 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as e:
-        raise ValueError("structured output needs the xgrammar package, which is not "
-                         "installed here (pip install xgrammar)") from e  # fmt: skip
+        raise ValueError(
+            "structured output needs the xgrammar package, which is not "
+            "installed here (pip install xgrammar)"
+        ) from e
     return xgrammar
+
 
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer
 
@@ -95,8 +98,9 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
         xgr = _xgrammar()
         vocab = token_bytes(tokenizer)[:vocab_size]
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=list(stop_token_ids))  # fmt: skip
+        info = xgr.TokenizerInfo(
+            vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
@@ -144,11 +148,16 @@ def _gbnf_string(text: str) -> str:
 class Grammar:
     """One request's grammar state: the tokens it has accepted and what may come next."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: tuple[int, ...],
-                 after: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        compiled: xgr.CompiledGrammar,
+        stop_token_ids: tuple[int, ...],
+        after: int | None = None,
+    ):
         xgr = _xgrammar()
-        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids)
-                                          or None)  # fmt: skip
+        self.matcher = xgr.GrammarMatcher(
+            compiled, override_stop_tokens=list(stop_token_ids) or None
+        )
         self.stop_token_ids = stop_token_ids
         self.num_accepted = 0  # output tokens accepted so far
         self.waiting_for = after  # the token the grammar starts after (`GrammarSpec.after`)

@@ -63,9 +63,13 @@ class LaunchedStep:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, request_ids: list[str], picked: torch.Tensor,
-              logprobs: dict[str, TokenLogprob],
-              prompt: dict[str, list[TokenLogprob]] | None = None) -> LaunchedStep:  # fmt: skip
+    def start(
+        cls,
+        request_ids: list[str],
+        picked: torch.Tensor,
+        logprobs: dict[str, TokenLogprob],
+        prompt: dict[str, list[TokenLogprob]] | None = None,
+    ) -> LaunchedStep:
         """Start copying the sampled tokens `picked` to the host; do not wait."""
         prompt = prompt or {}
         if picked.device.type != "cuda":
@@ -84,17 +88,28 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, sched: SchedulerConfig, cache: CacheConfig,
-                 cuda_graphs: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sched: SchedulerConfig,
+        cache: CacheConfig,
+        cuda_graphs: bool = True,
+    ):
         """sched, cache: resolved settings. cuda_graphs: capture decode steps (GPU only, and
         only for models whose `cuda_graphs` attribute, if any, is true) and one-prompt
         prefills (where `prefill_graphs`, if any, is true too); False runs every step
         eagerly."""
         self.model = model
         specs = with_index_dtype(model.cache_specs(), cache.index_cache_dtype)
-        self.cache = ModelCache(specs, cache.num_blocks, cache.block_size,
-                                cache.num_state_slots, model.device, model.dtype,
-                                cache.num_state_snapshots or 0)  # fmt: skip
+        self.cache = ModelCache(
+            specs,
+            cache.num_blocks,
+            cache.block_size,
+            cache.num_state_slots,
+            model.device,
+            model.dtype,
+            cache.num_state_snapshots or 0,
+        )
         self.generators: dict[str, torch.Generator] = {}
         self.grammars: dict[str, Grammar] = {}
         # prompt logprobs so far of the requests computing their prompt: entry p - 1 is
@@ -102,8 +117,9 @@ class ModelRunner:
         self.prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.media = MediaInputs(model)
         # the last token sampled for each state slot (and the padding slot)
-        self.next_tokens = torch.zeros(self.cache.pad_slot + 1, dtype=torch.long,
-                                       device=model.device)  # fmt: skip
+        self.next_tokens = torch.zeros(
+            self.cache.pad_slot + 1, dtype=torch.long, device=model.device
+        )
         self.graphs = self.prefill_graphs = None
         if cuda_graphs and model.device.type == "cuda" and getattr(model, "cuda_graphs", True):
             max_blocks = -(-sched.max_model_len // cache.block_size)
@@ -132,8 +148,9 @@ class ModelRunner:
             slots = to_device([plan.state_slots[r] for r in plan.save], torch.long, device)
             self.cache.save(slots, to_device(list(plan.save.values()), torch.long, device))
 
-    def add_grammar(self, request_id: str, compiled, stop_token_ids: tuple[int, ...],
-                    after: int | None = None) -> None:  # fmt: skip
+    def add_grammar(
+        self, request_id: str, compiled, stop_token_ids: tuple[int, ...], after: int | None = None
+    ) -> None:
         """Constrain a request's output to a compiled grammar (`GrammarCompiler.compile`),
         from the token after `after` if given (`GrammarSpec.after`)."""
         self.grammars[request_id] = Grammar(compiled, stop_token_ids, after)
@@ -159,15 +176,19 @@ class ModelRunner:
             n = plan.num_scheduled_tokens[rid]
             known = requests[rid].token_ids(c, c + n)
             tokens.append(known + [PENDING] * (n - len(known)))
-        done = [rid for rid, c, t in zip(rids, computed, tokens, strict=True)
-                if c + len(t) == requests[rid].num_tokens]  # fmt: skip
+        done = [
+            rid
+            for rid, c, t in zip(rids, computed, tokens, strict=True)
+            if c + len(t) == requests[rid].num_tokens
+        ]
         caught_up = self._catch_up(done, requests, plan) if self.grammars else None
         tables, slots = [plan.block_tables[r] for r in rids], [plan.state_slots[r] for r in rids]
         is_decode = len(done) == len(rids) and all(len(t) == 1 for t in tokens)
         if is_decode and self.graphs is not None and self.graphs.padded_size(len(rids)):
             offsets = [self.media.rope_offset(r) for r in rids] if self.media.requests else None
-            logits = self.graphs.run([t[0] for t in tokens], computed, tables, slots,
-                                     self.next_tokens, offsets)  # fmt: skip
+            logits = self.graphs.run(
+                [t[0] for t in tokens], computed, tables, slots, self.next_tokens, offsets
+            )
             self._save_states(plan)
         elif self._prefill_graph_fits(rids, computed, tokens, requests):
             logits = self.prefill_graphs.run(tokens[0], tables[0], slots[0])
@@ -183,7 +204,8 @@ class ModelRunner:
             if pending:  # only a request's last token can be pending
                 rows = to_device([ends[i] - 1 for i in pending], torch.long, device)
                 meta.input_ids[rows] = self.next_tokens[
-                    to_device([slots[i] for i in pending], torch.long, device)]
+                    to_device([slots[i] for i in pending], torch.long, device)
+                ]
             hidden = self.model(meta, self.cache)
             self._save_states(plan)
             self._prompt_logprobs(hidden, ends, rids, computed, tokens, requests)
@@ -194,8 +216,9 @@ class ModelRunner:
             logits = self.model.logits(hidden[to_device(last, torch.long, device)])
         params = [requests[rid].params for rid in done]
         gens = [self._generator(rid, p.seed) for rid, p in zip(done, params, strict=True)]
-        generated = [requests[rid].num_tokens - len(requests[rid].prompt_token_ids)
-                     for rid in done]  # output tokens before this one (pending ones count)
+        generated = [
+            requests[rid].num_tokens - len(requests[rid].prompt_token_ids) for rid in done
+        ]  # output tokens before this one (pending ones count)
         logits = self._penalized(logits, done, params, requests, plan)
         # logprobs stay the model's (penalised) ones, as without a grammar
         if caught_up is not None:
@@ -207,16 +230,27 @@ class ModelRunner:
         logprobs = {}
         if any(p.logprobs is not None for p in params):
             chosen = picked.tolist()
-            logprobs = {rid: token_logprob(logits[row], chosen[row], p.logprobs)
-                        for row, (rid, p) in enumerate(zip(done, params, strict=True))
-                        if p.logprobs is not None}  # fmt: skip
-        prompt = {rid: self.prompt_logprobs.pop(rid, [])
-                  for rid in done if _wants_prompt_logprobs(requests[rid])}  # fmt: skip
+            logprobs = {
+                rid: token_logprob(logits[row], chosen[row], p.logprobs)
+                for row, (rid, p) in enumerate(zip(done, params, strict=True))
+                if p.logprobs is not None
+            }
+        prompt = {
+            rid: self.prompt_logprobs.pop(rid, [])
+            for rid in done
+            if _wants_prompt_logprobs(requests[rid])
+        }
         return LaunchedStep.start(done, picked, logprobs, prompt)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, ends: list[int], rids: list[str],
-                         computed: list[int], tokens: list[list[int]],
-                         requests: dict[str, Request]) -> None:  # fmt: skip
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        ends: list[int],
+        rids: list[str],
+        computed: list[int],
+        tokens: list[list[int]],
+        requests: dict[str, Request],
+    ) -> None:
         """Keep the logprobs of the prompt tokens that this step's rows predict, for the
         requests that ask. hidden: [sum of len(tokens), hidden], request i's rows ending at
         ends[i]; row of position p predicts prompt token p + 1."""
@@ -231,36 +265,58 @@ class ModelRunner:
             for start in range(computed[i], stop, PROMPT_ROWS):
                 end = min(start + PROMPT_ROWS, stop)
                 rows = hidden[first + start - computed[i] : first + end - computed[i]]
-                kept[start:end] = prompt_logprobs(self.model.logits(rows),
-                                                  prompt[start + 1 : end + 1],
-                                                  req.params.prompt_logprobs)  # fmt: skip
+                kept[start:end] = prompt_logprobs(
+                    self.model.logits(rows), prompt[start + 1 : end + 1], req.params.prompt_logprobs
+                )
 
-    def _prefill_graph_fits(self, rids: list[str], computed: list[int],
-                            tokens: list[list[int]],
-                            requests: dict[str, Request]) -> bool:  # fmt: skip
+    def _prefill_graph_fits(
+        self,
+        rids: list[str],
+        computed: list[int],
+        tokens: list[list[int]],
+        requests: dict[str, Request],
+    ) -> bool:
         """Whether the step is one prompt from its first token, without media or prompt
         logprobs, that a captured prefill graph holds."""
-        return (self.prefill_graphs is not None and len(rids) == 1 and computed[0] == 0
-                and tokens[0][-1] != PENDING
-                and rids[0] not in self.media.requests
-                and not _wants_prompt_logprobs(requests[rids[0]])
-                and self.prefill_graphs.size_for(len(tokens[0])) is not None)  # fmt: skip
+        return (
+            self.prefill_graphs is not None
+            and len(rids) == 1
+            and computed[0] == 0
+            and tokens[0][-1] != PENDING
+            and rids[0] not in self.media.requests
+            and not _wants_prompt_logprobs(requests[rids[0]])
+            and self.prefill_graphs.size_for(len(tokens[0])) is not None
+        )
 
-    def _penalized(self, logits: torch.Tensor, done: list[str], params: list,
-                   requests: dict[str, Request],
-                   plan: SchedulerOutput) -> torch.Tensor:  # fmt: skip
+    def _penalized(
+        self,
+        logits: torch.Tensor,
+        done: list[str],
+        params: list,
+        requests: dict[str, Request],
+        plan: SchedulerOutput,
+    ) -> torch.Tensor:
         """Presence / frequency / repetition penalties over each request's tokens so far,
         its token still on the device (sampled by the step before) included."""
         if not any(p.penalized for p in params):
             return logits
         reqs = [requests[rid] for rid in done]
-        pending = {b: self.next_tokens[plan.state_slots[r.request_id]]
-                   for b, r in enumerate(reqs) if r.num_pending}  # fmt: skip
-        return penalize(logits, params, [r.output_token_ids for r in reqs],
-                        [r.prompt_token_ids for r in reqs], pending)  # fmt: skip
+        pending = {
+            b: self.next_tokens[plan.state_slots[r.request_id]]
+            for b, r in enumerate(reqs)
+            if r.num_pending
+        }
+        return penalize(
+            logits,
+            params,
+            [r.output_token_ids for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            pending,
+        )
 
-    def _catch_up(self, done: list[str], requests: dict[str, Request],
-                  plan: SchedulerOutput) -> Callable[[], None] | None:  # fmt: skip
+    def _catch_up(
+        self, done: list[str], requests: dict[str, Request], plan: SchedulerOutput
+    ) -> Callable[[], None] | None:
         """Advance the grammar of each sampling request past the tokens the host knows. The
         one still on the device is copied back without waiting: the function returned (None
         if there is none) waits for it and advances the grammars past it."""
@@ -270,7 +326,7 @@ class ModelRunner:
             if grammar is None:
                 continue
             req = requests[rid]
-            for token in req.output_token_ids[grammar.num_accepted:]:
+            for token in req.output_token_ids[grammar.num_accepted :]:
                 grammar.accept(token)
             if grammar.num_accepted < len(req.output_token_ids) + req.num_pending:
                 late[rid] = (grammar, plan.state_slots[rid])
@@ -306,5 +362,8 @@ class ModelRunner:
 def _wants_prompt_logprobs(request: Request) -> bool:
     """Asks for prompt logprobs and has not sampled its first token yet (a request preempted
     later recomputes its prompt without them)."""
-    return (request.params.prompt_logprobs is not None and not request.output_token_ids
-            and not request.num_pending)  # fmt: skip
+    return (
+        request.params.prompt_logprobs is not None
+        and not request.output_token_ids
+        and not request.num_pending
+    )

@@ -71,16 +71,17 @@ class MediaInputs:
             meta.media_rows = to_device(rows, torch.long, device)
             meta.media_embeds = torch.cat(embeds)
         if any(p.shape[0] == 3 for p in positions):
-            meta.rope_positions = to_device(torch.cat([p.expand(3, -1) for p in positions], 1),
-                                            torch.long, device)  # fmt: skip
+            meta.rope_positions = to_device(
+                torch.cat([p.expand(3, -1) for p in positions], 1), torch.long, device
+            )
 
     def _positions(self, entry: _RequestMedia | None, c: int, n: int) -> torch.Tensor:
         """Rotary positions of tokens c..c+n: [3, n] with mRoPE media, else [1, n]."""
         index = torch.arange(c, c + n)
         if entry is None or entry.positions is None:
             return index[None]
-        inside = entry.positions[:, c:min(c + n, entry.prompt_len)]
-        after = index[inside.shape[1]:] + entry.delta
+        inside = entry.positions[:, c : min(c + n, entry.prompt_len)]
+        after = index[inside.shape[1] :] + entry.delta
         return torch.cat([inside, after.expand(3, -1)], dim=1)
 
     def _encode(self, entry: _RequestMedia, i: int) -> None:
@@ -104,6 +105,6 @@ class MediaInputs:
                     continue
                 if i not in entry.embeds:
                     self._encode(entry, i)
-                yield lo - start, entry.embeds[i][r * per_run + lo - run: r * per_run + hi - run]
+                yield lo - start, entry.embeds[i][r * per_run + lo - run : r * per_run + hi - run]
             if i in entry.embeds and stop >= item.runs[-1] + per_run:
                 del entry.embeds[i]

@@ -30,7 +30,9 @@ def sample(
 
 
 def sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    gens: list[torch.Generator | None],
     generated: list[int] | None = None,
 ) -> torch.Tensor:
     """logits: [B, V] fp32, row b sampled with params[b] and gens[b] -> token ids [B] (long,
@@ -57,9 +59,13 @@ def sample_rows(
     return picked
 
 
-def penalize(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
-             prompts: list[list[int]],
-             pending: dict[int, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+def penalize(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    outputs: list[list[int]],
+    prompts: list[list[int]],
+    pending: dict[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The logits with presence, frequency and repetition penalties applied to the rows that
     ask (vLLM's definitions): outputs[b] the row's generated tokens known on the host,
     pending[b] (a 0-d device tensor) one more still on the device, prompts[b] its prompt
@@ -74,9 +80,14 @@ def penalize(logits: torch.Tensor, params: list[SamplingParams], outputs: list[l
     counts = _counts([outputs[b] for b in rows], vocab, device)
     late = [(r, pending[b]) for r, b in enumerate(rows) if pending and b in pending]
     if late:
-        counts.index_put_((to_device([r for r, _ in late], torch.long, device),
-                           torch.stack([t for _, t in late]).long()),
-                          torch.ones(len(late), device=device), accumulate=True)  # fmt: skip
+        counts.index_put_(
+            (
+                to_device([r for r, _ in late], torch.long, device),
+                torch.stack([t for _, t in late]).long(),
+            ),
+            torch.ones(len(late), device=device),
+            accumulate=True,
+        )
     chosen = [params[b] for b in rows]
     if any(p.repetition_penalty != 1.0 for p in chosen):  # the prompts count only here
         seen = (counts + _counts([prompts[b] for b in rows], vocab, device)) > 0
@@ -94,13 +105,17 @@ def _counts(histories: list[list[int]], vocab: int, device: torch.device) -> tor
     rows = [r for r, h in enumerate(histories) for _ in h]
     if rows:
         ids = to_device([t for h in histories for t in h], torch.long, device)
-        counts.index_put_((to_device(rows, torch.long, device), ids.clamp(max=vocab - 1)),
-                          torch.ones(len(rows), device=device), accumulate=True)  # fmt: skip
+        counts.index_put_(
+            (to_device(rows, torch.long, device), ids.clamp(max=vocab - 1)),
+            torch.ones(len(rows), device=device),
+            accumulate=True,
+        )
     return counts
 
 
-def _adjust(logits: torch.Tensor, params: list[SamplingParams],
-            generated: list[int]) -> torch.Tensor:  # fmt: skip
+def _adjust(
+    logits: torch.Tensor, params: list[SamplingParams], generated: list[int]
+) -> torch.Tensor:
     """The logits with each row's biases added and, before min_tokens, its stop ids at -inf
     (a copy; the logits themselves where no row asks)."""
     vocab = logits.shape[1]
@@ -114,8 +129,9 @@ def _adjust(logits: torch.Tensor, params: list[SamplingParams],
     rows, cols, values = zip(*entries, strict=True)
     index = to_device([rows, cols], torch.long, logits.device)
     out = logits.clone()
-    out.index_put_((index[0], index[1]), to_device(list(values), logits.dtype, logits.device),
-                   accumulate=True)  # fmt: skip
+    out.index_put_(
+        (index[0], index[1]), to_device(list(values), logits.dtype, logits.device), accumulate=True
+    )
     return out
 
 
@@ -188,8 +204,11 @@ def _bucketed_cut(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     rows = probs.shape[0]
     buckets = probs.view(torch.int32) >> 16
     offsets = torch.arange(rows, dtype=torch.int32)[:, None] * _BUCKETS
-    mass = torch.zeros(rows * _BUCKETS, dtype=probs.dtype).index_add_(
-        0, (buckets + offsets).flatten(), probs.flatten()).view(rows, _BUCKETS)
+    mass = (
+        torch.zeros(rows * _BUCKETS, dtype=probs.dtype)
+        .index_add_(0, (buckets + offsets).flatten(), probs.flatten())
+        .view(rows, _BUCKETS)
+    )
     from_top = mass.flip(-1).cumsum(-1)
     # buckets wholly kept, and the empty ones above the row's largest value; at most up to
     # the row's lowest non-empty bucket (a p within rounding of 1 keeps every token)
@@ -247,8 +266,14 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> list[
     ranks = (logp > chosen).sum(dim=-1) + 1
     best = torch.topk(logp, top) if top else None
     chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
-    pairs = ([tuple(zip(i, v, strict=True)) for i, v in
-              zip(best.indices.tolist(), best.values.tolist(), strict=True)]
-             if best is not None else [()] * len(targets))  # fmt: skip
-    return [TokenLogprob(t, lp, p, r)
-            for t, lp, p, r in zip(targets, chosen, pairs, ranks, strict=True)]
+    pairs = (
+        [
+            tuple(zip(i, v, strict=True))
+            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+        ]
+        if best is not None
+        else [()] * len(targets)
+    )
+    return [
+        TokenLogprob(t, lp, p, r) for t, lp, p, r in zip(targets, chosen, pairs, ranks, strict=True)
+    ]

@@ -16,14 +16,21 @@ class SequenceBatch:
     `block_size` tokens (None: the model's MSA block if it has one, else 16); MSA index keys
     are kept as `index_dtype` (`CacheConfig.index_cache_dtype`)."""
 
-    def __init__(self, model: torch.nn.Module, num_seqs: int, max_len: int,
-                 block_size: int | None = None, index_dtype: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_seqs: int,
+        max_len: int,
+        block_size: int | None = None,
+        index_dtype: str = "auto",
+    ):
         self.model = model
         specs = with_index_dtype(model.cache_specs(), index_dtype)
         block_size = block_size or required_block_size(specs) or 16
         per_seq = -(-max_len // block_size)
-        self.cache = ModelCache(specs, num_seqs * per_seq, block_size, num_seqs, model.device,
-                                model.dtype)  # fmt: skip
+        self.cache = ModelCache(
+            specs, num_seqs * per_seq, block_size, num_seqs, model.device, model.dtype
+        )
         self.tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(num_seqs)]
         self.computed = [0] * num_seqs
         self.max_len = max_len
@@ -36,9 +43,14 @@ class SequenceBatch:
         tokens = [t.tolist() if isinstance(t, torch.Tensor) else list(t) for t in tokens]
         if any(self.computed[s] + len(t) > self.max_len for s, t in zip(seqs, tokens, strict=True)):
             raise ValueError(f"a sequence would exceed max_len={self.max_len}")
-        meta = build_metadata(tokens, [self.computed[s] for s in seqs],
-                              [self.tables[s] for s in seqs], seqs, self.cache.block_size,
-                              self.model.device)  # fmt: skip
+        meta = build_metadata(
+            tokens,
+            [self.computed[s] for s in seqs],
+            [self.tables[s] for s in seqs],
+            seqs,
+            self.cache.block_size,
+            self.model.device,
+        )
         hidden = self.model(meta, self.cache)
         for s, t in zip(seqs, tokens, strict=True):
             self.computed[s] += len(t)

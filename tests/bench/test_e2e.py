@@ -12,11 +12,22 @@ from sparrow.models.qwen3_5_moe import ModelArgs
 
 # One attention layer with one 16-wide KV head: the KV cache of 1M tokens is 64 MB in bf16.
 SMALL = ModelArgs(
-    vocab_size=512, hidden_size=32, num_layers=4, num_attention_heads=2, num_kv_heads=1,
-    head_dim=16, mrope_section=(1, 1, 0), linear_num_key_heads=1, linear_num_value_heads=2,
-    linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=16, shared_expert_intermediate_size=16,
-)  # fmt: skip
+    vocab_size=512,
+    hidden_size=32,
+    num_layers=4,
+    num_attention_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    mrope_section=(1, 1, 0),
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+)
 
 
 def test_long_rows_are_opt_in():
@@ -36,8 +47,21 @@ def test_yarn_past_the_native_context():
 
 
 def test_engine_for_the_1m_row_runs_on_cpu():
-    args = e2e._parse(["--long", "--lengths", "", "--variants", "bf16", "--hf-max-len", "0",
-                       "--decode", "2", "--rounds", "1"])  # fmt: skip
+    args = e2e._parse(
+        [
+            "--long",
+            "--lengths",
+            "",
+            "--variants",
+            "bf16",
+            "--hf-max-len",
+            "0",
+            "--decode",
+            "2",
+            "--rounds",
+            "1",
+        ]
+    )
     max_len = max(e2e.plan_lengths(args)) + args.decode + 1
     cfg = e2e.model_for(SMALL, max_len)
     engines = e2e.build_engines(cfg, args, max_len, most=2, device="cpu")

@@ -10,9 +10,24 @@ from sparrow.bench.gateway import main  # noqa: E402
 
 
 def test_overhead_compares_the_gateway_with_serve(tmp_path):
-    report = main(["--overhead", "--concurrency", "1", "2", "--requests", "1", "--prefix", "16",
-                   "--rounds", "2",
-                   "--max-tokens", "4", "--out", str(tmp_path / "gateway.json")])  # fmt: skip
+    report = main(
+        [
+            "--overhead",
+            "--concurrency",
+            "1",
+            "2",
+            "--requests",
+            "1",
+            "--prefix",
+            "16",
+            "--rounds",
+            "2",
+            "--max-tokens",
+            "4",
+            "--out",
+            str(tmp_path / "gateway.json"),
+        ]
+    )
     for side in ("serve", "gateway"):
         assert [row["concurrency"] for row in report[side]] == [1, 1, 2, 2]
         assert [row["round"] for row in report[side]] == [0, 1, 0, 1]

@@ -5,9 +5,26 @@ from sparrow.bench import m3
 
 
 def test_m3_bench_runs_on_the_tiny_config(tmp_path):
-    report = m3.main(["--preset", "minimax-m3-tiny", "--lengths", "40", "--layers", "4",
-                      "--decode", "2", "--rounds", "1", "--chunk", "32", "--parity-len", "48",
-                      "--out", str(tmp_path / "m3.json")])  # fmt: skip
+    report = m3.main(
+        [
+            "--preset",
+            "minimax-m3-tiny",
+            "--lengths",
+            "40",
+            "--layers",
+            "4",
+            "--decode",
+            "2",
+            "--rounds",
+            "1",
+            "--chunk",
+            "32",
+            "--parity-len",
+            "48",
+            "--out",
+            str(tmp_path / "m3.json"),
+        ]
+    )
     parity = report["parity"]
     for name in ("hf_bf16", "ours_reference_bfloat16", "ours_kernels_bfloat16"):
         assert 0 <= parity[f"{name}_vs_fp32"]["top1_agree"] <= 1

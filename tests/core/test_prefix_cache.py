@@ -48,7 +48,6 @@ def test_taken_blocks_are_shared_and_released_by_reference():
     assert kv.num_free == 8 and len(kv.match(list(range(8)))) == 2
 
 
-
 def test_uncached_blocks_are_not_matched_again():
     kv = KVCacheManager(8, BS, prefix_caching=True)
     _filled(kv, "c", list(range(8)))
@@ -71,10 +70,10 @@ def test_snapshots_are_filed_then_reused_least_recently_used_first():
 
 
 def _scheduler(recurrent: bool, budget: int = 64) -> Scheduler:
-    cache = CacheConfig(block_size=BS, num_blocks=32, num_state_slots=4,
-                        num_state_snapshots=4)  # fmt: skip
-    return Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=budget), cache,
-                     recurrent)  # fmt: skip
+    cache = CacheConfig(block_size=BS, num_blocks=32, num_state_slots=4, num_state_snapshots=4)
+    return Scheduler(
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=budget), cache, recurrent
+    )
 
 
 def _run(scheduler: Scheduler, request: Request) -> list:
@@ -129,8 +128,12 @@ def test_media_placeholders_match_only_the_same_media():
     prompt = [1, 2, 3] + [9] * 8 + [4, 5, 6, 7, 8, 0]  # an image of 8 tokens at 3..10
 
     def request(rid: str, digest: str) -> Request:
-        return Request(rid, list(prompt), SamplingParams(max_tokens=2, ignore_eos=True),
-                       media=(MediaSpan(3, 8, digest),))  # fmt: skip
+        return Request(
+            rid,
+            list(prompt),
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            media=(MediaSpan(3, 8, digest),),
+        )
 
     assert request("x", "cat").cache_key_ids(2, 5) == [3, ("cat", 0), ("cat", 1)]
     scheduler = _scheduler(recurrent=False)

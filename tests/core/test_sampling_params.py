@@ -9,30 +9,33 @@ import torch
 from sparrow.core.sampling_params import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"temperature": math.nan}, "temperature must be a finite number"),
-    ({"temperature": math.inf}, "temperature must be a finite number"),
-    ({"temperature": -0.5}, "temperature must be >= 0"),
-    ({"temperature": "hot"}, "temperature must be a number"),
-    ({"top_p": math.nan}, "top_p must be a finite number"),
-    ({"top_p": -math.inf}, "top_p must be a finite number"),
-    ({"top_p": 0.0}, "top_p must be in"),
-    ({"top_p": 1.5}, "top_p must be in"),
-    ({"max_tokens": 0}, "max_tokens must be >= 1"),
-    ({"max_tokens": 2**63}, "max_tokens must be <= "),
-    ({"max_tokens": 3.5}, "max_tokens must be an integer"),
-    ({"max_tokens": True}, "max_tokens must be an integer"),
-    ({"top_k": -1}, "top_k must be >= 0"),
-    ({"top_k": 2**40}, "top_k must be <= "),
-    ({"logprobs": 21}, "logprobs must be <= 20"),
-    ({"logprobs": -1}, "logprobs must be >= 0"),
-    ({"prompt_logprobs": 21}, "prompt_logprobs must be <= 20"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs must be >= 0"),
-    ({"skip_special_tokens": "no"}, "skip_special_tokens must be a bool"),
-    ({"seed": 1.5}, "seed must be an integer"),
-    ({"stop_token_ids": (3, -1)}, "stop_token_ids must be >= 0"),
-    ({"stop": "end"}, "stop must be a sequence of strings"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"temperature": math.nan}, "temperature must be a finite number"),
+        ({"temperature": math.inf}, "temperature must be a finite number"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": "hot"}, "temperature must be a number"),
+        ({"top_p": math.nan}, "top_p must be a finite number"),
+        ({"top_p": -math.inf}, "top_p must be a finite number"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"top_p": 1.5}, "top_p must be in"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": 2**63}, "max_tokens must be <= "),
+        ({"max_tokens": 3.5}, "max_tokens must be an integer"),
+        ({"max_tokens": True}, "max_tokens must be an integer"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"top_k": 2**40}, "top_k must be <= "),
+        ({"logprobs": 21}, "logprobs must be <= 20"),
+        ({"logprobs": -1}, "logprobs must be >= 0"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be <= 20"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be >= 0"),
+        ({"skip_special_tokens": "no"}, "skip_special_tokens must be a bool"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"stop_token_ids": (3, -1)}, "stop_token_ids must be >= 0"),
+        ({"stop": "end"}, "stop must be a sequence of strings"),
+    ],
+)
 def test_bad_values_raise_naming_the_field(kw, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)

@@ -16,16 +16,24 @@ from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import Scheduler
 
 VOCAB = 1000
-_CACHE_KEYS = ("block_size", "num_blocks", "num_state_slots", "enable_prefix_caching",
-               "num_state_snapshots")
+_CACHE_KEYS = (
+    "block_size",
+    "num_blocks",
+    "num_state_slots",
+    "enable_prefix_caching",
+    "num_state_snapshots",
+)
 
 
 def configs(**kw) -> tuple[SchedulerConfig, CacheConfig]:
     """Resolved settings: a 262,144-token context, 1,024 blocks, 64 state slots and no prefix
     caching unless given (tests/core/test_prefix_cache.py covers it)."""
-    cache = {"block_size": 128, "num_blocks": 1024, "num_state_slots": 64,
-             "enable_prefix_caching": False} | {
-        k: kw.pop(k) for k in _CACHE_KEYS if k in kw}
+    cache = {
+        "block_size": 128,
+        "num_blocks": 1024,
+        "num_state_slots": 64,
+        "enable_prefix_caching": False,
+    } | {k: kw.pop(k) for k in _CACHE_KEYS if k in kw}
     return SchedulerConfig(**({"max_model_len": 262144} | kw)), CacheConfig(**cache)
 
 
@@ -272,9 +280,12 @@ def _workload(kind: str) -> tuple[Scheduler, list[Request]]:
     elif kind == "stops":
         config = configs(max_num_batched_tokens=32, block_size=16)
         tokens = alone(make("t", 4, max_tokens=10))
-        requests = [make("s", 5, max_tokens=10, stop_token_ids=(token_at(make("s", 5)),)),
-                    make("t", 4, max_tokens=10, stop_token_ids=(tokens[2],)),
-                    make("u", 40, max_tokens=7), make("v", 3, max_tokens=1)]  # fmt: skip
+        requests = [
+            make("s", 5, max_tokens=10, stop_token_ids=(token_at(make("s", 5)),)),
+            make("t", 4, max_tokens=10, stop_token_ids=(tokens[2],)),
+            make("u", 40, max_tokens=7),
+            make("v", 3, max_tokens=1),
+        ]
     else:
         config = configs(max_num_batched_tokens=64, block_size=16, num_blocks=64)
         requests = [make("a", 10, 8), make("b", 100, 4), make("c", 30, 4)]
@@ -312,8 +323,12 @@ def test_1m_token_prompt_runs_in_chunks_to_decode(block_size):
     of what is computed so far, and the whole run takes seconds (nothing per step grows with
     the context but the table itself)."""
     n, out, budget = 1_010_000, 16, 8192
-    config = configs(max_model_len=1_048_576, max_num_batched_tokens=budget,
-                     block_size=block_size, num_blocks=1_048_576 // block_size)  # fmt: skip
+    config = configs(
+        max_model_len=1_048_576,
+        max_num_batched_tokens=budget,
+        block_size=block_size,
+        num_blocks=1_048_576 // block_size,
+    )
     scheduler = Scheduler(*config)
     request = make("1m", n, max_tokens=out)
     start = time.perf_counter()

@@ -14,8 +14,9 @@ from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
 # the tiny preset's heads (4 q, 2 kv, 2 key, 4 value) split in 2; the input dims each rank
 # keeps of the split projections (attention and value heads, the experts' intermediate) are
 # whole 4-bit groups of 64
-CFG = PRESETS["qwen3.6-tiny"].replace(linear_value_head_dim=32, moe_intermediate_size=128,
-                                      shared_expert_intermediate_size=128)
+CFG = PRESETS["qwen3.6-tiny"].replace(
+    linear_value_head_dim=32, moe_intermediate_size=128, shared_expert_intermediate_size=128
+)
 PROMPTS = [[11, 42, 7, 99, 5, 1024, 3, 17, 250, 8], [5000, 6, 77]]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -36,17 +37,22 @@ def tokens(llm: LLM) -> list[list[int]]:
 def test_two_ranks_give_the_tokens_of_one(checkpoint, quantize, experts):
     """Heads and expert columns split (tp), or heads split and experts shared out whole
     (tp+ep): the greedy tokens of one process."""
-    settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16,
-                "quantize": quantize}  # fmt: skip
+    settings = {
+        "device": "cpu",
+        "dtype": "float32",
+        "max_model_len": 64,
+        "block_size": 16,
+        "quantize": quantize,
+    }
     one = tokens(LLM(str(checkpoint), **settings))
-    llm = LLM(str(checkpoint), tensor_parallel_size=2, enable_expert_parallel=experts,
-              **settings)  # fmt: skip
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, enable_expert_parallel=experts, **settings)
     try:
         cfg = llm.model.config
         assert cfg.num_attention_heads == CFG.num_attention_heads // 2
         assert cfg.expert_range == ((0, CFG.num_experts // 2) if experts else None)
         assert llm.model.layers[0].mlp.experts.gate_up_proj.shape[0] == (
-            CFG.num_experts // 2 if experts else CFG.num_experts)
+            CFG.num_experts // 2 if experts else CFG.num_experts
+        )
         assert cfg.vocab_range == (0, CFG.vocab_size // 2)
         assert llm.model.lm_head.weight.shape[0] == CFG.vocab_size // 2
         assert tokens(llm) == one
@@ -56,8 +62,9 @@ def test_two_ranks_give_the_tokens_of_one(checkpoint, quantize, experts):
 
 # the tiny M3 preset's heads (4 q, 2 kv, 2 index) split in 2, its MLPs widened so that
 # each rank's input dims are whole 4-bit groups
-M3 = PRESETS["minimax-m3-tiny"].replace(moe_intermediate_size=128, shared_intermediate_size=128,
-                                        dense_intermediate_size=256)
+M3 = PRESETS["minimax-m3-tiny"].replace(
+    moe_intermediate_size=128, shared_intermediate_size=128, dense_intermediate_size=256
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +78,18 @@ def m3_checkpoint(tmp_path_factory):
 def test_minimax_m3_on_two_ranks(m3_checkpoint, quantize):
     """MSA layers split by KV group (each rank's index heads choose its groups' blocks),
     dense MLPs and experts by columns, or experts whole."""
-    settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16,
-                "quantize": quantize}  # fmt: skip
+    settings = {
+        "device": "cpu",
+        "dtype": "float32",
+        "max_model_len": 64,
+        "block_size": 16,
+        "quantize": quantize,
+    }
     one = tokens(LLM(str(m3_checkpoint), **settings))
     for experts in (False, True):
-        llm = LLM(str(m3_checkpoint), tensor_parallel_size=2, enable_expert_parallel=experts,
-                  **settings)  # fmt: skip
+        llm = LLM(
+            str(m3_checkpoint), tensor_parallel_size=2, enable_expert_parallel=experts, **settings
+        )
         try:
             assert llm.model.config.index_n_heads == M3.index_n_heads // 2
             assert tokens(llm) == one
@@ -87,13 +100,13 @@ def test_minimax_m3_on_two_ranks(m3_checkpoint, quantize):
 def test_per_expert_tensors_are_read_by_the_rank_that_holds_them(tmp_path):
     """A checkpoint with one tensor per expert and projection: each rank reads its experts'
     (tp+ep) or its columns of every expert's (tp)."""
-    write_random_checkpoint(tmp_path, CFG, seed=4, dtype=torch.float32, per_expert=True,
-                            progress=False)  # fmt: skip
+    write_random_checkpoint(
+        tmp_path, CFG, seed=4, dtype=torch.float32, per_expert=True, progress=False
+    )
     settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16}
     one = tokens(LLM(str(tmp_path), **settings))
     for experts in (True, False):
-        llm = LLM(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=experts,
-                  **settings)  # fmt: skip
+        llm = LLM(str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=experts, **settings)
         try:
             assert tokens(llm) == one
         finally:
@@ -101,8 +114,14 @@ def test_per_expert_tensors_are_read_by_the_rank_that_holds_them(tmp_path):
 
 
 def test_a_rank_that_dies_fails_the_engine_with_its_name(checkpoint):
-    llm = LLM(str(checkpoint), tensor_parallel_size=2, device="cpu", dtype="float32",
-              max_model_len=64, block_size=16)  # fmt: skip
+    llm = LLM(
+        str(checkpoint),
+        tensor_parallel_size=2,
+        device="cpu",
+        dtype="float32",
+        max_model_len=64,
+        block_size=16,
+    )
     try:
         llm._ranks.procs[0].kill()
         llm._ranks.procs[0].join(10)
@@ -113,19 +132,29 @@ def test_a_rank_that_dies_fails_the_engine_with_its_name(checkpoint):
 
 
 def test_sizes_that_do_not_split_are_refused():
-    with pytest.raises(ConfigError, match="num_kv_heads 2 is not divisible by "
-                                          "tensor_parallel_size 4"):  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="num_kv_heads 2 is not divisible by tensor_parallel_size 4"
+    ):
         shard_args(CFG, Shard(0, 4))
-    quantized = CFG.replace(quantization=QuantConfig.from_name("4bit"),
-                            moe_intermediate_size=64)  # fmt: skip
-    with pytest.raises(ConfigError, match="moe_intermediate_size 64 over tensor_parallel_size "
-                                          "2 is not a multiple"):  # fmt: skip
+    quantized = CFG.replace(quantization=QuantConfig.from_name("4bit"), moe_intermediate_size=64)
+    with pytest.raises(
+        ConfigError, match="moe_intermediate_size 64 over tensor_parallel_size 2 is not a multiple"
+    ):
         shard_args(quantized, Shard(0, 2))
-    with pytest.raises(ConfigError, match="num_experts 8 is not divisible by "
-                                          "tensor_parallel_size 3"):  # fmt: skip
-        shard_args(CFG.replace(num_attention_heads=6, num_kv_heads=3, linear_num_key_heads=3,
-                               linear_num_value_heads=6, moe_intermediate_size=192,
-                               shared_expert_intermediate_size=192), Shard(0, 3, True))
+    with pytest.raises(
+        ConfigError, match="num_experts 8 is not divisible by tensor_parallel_size 3"
+    ):
+        shard_args(
+            CFG.replace(
+                num_attention_heads=6,
+                num_kv_heads=3,
+                linear_num_key_heads=3,
+                linear_num_value_heads=6,
+                moe_intermediate_size=192,
+                shared_expert_intermediate_size=192,
+            ),
+            Shard(0, 3, True),
+        )
 
 
 def test_the_gated_deltanet_projection_is_cut_per_part():
@@ -133,15 +162,25 @@ def test_the_gated_deltanet_projection_is_cut_per_part():
     kd = CFG.linear_num_key_heads * CFG.linear_key_head_dim
     vd = CFG.linear_num_value_heads * CFG.linear_value_head_dim
     dim, ranges = pieces("layers.0.linear_attn.in_proj_qkv.weight", CFG, Shard(1, 2))
-    assert dim == 0 and ranges == [(kd // 2, kd), (kd + kd // 2, 2 * kd),
-                                   (2 * kd + vd // 2, 2 * kd + vd)]  # fmt: skip
+    assert dim == 0 and ranges == [
+        (kd // 2, kd),
+        (kd + kd // 2, 2 * kd),
+        (2 * kd + vd // 2, 2 * kd + vd),
+    ]
 
 
 def test_dummy_weights_are_drawn_per_rank(checkpoint):
     """`load_format="dummy"`: each rank draws its own share (no file is read): the engine
     runs, with each rank's heads."""
-    llm = LLM(str(checkpoint), tensor_parallel_size=2, load_format="dummy", device="cpu",
-              dtype="float32", max_model_len=64, block_size=16)  # fmt: skip
+    llm = LLM(
+        str(checkpoint),
+        tensor_parallel_size=2,
+        load_format="dummy",
+        device="cpu",
+        dtype="float32",
+        max_model_len=64,
+        block_size=16,
+    )
     try:
         assert llm.model.config.linear_num_value_heads == CFG.linear_num_value_heads // 2
         assert all(len(t) == 8 for t in tokens(llm))
@@ -159,8 +198,9 @@ def test_a_request_crosses_whole_once_then_as_its_changes():
 
     sent = []
     ranks = SimpleNamespace(send=lambda *message: sent.append(message))
-    runner = RankedRunner(SimpleNamespace(media=None, execute=lambda plan, reqs: None,
-                                          free=lambda rid: None), ranks)  # fmt: skip
+    runner = RankedRunner(
+        SimpleNamespace(media=None, execute=lambda plan, reqs: None, free=lambda rid: None), ranks
+    )
     request = Request("r", list(range(1000)))
     plan = SimpleNamespace(num_scheduled_tokens={"r": 1000})
     runner.execute(plan, {"r": request})
@@ -189,19 +229,48 @@ def test_serve_with_two_ranks_answers_and_stops_on_ctrl_c(checkpoint, tmp_path):
     from sparrow.net import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sparrow", "serve", "--model", str(checkpoint),
-                             "--tensor-parallel-size", "2", "--device", "cpu", "--dtype",
-                             "float32", "--port", str(port), "--max-model-len", "64",
-                             "--block-size", "16"], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sparrow",
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--tensor-parallel-size",
+            "2",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "64",
+            "--block-size",
+            "16",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(proc, base, 240)
-        body = {"model": checkpoint.name, "prompt": PROMPTS[0], "max_tokens": 8,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": checkpoint.name,
+            "prompt": PROMPTS[0],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
-        one = LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=64,
-                  block_size=16).generate([PROMPTS[0]], GREEDY)[0].token_ids  # fmt: skip
+        one = (
+            LLM(str(checkpoint), device="cpu", dtype="float32", max_model_len=64, block_size=16)
+            .generate([PROMPTS[0]], GREEDY)[0]
+            .token_ids
+        )
         assert reply.json()["choices"][0]["token_ids"] == one
         proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 60
@@ -214,8 +283,7 @@ def test_serve_with_two_ranks_answers_and_stops_on_ctrl_c(checkpoint, tmp_path):
             proc.kill()
 
 
-def test_a_process_group_of_the_program_leaves_one_engine_alone(checkpoint, tmp_path,
-                                                                monkeypatch):  # fmt: skip
+def test_a_process_group_of_the_program_leaves_one_engine_alone(checkpoint, tmp_path, monkeypatch):
     """A program that made a process group of its own (here one that says it has 4 ranks,
     as one engine per process under torchrun would see): the engine does not take it for
     its tensor-parallel group, and gives the tokens it gives alone."""
@@ -225,8 +293,9 @@ def test_a_process_group_of_the_program_leaves_one_engine_alone(checkpoint, tmp_
 
     settings = {"device": "cpu", "dtype": "float32", "max_model_len": 64, "block_size": 16}
     alone = tokens(LLM(str(checkpoint), **settings))
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
-                            world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1
+    )
     try:
         monkeypatch.setattr(dist, "get_world_size", lambda *args: 4)
         assert group.size() == 1

@@ -30,9 +30,14 @@ class PieceTokenizer:
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    path = write_random_checkpoint(tmp_path_factory.mktemp("engine"), CFG, seed=2,
-                                   dtype=torch.float32, tokenizer=False,
-                                   progress=False)  # fmt: skip
+    path = write_random_checkpoint(
+        tmp_path_factory.mktemp("engine"),
+        CFG,
+        seed=2,
+        dtype=torch.float32,
+        tokenizer=False,
+        progress=False,
+    )
     llm = LLM(path, device="cpu", block_size=16, num_blocks=64, max_model_len=MAX_LEN)
     llm.tokenizer = PieceTokenizer()
     return llm
@@ -66,8 +71,11 @@ def test_add_streams_text_deltas_like_offline_generation(llm, engine):
 
     deltas = asyncio.run(go())
     assert [t for d in deltas for t in d.token_ids] == expected.token_ids
-    assert "".join(d.text for d in deltas) == expected.text == PieceTokenizer().decode(
-        expected.token_ids)  # fmt: skip
+    assert (
+        "".join(d.text for d in deltas)
+        == expected.text
+        == PieceTokenizer().decode(expected.token_ids)
+    )
     assert deltas[-1].finish_reason is FinishReason.LENGTH
     assert all(d.finish_reason is None for d in deltas[:-1])
 
@@ -168,11 +176,15 @@ def held(llm, engine=None) -> dict[str, int]:
     """The size of everything kept per request: all 0 once no request is open."""
     scheduler = llm.scheduler
     sizes = {
-        "requests": len(scheduler.requests), "draining": scheduler.num_draining,
-        "waiting": len(scheduler.waiting), "running": len(scheduler.running),
-        "kv tables": len(scheduler.kv.tables), "state slots": len(scheduler.slots.slots),
-        "generators": len(llm.runner.generators), "in flight": int(llm.has_unfinished()),
-    }  # fmt: skip
+        "requests": len(scheduler.requests),
+        "draining": scheduler.num_draining,
+        "waiting": len(scheduler.waiting),
+        "running": len(scheduler.running),
+        "kv tables": len(scheduler.kv.tables),
+        "state slots": len(scheduler.slots.slots),
+        "generators": len(llm.runner.generators),
+        "in flight": int(llm.has_unfinished()),
+    }
     if engine is not None:
         sizes |= {"streams": len(engine._outputs), "texts": len(engine._processor)}
     return sizes
@@ -236,8 +248,9 @@ def test_a_step_failing_mid_decode_fails_every_request_in_it(llm, engine, monkey
     async def go():
         bad = await engine.add("bad", PROMPT, params(50))
         other = await engine.add("other", PROMPT[:5], params(50))
-        results = await asyncio.wait_for(asyncio.gather(collect(bad), collect(other),
-                                                        return_exceptions=True), 60)  # fmt: skip
+        results = await asyncio.wait_for(
+            asyncio.gather(collect(bad), collect(other), return_exceptions=True), 60
+        )
         monkeypatch.setattr(llm.runner, "execute", execute)
         return results, await asyncio.wait_for(collect(await engine.add("c", PROMPT, params())), 60)
 
@@ -248,10 +261,13 @@ def test_a_step_failing_mid_decode_fails_every_request_in_it(llm, engine, monkey
     assert not any(idle(llm, engine).values()), held(llm, engine)
 
 
-@pytest.mark.parametrize("error, times", [
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), 1),
-    (RuntimeError("keeps failing"), 3),  # MAX_FAILED_STEPS in a row
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "error, times",
+    [
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), 1),
+        (RuntimeError("keeps failing"), 3),  # MAX_FAILED_STEPS in a row
+    ],
+)
 def test_a_fatal_failure_stops_the_engine_and_says_so(llm, monkeypatch, error, times):
     fail_steps_with(llm, monkeypatch, "x", error, times=times)
     fatal = []
@@ -283,10 +299,14 @@ def test_twenty_requests_leave_nothing_held(llm):
     stop_id = base.token_ids[2]
 
     def kind(i: int) -> SamplingParams:
-        return [params(6), params(6, temperature=0.8, seed=2**64 * i + i),
-                params(6, temperature=1e-45, seed=-i), params(5, logprobs=3),
-                params(8, stop=(f" t{base.token_ids[3]}",)),
-                SamplingParams(max_tokens=8, stop_token_ids=(stop_id,))][i % 6]  # fmt: skip
+        return [
+            params(6),
+            params(6, temperature=0.8, seed=2**64 * i + i),
+            params(6, temperature=1e-45, seed=-i),
+            params(5, logprobs=3),
+            params(8, stop=(f" t{base.token_ids[3]}",)),
+            SamplingParams(max_tokens=8, stop_token_ids=(stop_id,)),
+        ][i % 6]
 
     async def one(i: int):
         stream = await engine.add(f"r{i}", PROMPT[i % 5 :], kind(i))
@@ -308,8 +328,12 @@ def test_twenty_requests_leave_nothing_held(llm):
 
 def test_offline_generation_leaves_nothing_held(llm):
     base = llm.generate([PROMPT], params(8))[0]
-    many = [params(6), params(7, temperature=0.9, seed=2**70), params(5, logprobs=2),
-            SamplingParams(max_tokens=8, stop_token_ids=(base.token_ids[1],))] * 5  # fmt: skip
+    many = [
+        params(6),
+        params(7, temperature=0.9, seed=2**70),
+        params(5, logprobs=2),
+        SamplingParams(max_tokens=8, stop_token_ids=(base.token_ids[1],)),
+    ] * 5
     outs = llm.generate([PROMPT[i % 4 :] for i in range(20)], many)
     assert len(outs) == 20 and all(o.finish_reason is not None for o in outs)
     assert not any(held(llm).values()), held(llm)

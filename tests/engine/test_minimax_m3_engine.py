@@ -22,8 +22,23 @@ USER = [{"role": "user", "content": "Hello there"}]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("m3") / "ckpt"
-    assert cli.main(["checkpoint", "random", str(out), "--preset", "minimax-m3-tiny",
-                     "--layers", "5", "--per-expert", "--dtype", "float32"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "checkpoint",
+                "random",
+                str(out),
+                "--preset",
+                "minimax-m3-tiny",
+                "--layers",
+                "5",
+                "--per-expert",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -41,9 +56,24 @@ def test_random_checkpoint_is_m3_with_its_tokens(checkpoint):
 
 @pytest.mark.parametrize("index_dtype", ["auto", "fp8_e4m3"])
 def test_generate_command(checkpoint, capsys, index_dtype):
-    assert cli.main(["generate", "--model", str(checkpoint), "--prompt", "hi",
-                     "--max-tokens", "4", "--device", "cpu",
-                     "--index-cache-dtype", index_dtype]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--model",
+                str(checkpoint),
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "4",
+                "--device",
+                "cpu",
+                "--index-cache-dtype",
+                index_dtype,
+            ]
+        )
+        == 0
+    )
     assert "decode: 4 tokens" in capsys.readouterr().out
 
 
@@ -51,12 +81,14 @@ def test_llm_uses_the_checkpoints_chat_template(checkpoint, tmp_path):
     for f in checkpoint.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     (tmp_path / "chat_template.jinja").write_text(
-        "{% for m in messages %}]~b]{{ m['role'] }}:{{ m['content'] }}{% endfor %}]~b]ai\n")
+        "{% for m in messages %}]~b]{{ m['role'] }}:{{ m['content'] }}{% endfor %}]~b]ai\n"
+    )
     llm = LLM(model=str(tmp_path), device="cpu", dtype=torch.float32)
     assert llm.tokenizer.apply_chat_template(USER).startswith("]~b]user:Hello there")
     assert 200020 in llm.default_stop_ids  # [e~[, the config's eos
-    out = llm.generate([llm.tokenizer.encode_chat(USER)] * 2,
-                       SamplingParams(max_tokens=5, ignore_eos=True))  # fmt: skip
+    out = llm.generate(
+        [llm.tokenizer.encode_chat(USER)] * 2, SamplingParams(max_tokens=5, ignore_eos=True)
+    )
     assert [len(c.token_ids) for c in out] == [5, 5] and out[0].token_ids == out[1].token_ids
 
 

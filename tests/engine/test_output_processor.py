@@ -21,8 +21,18 @@ def piece_decode(ids: list[int]) -> str:
 
 
 # Byte-level: each token is some bytes; a character may need several tokens.
-BYTES = {1: b"caf", 2: b"\xc3", 3: b"\xa9", 4: b" ", 5: b"\xf0\x9f", 6: b"\x99", 7: b"\x82",
-         8: b"ok", 9: b"\xe4\xb8\x96\xe7", 10: b"\x95\x8c"}  # fmt: skip
+BYTES = {
+    1: b"caf",
+    2: b"\xc3",
+    3: b"\xa9",
+    4: b" ",
+    5: b"\xf0\x9f",
+    6: b"\x99",
+    7: b"\x82",
+    8: b"ok",
+    9: b"\xe4\xb8\x96\xe7",
+    10: b"\x95\x8c",
+}
 
 
 def byte_decode(ids: list[int]) -> str:
@@ -88,7 +98,9 @@ def test_outputs_after_a_stop_are_ignored_and_the_engine_is_told_once():
     processor.add("b", SamplingParams())
     outs = processor.process([RequestOutput("a", [1, 2, 3], None), RequestOutput("b", [5], None)])
     assert [(d.request_id, d.text, d.finish_reason) for d in outs] == [
-        ("a", "Hello ", FinishReason.STOP), ("b", "!", None)]  # fmt: skip
+        ("a", "Hello ", FinishReason.STOP),
+        ("b", "!", None),
+    ]
     assert processor.process([RequestOutput("a", [4], None)]) == [] and stopped == ["a"]
     assert "a" not in processor and len(processor) == 1
     # the engine's own finish (stop token, length) needs no stop call
@@ -112,8 +124,7 @@ def test_special_tokens_text_is_output_only_when_kept():
         deltas = [processor.process([RequestOutput("r", [t], None)])[0] for t in tokens]
         assert text_of(deltas) == text
     processor = OutputProcessor(piece_decode, special_ids=special)
-    processor.add("r", SamplingParams(skip_special_tokens=False, stop_token_ids=(8,),
-                                      stop=("o!",)))  # fmt: skip
+    processor.add("r", SamplingParams(skip_special_tokens=False, stop_token_ids=(8,), stop=("o!",)))
     deltas = processor.process([RequestOutput("r", tokens[:2], None)])
     deltas += processor.process([RequestOutput("r", [5], None)])
     assert text_of(deltas) == "Hell" and deltas[-1].finish_reason is FinishReason.STOP
@@ -165,7 +176,9 @@ def test_logprobs_get_token_text_bytes_and_offsets():
     assert [e.offset for e in entries] == [0, 3, 3, 4]  # characters before each token
     assert entries[0].token.bytes == b"caf" and entries[0].token.logprob == -0.5
     assert [(t.token_id, t.text, t.logprob) for t in entries[3].top] == [
-        (8, "ok", -0.5), (4, " ", -1.5)]  # fmt: skip
+        (8, "ok", -0.5),
+        (4, " ", -1.5),
+    ]
     processor.add("none", SamplingParams())  # not asked for: no logprobs in the deltas
     lp = TokenLogprob(1, -0.1)
     assert processor.process([RequestOutput("none", [1], None, [lp])])[0].logprobs is None

@@ -13,9 +13,11 @@ from sparrow.engine.llm import LLM
 from sparrow.worker.cache import build_metadata
 from sparrow.worker.sequences import SequenceBatch
 
-SOURCE = ("def fibonacci(n):\n    if n < 2:\n        return n\n"
-          "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nclass Point:\n"
-          "    def __init__(self, x, y):\n        self.x, self.y = x, y\n")  # fmt: skip
+SOURCE = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\nclass Point:\n"
+    "    def __init__(self, x, y):\n        self.x, self.y = x, y\n"
+)
 TOP = 3
 
 
@@ -52,11 +54,14 @@ def check(entries, llm: LLM, prompt: list[int], tol: float = 1e-4) -> None:
         assert e.token.text == llm.tokenizer.decode([target])
 
 
-@pytest.mark.parametrize("settings", [
-    {},  # each prompt whole in one step
-    {"max_num_batched_tokens": 16},  # prompts chunked, chunks of several prompts in a step
-    {"num_blocks": 6, "max_num_batched_tokens": 32},  # preempted inside their prompts
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # each prompt whole in one step
+        {"max_num_batched_tokens": 16},  # prompts chunked, chunks of several prompts in a step
+        {"num_blocks": 6, "max_num_batched_tokens": 32},  # preempted inside their prompts
+    ],
+)
 def test_prompt_logprobs_equal_a_whole_prompt_forward(prompts, settings):
     llm = LLM(block_size=16, **({"num_blocks": 64} | settings))
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -76,8 +81,9 @@ def test_prompt_logprobs_equal_a_whole_prompt_forward(prompts, settings):
 def test_prompt_logprobs_on_cuda(prompts):
     """The kernel path (fp32 activations: the comparison stays exact to rounding), prompts
     chunked and batched as above."""
-    llm = LLM(block_size=16, num_blocks=64, max_num_batched_tokens=16, device="cuda",
-              dtype="float32")  # fmt: skip
+    llm = LLM(
+        block_size=16, num_blocks=64, max_num_batched_tokens=16, device="cuda", dtype="float32"
+    )
     params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=TOP)
     for out, prompt in zip(llm.generate(prompts, params), prompts, strict=True):
         check(out.prompt_logprobs, llm, prompt, tol=2e-3)
@@ -90,8 +96,9 @@ def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(llm, prompts):
     prompt = prompts[3] + first.token_ids + prompts[1][:5]
     kv = llm.scheduler.kv
     hits = kv.hits
-    out = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True,
-                                                prompt_logprobs=TOP))[0]  # fmt: skip
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=TOP)
+    )[0]
     assert kv.hits == hits  # no cached block taken
     check(out.prompt_logprobs, llm, prompt)
     llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -110,8 +117,9 @@ class EagerPrefillGraphs:
 
     def run(self, tokens: list[int], block_table: list[int], state_slot: int) -> torch.Tensor:
         self.ran.append(len(tokens))
-        meta = build_metadata([tokens], [0], [block_table], [state_slot], self.cache.block_size,
-                              self.model.device)  # fmt: skip
+        meta = build_metadata(
+            [tokens], [0], [block_table], [state_slot], self.cache.block_size, self.model.device
+        )
         return self.model.logits(self.model(meta, self.cache)[-1:])
 
 
@@ -142,13 +150,15 @@ def test_special_tokens_stay_in_the_text_when_kept(llm):
     start, think, end = (tok.token_id(t) for t in ("<|im_start|>", "<think>", "<|im_end|>"))
     prompt = tok.encode("x = 1\n")
     forced = SamplingParams(max_tokens=3, logit_bias=((start, 100.0),), ignore_eos=True)
-    kept = SamplingParams(max_tokens=3, logit_bias=((start, 100.0),), ignore_eos=True,
-                          skip_special_tokens=False)  # fmt: skip
+    kept = SamplingParams(
+        max_tokens=3, logit_bias=((start, 100.0),), ignore_eos=True, skip_special_tokens=False
+    )
     skipped, shown = llm.generate([prompt, prompt], [forced, kept])
     assert skipped.token_ids == shown.token_ids == [start] * 3
     assert skipped.text == "" and shown.text == "<|im_start|>" * 3
-    think_kept = SamplingParams(max_tokens=2, logit_bias=((think, 100.0),), ignore_eos=True,
-                                skip_special_tokens=False)  # fmt: skip
+    think_kept = SamplingParams(
+        max_tokens=2, logit_bias=((think, 100.0),), ignore_eos=True, skip_special_tokens=False
+    )
     assert llm.generate([prompt], think_kept)[0].text == "<think>" * 2
     stop = SamplingParams(max_tokens=3, logit_bias=((end, 100.0),), skip_special_tokens=False)
     out = llm.generate([prompt], stop)[0]

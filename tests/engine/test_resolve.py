@@ -52,9 +52,22 @@ def test_cli_max_model_len_1m(yarn, tmp_path, capsys):
     YaRN block and stops with the reason (exit status 2) when it does not."""
     cfg = TINY.replace(rope_scaling=QWEN_1M if yarn else None).to_hf_config()
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    status = main(["generate", "--model", str(tmp_path), "--load-format", "dummy",
-                   "--max-model-len", "1010000", "--prompt", "hi", "--max-tokens", "2",
-                   "--raw"])  # fmt: skip
+    status = main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--load-format",
+            "dummy",
+            "--max-model-len",
+            "1010000",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+            "--raw",
+        ]
+    )
     captured = capsys.readouterr()
     if yarn:
         assert status == 0, captured.err
@@ -68,6 +81,18 @@ def test_fp8_index_cache_needs_msa_layers(tmp_path, capsys):
     with pytest.raises(ConfigError, match="fp8_e4m3.*no MSA layers"):
         _resolve(TINY, index_cache_dtype="fp8_e4m3")
     (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_config()))
-    status = main(["generate", "--model", str(tmp_path), "--load-format", "dummy",
-                   "--index-cache-dtype", "fp8_e4m3", "--prompt", "hi", "--raw"])  # fmt: skip
+    status = main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--load-format",
+            "dummy",
+            "--index-cache-dtype",
+            "fp8_e4m3",
+            "--prompt",
+            "hi",
+            "--raw",
+        ]
+    )
     assert status == 2 and "no MSA layers" in capsys.readouterr().err

@@ -18,8 +18,9 @@ from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     cfg = PRESETS["qwen3.6-tiny"].replace(vocab_size=512)
-    return write_random_checkpoint(tmp_path_factory.mktemp("serve"), cfg, seed=1,
-                                   dtype=torch.float32, progress=False)  # fmt: skip
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("serve"), cfg, seed=1, dtype=torch.float32, progress=False
+    )
 
 
 def serve(model_dir, monkeypatch, run) -> int:
@@ -42,8 +43,21 @@ def serve(model_dir, monkeypatch, run) -> int:
 
     monkeypatch.setattr(async_engine, "AsyncEngine", Recorded)
     monkeypatch.setattr(uvicorn, "Server", FakeServer)
-    code = cli.main(["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0",
-                     "--max-model-len", "128", "--num-blocks", "16"])  # fmt: skip
+    code = cli.main(
+        [
+            "serve",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--max-model-len",
+            "128",
+            "--num-blocks",
+            "16",
+        ]
+    )
     asyncio.run(engines[0].shutdown(timeout=30))
     return code
 

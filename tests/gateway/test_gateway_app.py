@@ -40,12 +40,25 @@ def gateway():
     llm = tiny_llm()
     engine = AsyncEngine(llm, max_waiting=8)
     worker = WorkerThread(engine)
-    router = Router([worker.target], lambda a: RemoteEngine(a, llm.tokenizer.decode, poll_s=0.05),
-                    make_policy("least_load"), wait_s=30)  # fmt: skip
+    router = Router(
+        [worker.target],
+        lambda a: RemoteEngine(a, llm.tokenizer.decode, poll_s=0.05),
+        make_policy("least_load"),
+        wait_s=30,
+    )
     pool = media_pool(1)
     media = MediaPipeline(QWEN3_5_MOE, QWEN3_5_MOE_VIDEO, MediaLimits())
-    app = build_app(router, llm.tokenizer, "m", KEYS, 1 << 20, media=media, rate_limit=6000,
-                    media_executor=pool, collectors=[RouterCollector(router)])  # fmt: skip
+    app = build_app(
+        router,
+        llm.tokenizer,
+        "m",
+        KEYS,
+        1 << 20,
+        media=media,
+        rate_limit=6000,
+        media_executor=pool,
+        collectors=[RouterCollector(router)],
+    )
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, llm.model.visual, router, llm.tokenizer
     pool.shutdown()
@@ -63,10 +76,15 @@ def _chat(client, url: str | None = None, key: str = "plain-key"):
     content = [{"type": "text", "text": "What is this?"}]
     if url is not None:
         content.append({"type": "image_url", "image_url": {"url": url}})
-    body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 3,
-            "temperature": 0}
-    return client.post("/v1/chat/completions", json=body,
-                       headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    return client.post(
+        "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+    )
 
 
 def test_images_are_preprocessed_in_the_pool_and_reach_the_tower(gateway):
@@ -83,18 +101,36 @@ def test_videos_are_preprocessed_in_the_pool_and_reach_the_tower(gateway):
     client, tower = gateway[:2]
     seen = len(tower.seen)
     clip = "data:video/mp4;base64," + base64.b64encode(encode(9, 48, 64)).decode()
-    body = {"model": "m", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user",
-            "content": [{"type": "video_url", "video_url": {"url": clip}},
-                        {"type": "text", "text": "What happens?"}]}]}  # fmt: skip
-    r = client.post("/v1/chat/completions", json=body,
-                    headers={"Authorization": "Bearer plain-key"})  # fmt: skip
+    body = {
+        "model": "m",
+        "max_tokens": 3,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": clip}},
+                    {"type": "text", "text": "What happens?"},
+                ],
+            }
+        ],
+    }
+    r = client.post(
+        "/v1/chat/completions", json=body, headers={"Authorization": "Bearer plain-key"}
+    )
     assert r.status_code == 200, r.text
     assert len(tower.seen) == seen + 1 and tower.seen[-1][1][0][0] > 1  # frames in time
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:9/x.png", "http://10.2.3.4/x.png",
-                                 "http://169.254.169.254/latest/meta-data",
-                                 "http://[::1]/x.png"])  # fmt: skip
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/x.png",
+        "http://10.2.3.4/x.png",
+        "http://169.254.169.254/latest/meta-data",
+        "http://[::1]/x.png",
+    ],
+)
 def test_private_media_urls_are_refused(gateway, url):
     r = _chat(gateway[0], url)
     assert r.status_code == 400 and "private" in r.json()["error"]["message"]
@@ -113,8 +149,10 @@ def test_rate_limit_answers_429_with_retry_after(gateway):
     _, _, router, tokenizer = gateway
     app = build_app(router, tokenizer, "m", KEYS, rate_limit=3)  # its own buckets
     with TestClient(app) as client:
-        codes = [client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
-                 for key in ["plain-key"] * 5 + ["hashed-key"]]  # fmt: skip
+        codes = [
+            client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+            for key in ["plain-key"] * 5 + ["hashed-key"]
+        ]
     assert [r.status_code for r in codes] == [200] * 3 + [429] * 2 + [200]
     assert int(codes[3].headers["retry-after"]) == 20  # one request every 20 s
     assert codes[3].json()["error"]["type"] == "rate_limit_error"
@@ -122,19 +160,26 @@ def test_rate_limit_answers_429_with_retry_after(gateway):
 
 def test_oversize_body_is_413(gateway):
     client = gateway[0]
-    r = client.post("/v1/chat/completions", content=b"x" * (2 << 20),
-                    headers={"Authorization": "Bearer hashed-key",
-                             "content-type": "application/json"})  # fmt: skip
+    r = client.post(
+        "/v1/chat/completions",
+        content=b"x" * (2 << 20),
+        headers={"Authorization": "Bearer hashed-key", "content-type": "application/json"},
+    )
     assert r.status_code == 413
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(body=chat_bodies)
 def test_fuzzed_bodies_get_no_5xx(gateway, body):
     """The server's fuzz strategy through the gateway: every answer under 500."""
     raw = json.dumps(body, allow_nan=True, ensure_ascii=True)
-    r = gateway[0].post("/v1/chat/completions", content=raw,
-                        headers={"Content-Type": "application/json",
-                                 "Authorization": "Bearer plain-key"})  # fmt: skip
+    r = gateway[0].post(
+        "/v1/chat/completions",
+        content=raw,
+        headers={"Content-Type": "application/json", "Authorization": "Bearer plain-key"},
+    )
     assert r.status_code < 500, r.text

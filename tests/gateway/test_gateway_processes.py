@@ -20,14 +20,28 @@ openai = pytest.importorskip("openai")
 
 
 def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "sparrow.cli", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=os.environ | {"TRITON_INTERPRET": "0"})  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "sparrow.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ | {"TRITON_INTERPRET": "0"},
+    )
 
 
 def _worker(port: int) -> subprocess.Popen:
-    return _start("worker", "--device", "cpu", "--port", str(port), "--max-model-len", "4096",
-                  "--num-blocks", "128", "--max-num-seqs", "8")  # fmt: skip
+    return _start(
+        "worker",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+        "--num-blocks",
+        "128",
+        "--max-num-seqs",
+        "8",
+    )
 
 
 class Cluster:
@@ -35,12 +49,22 @@ class Cluster:
         self.ports = [free_port(), free_port()]
         self.workers = [_worker(p) for p in self.ports]
         self.port = free_port()
-        self.gateway = _start("gateway", "--port", str(self.port), "--policy", "round_robin",
-                              *[a for p in self.ports for a in ("--worker", f"127.0.0.1:{p}")])
+        self.gateway = _start(
+            "gateway",
+            "--port",
+            str(self.port),
+            "--policy",
+            "round_robin",
+            *[a for p in self.ports for a in ("--worker", f"127.0.0.1:{p}")],
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         self._wait(lambda: httpx.get(f"{self.url}/health").status_code == 200, 180)
-        self._wait(lambda: all(self.worker_metric("sparrow_gateway_worker_healthy", p) == 1
-                               for p in self.ports), 180)  # fmt: skip
+        self._wait(
+            lambda: all(
+                self.worker_metric("sparrow_gateway_worker_healthy", p) == 1 for p in self.ports
+            ),
+            180,
+        )
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
 
     @staticmethod
@@ -79,8 +103,10 @@ def cluster():
 
 def _chat(cluster, **fields):
     return cluster.client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "Hello there"}],
-        **{"temperature": 0} | fields)  # fmt: skip
+        model="default",
+        messages=[{"role": "user", "content": "Hello there"}],
+        **{"temperature": 0} | fields,
+    )
 
 
 def test_chat_whole_streamed_and_n(cluster):
@@ -108,13 +134,17 @@ def test_bad_requests_leave_the_breakers_closed(cluster):
 
 
 def _busy(cluster) -> list[int]:
-    return [p for p in cluster.ports
-            if cluster.worker_metric("sparrow_gateway_worker_load", p) > 0]  # fmt: skip
+    return [p for p in cluster.ports if cluster.worker_metric("sparrow_gateway_worker_load", p) > 0]
 
 
 def test_client_going_away_frees_the_request_on_the_worker(cluster):
-    body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 3000,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": "default",
+        "prompt": "Once upon a time",
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()  # held: a dropped iterator closes the response
         next(lines)
@@ -123,8 +153,13 @@ def test_client_going_away_frees_the_request_on_the_worker(cluster):
 
 
 def test_worker_killed_mid_stream_then_restarted(cluster):
-    body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 3000,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": "default",
+        "prompt": "Once upon a time",
+        "max_tokens": 3000,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         next(lines)
@@ -138,7 +173,6 @@ def test_worker_killed_mid_stream_then_restarted(cluster):
         assert _chat(cluster, max_tokens=3).choices[0].finish_reason in ("length", "stop")
     Cluster._wait(lambda: cluster.worker_metric("sparrow_gateway_worker_healthy", port) == 0, 10)
     cluster.workers[victim] = _worker(port)
-    Cluster._wait(lambda: cluster.worker_metric("sparrow_gateway_worker_healthy", port) == 1,
-                  180)  # fmt: skip
+    Cluster._wait(lambda: cluster.worker_metric("sparrow_gateway_worker_healthy", port) == 1, 180)
     for _ in range(4):
         assert _chat(cluster, max_tokens=3).choices[0].finish_reason in ("length", "stop")

@@ -74,8 +74,13 @@ class Fake(EngineClient):
 
 def _router(names=("a", "b"), policy=None, **settings) -> tuple[Router, dict[str, Fake]]:
     fakes = {n: Fake(n) for n in names}
-    router = Router(list(names), lambda address: fakes[address], policy or RoundRobin(),
-                    RouterSettings(**settings), wait_s=5)  # fmt: skip
+    router = Router(
+        list(names),
+        lambda address: fakes[address],
+        policy or RoundRobin(),
+        RouterSettings(**settings),
+        wait_s=5,
+    )
     for _ in range(200):  # workers connect on background threads
         if all(w.engine is not None for w in router.workers):
             break

@@ -41,8 +41,11 @@ def named_sass(name: str) -> str:
     def by_name(m):
         return f"c[0x0][{names.get(int(m.group(1), 16), m.group(1))}]"
 
-    lines = (_BANK.sub(by_name, line) for line in kernel.asm["sass"].splitlines()
-             if not re.search(r"Function\s*:|\.text\.|\.section|^\s*//", line))  # fmt: skip
+    lines = (
+        _BANK.sub(by_name, line)
+        for line in kernel.asm["sass"].splitlines()
+        if not re.search(r"Function\s*:|\.text\.|\.section|^\s*//", line)
+    )
     return "\n".join(lines) + "\n"
 
 

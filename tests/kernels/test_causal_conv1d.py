@@ -25,14 +25,21 @@ def _case(lengths, c, device, dtype=torch.float32, seed=0, position_major=False)
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("position_major", [False, True])
-@pytest.mark.parametrize("lengths, c", [([1], 8), ([2, 1, 5], 60), ([63, 64, 65], 130),
-                                        ([1, 1, 1, 1], 256), ([1, 1, 1], 200),
-                                        ([200], 96)])  # fmt: skip
+@pytest.mark.parametrize(
+    "lengths, c",
+    [
+        ([1], 8),
+        ([2, 1, 5], 60),
+        ([63, 64, 65], 130),
+        ([1, 1, 1, 1], 256),
+        ([1, 1, 1], 200),
+        ([200], 96),
+    ],
+)
 def test_matches_reference(device, lengths, c, position_major):
     x, cu, states, slots, weight = _case(lengths, c, device, position_major=position_major)
     ref_states = states.cpu().clone()  # a CPU copy the reference updates in place
-    expected = naive.causal_conv1d_varlen(x.cpu(), cu.cpu(), ref_states, slots.cpu(),
-                                          weight.cpu())  # fmt: skip
+    expected = naive.causal_conv1d_varlen(x.cpu(), cu.cpu(), ref_states, slots.cpu(), weight.cpu())
     y = causal_conv1d_varlen(x, cu, states, slots, weight, max_len=max(lengths))
     torch.testing.assert_close(y.cpu(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(states.cpu(), ref_states, rtol=0, atol=0)
@@ -48,9 +55,14 @@ def test_chunked_equals_whole():
     x, _, states, _, weight = _case([50], 40, "cpu")
     slots = torch.tensor([2], dtype=torch.int32)
     whole_states = states.clone()
-    whole = causal_conv1d_varlen(x, torch.tensor([0, 50], dtype=torch.int32), whole_states,
-                                 slots, weight)  # fmt: skip
-    parts = [causal_conv1d_varlen(x[a:b], torch.tensor([0, b - a], dtype=torch.int32), states,
-                                  slots, weight) for a, b in ((0, 2), (2, 3), (3, 50))]  # fmt: skip
+    whole = causal_conv1d_varlen(
+        x, torch.tensor([0, 50], dtype=torch.int32), whole_states, slots, weight
+    )
+    parts = [
+        causal_conv1d_varlen(
+            x[a:b], torch.tensor([0, b - a], dtype=torch.int32), states, slots, weight
+        )
+        for a, b in ((0, 2), (2, 3), (3, 50))
+    ]
     torch.testing.assert_close(torch.cat(parts), whole)
     torch.testing.assert_close(states, whole_states)

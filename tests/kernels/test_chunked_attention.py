@@ -34,8 +34,12 @@ def _check_chunk(t, prefix, hq, hkv, d, block, backend, device, dtype, tol, seed
     k, v = _rows(k_cache, table, prefix, ctx), _rows(v_cache, table, prefix, ctx)
     scale = d**-0.5
     out = chunk_attention(q, k, v, k_cache, v_cache, table, prefix, scale, backend)
-    expected = naive.causal_attention(q.float(), _rows(k_cache, table, 0, ctx).float(),
-                                      _rows(v_cache, table, 0, ctx).float(), scale)  # fmt: skip
+    expected = naive.causal_attention(
+        q.float(),
+        _rows(k_cache, table, 0, ctx).float(),
+        _rows(v_cache, table, 0, ctx).float(),
+        scale,
+    )
     assert out.dtype == q.dtype and out.shape == q.shape
     assert rel_err(out.float(), expected) < tol
 
@@ -43,8 +47,9 @@ def _check_chunk(t, prefix, hq, hkv, d, block, backend, device, dtype, tol, seed
 @pytest.mark.parametrize("t, prefix", [(1, 0), (5, 0), (7, 3), (16, 16), (33, 47), (64, 130)])
 @pytest.mark.parametrize("hq, hkv, d", [(4, 2, 16), (6, 1, 40), (8, 8, 32)])
 def test_chunk_matches_causal_reference(t, prefix, hq, hkv, d):
-    _check_chunk(t, prefix, hq, hkv, d, block=16, backend="math", device="cpu",
-                 dtype=torch.float32, tol=1e-5)  # fmt: skip
+    _check_chunk(
+        t, prefix, hq, hkv, d, block=16, backend="math", device="cpu", dtype=torch.float32, tol=1e-5
+    )
 
 
 def test_merge_of_two_halves_is_the_softmax_over_all_keys():
@@ -83,9 +88,16 @@ def test_prefill_step_mixes_chunks_short_sequences_and_decodes():
     k = k_cache.view(-1, hkv, d)[rows]
     v = v_cache.view(-1, hkv, d)[rows]
     out = prefill_attention(q, gate, k, v, (k_cache, v_cache), meta, d**-0.5)
-    expected = naive.paged_attention(q.float(), k_cache.float(), v_cache.float(),
-                                     meta.block_tables, meta.cu_seqlens, meta.context_lens,
-                                     d**-0.5, gate.float())  # fmt: skip
+    expected = naive.paged_attention(
+        q.float(),
+        k_cache.float(),
+        v_cache.float(),
+        meta.block_tables,
+        meta.cu_seqlens,
+        meta.context_lens,
+        d**-0.5,
+        gate.float(),
+    )
     assert rel_err(out.float(), expected) < 5e-3
 
 
@@ -94,8 +106,18 @@ def test_prefill_step_mixes_chunks_short_sequences_and_decodes():
 @pytest.mark.parametrize("hq, hkv, d", [(16, 2, 256), (64, 4, 128)])
 @pytest.mark.parametrize("t, prefix", [(2048, 6144), (1000, 3001), (130, 0)])
 def test_chunk_matches_reference_gpu(backend, hq, hkv, d, t, prefix):
-    _check_chunk(t, prefix, hq, hkv, d, block=128, backend=backend, device="cuda",
-                 dtype=torch.bfloat16, tol=2e-2)  # fmt: skip
+    _check_chunk(
+        t,
+        prefix,
+        hq,
+        hkv,
+        d,
+        block=128,
+        backend=backend,
+        device="cuda",
+        dtype=torch.bfloat16,
+        tol=2e-2,
+    )
 
 
 def test_flash_backends_refuse_what_they_would_get_wrong():

@@ -25,8 +25,14 @@ if torch.cuda.is_available():
 def compiled() -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "tests.kernels.sm90_cases"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.sm90_cases"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return {r["case"]: r for r in rows}
@@ -36,6 +42,8 @@ def compiled() -> dict[str, dict]:
 def test_compiles_for_sm90(compiled, case):
     result = compiled[case]
     assert "error" not in result, result["error"]
-    print(f"{case}: {result['registers']} registers, {result['spills']} bytes spilled, "
-          f"{result['shared_bytes']} B shared")  # fmt: skip
+    print(
+        f"{case}: {result['registers']} registers, {result['spills']} bytes spilled, "
+        f"{result['shared_bytes']} B shared"
+    )
     assert result["cubin"]

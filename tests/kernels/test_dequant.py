@@ -12,8 +12,12 @@ from tests.conftest import rel_err
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-CASES = [(37, 192, 4, torch.float32), (5, 64, 8, torch.float32), (64, 512, 4, torch.float16),
-         (1, 320, 8, torch.float16)]  # fmt: skip
+CASES = [
+    (37, 192, 4, torch.float32),
+    (5, 64, 8, torch.float32),
+    (64, 512, 4, torch.float16),
+    (1, 320, 8, torch.float16),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -39,9 +39,13 @@ def _reference(qkv, a, b, a_log, dt_bias, states, slots, hk, dk, dv):
         q, k, v = qkv[i : i + 1].split((key, key, qkv.shape[1] - 2 * key), dim=-1)
         g = -a_log.float().exp() * F.softplus(a[i : i + 1].float() + dt_bias)
         o, states[slot] = recurrent_gated_delta_rule(
-            q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (-1, dv)),
-            g, b[i : i + 1].sigmoid(), states[slot],
-        )  # fmt: skip
+            q.unflatten(-1, (hk, dk)),
+            k.unflatten(-1, (hk, dk)),
+            v.unflatten(-1, (-1, dv)),
+            g,
+            b[i : i + 1].sigmoid(),
+            states[slot],
+        )
         outs.append(o[0])
     return torch.stack(outs)
 
@@ -57,15 +61,16 @@ def _gated(bsz, hv, dv, device, seed=1):
 
 
 def _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, hk, **kw):
-    return fused_recurrent_step(qkv, a, b, z, a_log, dt_bias, norm.weight, norm.eps, states,
-                                slots, hk, **kw)  # fmt: skip
+    return fused_recurrent_step(
+        qkv, a, b, z, a_log, dt_bias, norm.weight, norm.eps, states, slots, hk, **kw
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bsz, hk, hv, dk, dv, block_v", [(1, 2, 4, 16, 32, 16),
-                                                          (3, 1, 3, 32, 64, 32),
-                                                          (2, 2, 4, 16, 64, 16),
-                                                          (5, 2, 2, 16, 16, 32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bsz, hk, hv, dk, dv, block_v",
+    [(1, 2, 4, 16, 32, 16), (3, 1, 3, 32, 64, 32), (2, 2, 4, 16, 64, 16), (5, 2, 2, 16, 16, 32)],
+)
 @pytest.mark.parametrize("normed", [True, False])
 def test_step_matches_reference(device, bsz, hk, hv, dk, dv, block_v, normed):
     """The step with its gated norm (a head per program) vs the reference recurrence + the
@@ -74,8 +79,9 @@ def test_step_matches_reference(device, bsz, hk, hv, dk, dv, block_v, normed):
     qkv, a, b, a_log, dt_bias, states, slots = _inputs(bsz, hk, hv, dk, dv, device)
     z, norm = _gated(bsz, hv, dv, device)
     ref_states = states.clone().cpu()
-    expected = _reference(qkv.cpu(), a.cpu(), b.cpu(), a_log.cpu(), dt_bias.cpu(), ref_states,
-                          slots.cpu(), hk, dk, dv)  # fmt: skip
+    expected = _reference(
+        qkv.cpu(), a.cpu(), b.cpu(), a_log.cpu(), dt_bias.cpu(), ref_states, slots.cpu(), hk, dk, dv
+    )
     tiles = replace(RecurrentTiles.for_shape(normed), block_v=block_v)
     y = _step(qkv, a, b, z, norm, a_log, dt_bias, states, slots, hk, normed=normed, tiles=tiles)
     if normed:
@@ -142,10 +148,10 @@ def _drift(steps, device):
     for _ in range(steps):
         qkv = torch.randn(1, 2 * hk * dk + hv * dv, generator=gen)
         a, b = torch.randn(1, hv, generator=gen), torch.randn(1, hv, generator=gen)
-        y = _step(qkv.to(device), a.to(device), b.to(device), z, norm, a_log, dt_bias, states,
-                  slots, hk)  # fmt: skip
-        ref = _reference(qkv, a, b, a_log.cpu(), dt_bias.cpu(), ref_states, slots.cpu(),
-                         hk, dk, dv)  # fmt: skip
+        y = _step(
+            qkv.to(device), a.to(device), b.to(device), z, norm, a_log, dt_bias, states, slots, hk
+        )
+        ref = _reference(qkv, a, b, a_log.cpu(), dt_bias.cpu(), ref_states, slots.cpu(), hk, dk, dv)
     assert rel_err(states.cpu(), ref_states) < 1e-4
     assert rel_err(y.cpu(), norm.cpu()(ref, z.cpu())) < 1e-4
 
@@ -169,15 +175,18 @@ def _chunk_reference(q, k, v, g, beta, cu, states, slots):
     bounds = cu.tolist()
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         slot = int(slots[i])
-        o, states[slot] = recurrent_gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b],
-                                                     beta[a:b], states[slot])  # fmt: skip
+        o, states[slot] = recurrent_gated_delta_rule(
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], states[slot]
+        )
         outs.append(o)
     return torch.cat(outs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("lengths", [[1], [63], [64], [65], [130], [1, 64, 17, 100],
-                                     [130, 1, 64, 0, 400], [63, 63, 63, 63, 130]])
+@pytest.mark.parametrize(
+    "lengths",
+    [[1], [63], [64], [65], [130], [1, 64, 17, 100], [130, 1, 64, 0, 400], [63, 63, 63, 63, 130]],
+)
 def test_chunk_matches_reference(device, lengths):
     """Several sequences, empty ones and ones that start mid-chunk: each sequence's chunks
     take their own slots in the per-chunk buffers (`_first_chunk`)."""
@@ -185,8 +194,7 @@ def test_chunk_matches_reference(device, lengths):
 
     q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 2, 4, 16, 32, device)
     ref_states = states.clone().cpu()
-    expected = _chunk_reference(*(x.cpu() for x in (q, k, v, g, beta, cu)), ref_states,
-                                slots.cpu())  # fmt: skip
+    expected = _chunk_reference(*(x.cpu() for x in (q, k, v, g, beta, cu)), ref_states, slots.cpu())
     o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)
     assert rel_err(o.cpu(), expected) < 1e-4
     assert rel_err(states.cpu(), ref_states) < 1e-4
@@ -206,10 +214,15 @@ def test_chunk_head_ratios(hk, hv):
     assert rel_err(states, ref_states) < 1e-4
 
 
-@pytest.mark.parametrize("sizes, device, dtype, bound", [
-    pytest.param((2, 4, 16, 32), "cpu", torch.float32, 1e-4, id="cpu"),
-    pytest.param((16, 32, 128, 128), "cuda", torch.bfloat16, 0.1, id="gpu", marks=pytest.mark.gpu),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sizes, device, dtype, bound",
+    [
+        pytest.param((2, 4, 16, 32), "cpu", torch.float32, 1e-4, id="cpu"),
+        pytest.param(
+            (16, 32, 128, 128), "cuda", torch.bfloat16, 0.1, id="gpu", marks=pytest.mark.gpu
+        ),
+    ],
+)
 def test_chunk_repeated_keys(sizes, device, dtype, bound):
     """One key repeated over the whole sequence (a run of one token, once the conv's window
     is full of it), strong writes (beta 0.9) and almost no decay: the chunk's triangular
@@ -236,11 +249,22 @@ def test_chunk_two_pieces_equal_one():
     q, k, v, g, beta, _, states, _ = _chunk_case([150], 1, 2, 16, 16, "cpu")
     slot = torch.tensor([0], dtype=torch.int32)
     whole_states = states.clone()
-    whole = chunk_gated_delta_rule_varlen(q, k, v, g, beta, torch.tensor([0, 150],
-                                          dtype=torch.int32), whole_states, slot)  # fmt: skip
-    parts = [chunk_gated_delta_rule_varlen(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b],
-             torch.tensor([0, b - a], dtype=torch.int32), states, slot)
-             for a, b in ((0, 70), (70, 150))]  # fmt: skip
+    whole = chunk_gated_delta_rule_varlen(
+        q, k, v, g, beta, torch.tensor([0, 150], dtype=torch.int32), whole_states, slot
+    )
+    parts = [
+        chunk_gated_delta_rule_varlen(
+            q[a:b],
+            k[a:b],
+            v[a:b],
+            g[a:b],
+            beta[a:b],
+            torch.tensor([0, b - a], dtype=torch.int32),
+            states,
+            slot,
+        )
+        for a, b in ((0, 70), (70, 150))
+    ]
     assert rel_err(torch.cat(parts), whole) < 1e-5
     assert rel_err(states, whole_states) < 1e-5
 
@@ -266,8 +290,9 @@ def test_chunk_reads_views_of_the_conv_output():
 def test_chunk_real_sizes_gpu(lengths):
     from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 
-    q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 16, 32, 128, 128, "cuda",
-                                                      dtype=torch.bfloat16)  # fmt: skip
+    q, k, v, g, beta, cu, states, slots = _chunk_case(
+        lengths, 16, 32, 128, 128, "cuda", dtype=torch.bfloat16
+    )
     ref_states = states.clone()
     expected = _chunk_reference(q, k, v, g, beta, cu, ref_states, slots)
     o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, states, slots)

@@ -38,8 +38,16 @@ def _run(t, e, k, d, inter, dtype, device, logits=None, tol=1e-3, tiles=None):
 @pytest.mark.parametrize("t", [1, 3, 8, 17, 64])  # <= GEMV_TOKENS (64): the GEMV path
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_random_routing(t, dtype):
-    _run(t, e=12, k=4, d=128, inter=64, dtype=dtype, device="cpu",
-         tol=1e-5 if dtype == torch.float32 else 2e-3)  # fmt: skip
+    _run(
+        t,
+        e=12,
+        k=4,
+        d=128,
+        inter=64,
+        dtype=dtype,
+        device="cpu",
+        tol=1e-5 if dtype == torch.float32 else 2e-3,
+    )
 
 
 @pytest.mark.parametrize("t", [1, 70])  # GEMV, grouped GEMM
@@ -48,8 +56,17 @@ def test_top_k_not_a_power_of_two(t):
 
 
 def test_grouped_gemm_path_for_one_token():
-    _run(1, e=12, k=4, d=128, inter=64, dtype=torch.float32, device="cpu", tol=1e-5,
-         tiles=GemmTiles(block_m=16))  # fmt: skip
+    _run(
+        1,
+        e=12,
+        k=4,
+        d=128,
+        inter=64,
+        dtype=torch.float32,
+        device="cpu",
+        tol=1e-5,
+        tiles=GemmTiles(block_m=16),
+    )
 
 
 def test_one_expert_takes_all_and_most_get_none():
@@ -57,13 +74,32 @@ def test_one_expert_takes_all_and_most_get_none():
     logits = torch.full((t, e), -10.0)
     logits[:, 3] = 5.0  # every token's first choice is expert 3
     logits[:, 7] = 4.0 + torch.linspace(0, 1, t)  # second choice 7
-    _run(t, e, k=2, d=64, inter=64, dtype=torch.float32, device="cpu", logits=logits,
-         tiles=GemmTiles(block_m=16), tol=1e-5)  # fmt: skip
+    _run(
+        t,
+        e,
+        k=2,
+        d=64,
+        inter=64,
+        dtype=torch.float32,
+        device="cpu",
+        logits=logits,
+        tiles=GemmTiles(block_m=16),
+        tol=1e-5,
+    )
 
 
 def test_128_row_tiles():
-    _run(70, e=4, k=2, d=128, inter=64, dtype=torch.float16, device="cpu", tol=2e-3,
-         tiles=GemmTiles(block_m=128, num_warps=8, down_block_n=128))  # fmt: skip
+    _run(
+        70,
+        e=4,
+        k=2,
+        d=128,
+        inter=64,
+        dtype=torch.float16,
+        device="cpu",
+        tol=2e-3,
+        tiles=GemmTiles(block_m=128, num_warps=8, down_block_n=128),
+    )
 
 
 @pytest.mark.parametrize("t", [60, 61])
@@ -71,8 +107,17 @@ def test_two_block_sizes(t):
     """Each expert's last rows in a block of 16 when at most 16 remain after its blocks of 32,
     else in one more block of 32 (about 20 rows per expert: both occur)."""
     small = GemmTiles(block_m=16, block_n=32)
-    _run(t, e=12, k=4, d=128, inter=64, dtype=torch.float32, device="cpu", tol=1e-5,
-         tiles=GemmTiles(block_m=32, down_block_n=128, small=small))  # fmt: skip
+    _run(
+        t,
+        e=12,
+        k=4,
+        d=128,
+        inter=64,
+        dtype=torch.float32,
+        device="cpu",
+        tol=1e-5,
+        tiles=GemmTiles(block_m=32, down_block_n=128, small=small),
+    )
 
 
 def test_default_tiles_from_64_rows_per_expert():
@@ -84,14 +129,32 @@ def test_default_tiles_from_64_rows_per_expert():
 
 def test_down_tiles_of_their_own():
     # gate_up on 32-column tiles, down on 128 (N = 192: its last tile is half empty)
-    _run(9, e=6, k=2, d=192, inter=64, dtype=torch.float32, device="cpu", tol=1e-5,
-         tiles=GemmTiles(block_m=16, block_n=32, down_block_n=128))  # fmt: skip
+    _run(
+        9,
+        e=6,
+        k=2,
+        d=192,
+        inter=64,
+        dtype=torch.float32,
+        device="cpu",
+        tol=1e-5,
+        tiles=GemmTiles(block_m=16, block_n=32, down_block_n=128),
+    )
 
 
 def test_sizes_not_multiples_of_the_tiles():
     # N (192 and 192) is not a multiple of BLOCK_N = 128.
-    _run(5, e=6, k=2, d=192, inter=192, dtype=torch.float32, device="cpu", tol=1e-5,
-         tiles=GemmTiles(block_m=16, block_n=128))  # fmt: skip
+    _run(
+        5,
+        e=6,
+        k=2,
+        d=192,
+        inter=192,
+        dtype=torch.float32,
+        device="cpu",
+        tol=1e-5,
+        tiles=GemmTiles(block_m=16, block_n=128),
+    )
 
 
 @pytest.mark.gpu
@@ -104,8 +167,17 @@ def test_real_sizes_gpu(t):
 @pytest.mark.parametrize("t", [1000, 8192])
 def test_two_block_sizes_gpu(t):
     small = GemmTiles(block_m=64, down_block_n=128)
-    _run(t, e=256, k=8, d=2048, inter=512, dtype=torch.bfloat16, device="cuda", tol=2e-2,
-         tiles=GemmTiles(block_m=128, num_warps=8, down_block_n=128, small=small))  # fmt: skip
+    _run(
+        t,
+        e=256,
+        k=8,
+        d=2048,
+        inter=512,
+        dtype=torch.bfloat16,
+        device="cuda",
+        tol=2e-2,
+        tiles=GemmTiles(block_m=128, num_warps=8, down_block_n=128, small=small),
+    )
 
 
 @pytest.mark.parametrize("t", [2, 70])  # GEMV and grouped GEMM paths
@@ -131,18 +203,25 @@ def test_shared_expert_as_one_more_assignment(t):
     spec = QuantSpec(4, 64)
     e, k, d, inter = 8, 2, 128, 64
     gate_up, down = _weights(e, d, inter, spec, torch.float32, "cpu", seed=7)
-    s_gate_up, s_down = (tuple(x[0] for x in w) for w in _weights(1, d, inter, spec,
-                                                                   torch.float32, "cpu", seed=8))
+    s_gate_up, s_down = (
+        tuple(x[0] for x in w) for w in _weights(1, d, inter, spec, torch.float32, "cpu", seed=8)
+    )
     gen = torch.Generator().manual_seed(9)
     x, fused = torch.randn(t, d, generator=gen), torch.randn(t, e + 1, generator=gen)
     logits, gate = fused[:, :e], fused[:, e:]
-    out = moe_experts(x, logits, k, gate_up, down, spec,
-                      shared=Shared(gate, weights=(s_gate_up, s_down)))  # fmt: skip
+    out = moe_experts(
+        x, logits, k, gate_up, down, spec, shared=Shared(gate, weights=(s_gate_up, s_down))
+    )
     weights, ids = naive.route(logits, k)
     routed = naive.moe_experts(x, weights, ids, gate_up, down, spec)
     one = torch.ones(t, 1)
-    shared = naive.moe_experts(x, one, torch.zeros(t, 1, dtype=torch.long),
-                               *(tuple(p[None] for p in w) for w in (s_gate_up, s_down)), spec)
+    shared = naive.moe_experts(
+        x,
+        one,
+        torch.zeros(t, 1, dtype=torch.long),
+        *(tuple(p[None] for p in w) for w in (s_gate_up, s_down)),
+        spec,
+    )
     assert rel_err(out, routed + torch.sigmoid(gate) * shared) < 1e-5
 
 
@@ -154,5 +233,4 @@ def test_chained_expert_gemvs():
     spans two weight tiles in both GEMVs."""
     tiles = ExpertGemvTiles.for_shape(1, pdl=True)
     assert tiles.chained and not ExpertGemvTiles.for_shape(2, pdl=True).chained
-    _run(2, e=4, k=2, d=2048, inter=1024, dtype=torch.float32, device="cpu", tol=1e-5,
-         tiles=tiles)  # fmt: skip
+    _run(2, e=4, k=2, d=2048, inter=1024, dtype=torch.float32, device="cpu", tol=1e-5, tiles=tiles)

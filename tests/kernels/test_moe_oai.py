@@ -29,8 +29,14 @@ def random_quantized(e: int, rows: int, cols: int, std: float, dtype, gen) -> tu
     around std / 4.6 (the codes' std), biases centring each group near 0. Built without a
     float original (M3's experts would take 29 GB in fp32)."""
     dev = gen.device
-    packed = torch.randint(-(2**31), 2**31, SPEC.packed_shape((e, rows, cols)), generator=gen,
-                           dtype=torch.int32, device=dev)  # fmt: skip
+    packed = torch.randint(
+        -(2**31),
+        2**31,
+        SPEC.packed_shape((e, rows, cols)),
+        generator=gen,
+        dtype=torch.int32,
+        device=dev,
+    )
     shape = SPEC.group_shape((e, rows, cols))
     scales = std / 4.6 * (0.5 + torch.rand(shape, generator=gen, device=dev))
     biases = -7.5 * scales + 0.1 * std * torch.randn(shape, generator=gen, device=dev)
@@ -91,14 +97,20 @@ def test_both_clamps_take_effect():
 def test_most_experts_get_no_rows(t, d, inter):
     """The correction bias sends every token to 5 of 16 experts: 11 receive no rows, the
     other 5 most of the tokens each."""
-    x, weights, ids, gate_up, down = _case(t, e=16, k=4, d=d, inter=inter, dtype=torch.float32,
-                                           seed=3, hot=5)  # fmt: skip
+    x, weights, ids, gate_up, down = _case(
+        t, e=16, k=4, d=d, inter=inter, dtype=torch.float32, seed=3, hot=5
+    )
     assert ids.max() < 5
     _check(x, weights, ids, gate_up, down)
 
 
-@pytest.mark.parametrize("tiles", [GemmTiles(block_m=16), GemmTiles(block_m=32, down_block_n=128,
-                                   small=GemmTiles(block_m=16, block_n=32))])  # fmt: skip
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        GemmTiles(block_m=16),
+        GemmTiles(block_m=32, down_block_n=128, small=GemmTiles(block_m=16, block_n=32)),
+    ],
+)
 def test_grouped_gemm_tiles(tiles):
     """Other tiles, and an expert's last rows in a block of their own (small)."""
     _check(*_case(61, e=16, k=4, d=128, inter=128, dtype=torch.float32, seed=4), tiles=tiles)
@@ -107,8 +119,9 @@ def test_grouped_gemm_tiles(tiles):
 @pytest.mark.parametrize("t", [3, 50])
 def test_routed_scale_and_shared_output(t):
     """scale * the routed sum + the shared expert's output, in the combine kernel."""
-    x, weights, ids, gate_up, down = _case(t, e=16, k=4, d=128, inter=64, dtype=torch.float32,
-                                           seed=5)  # fmt: skip
+    x, weights, ids, gate_up, down = _case(
+        t, e=16, k=4, d=128, inter=64, dtype=torch.float32, seed=5
+    )
     shared = torch.randn(t, 128, generator=torch.Generator().manual_seed(6))
     _check(x, weights, ids, gate_up, down, scale=2.0, shared=shared)
 
@@ -138,5 +151,7 @@ def test_bad_routing_is_refused():
 @pytest.mark.parametrize("t", [1, 8, 64, 300])  # GEMV (1: chained under PDL), GEMV, GEMM
 def test_real_m3_sizes_gpu(t):
     """MiniMax M3's experts: hidden 6144, expert width 3072, 128 experts, top-4, bf16."""
-    _check(*_case(t, e=128, k=4, d=6144, inter=3072, dtype=torch.bfloat16, device="cuda",
-                  seed=t), scale=2.0)  # fmt: skip
+    _check(
+        *_case(t, e=128, k=4, d=6144, inter=3072, dtype=torch.bfloat16, device="cuda", seed=t),
+        scale=2.0,
+    )

@@ -10,8 +10,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("t, e, k", [(1, 256, 8), (3, 16, 4), (17, 60, 8), (64, 8, 1), (5, 64, 6),
-                                     (2, 12, 3)])
+@pytest.mark.parametrize(
+    "t, e, k", [(1, 256, 8), (3, 16, 4), (17, 60, 8), (64, 8, 1), (5, 64, 6), (2, 12, 3)]
+)
 def test_topk_route(device, t, e, k):
     # a view with strided rows, as the layer passes it (the fused router + shared-gate output)
     fused = torch.randn(t, e + 1, generator=torch.Generator().manual_seed(t)).to(device)
@@ -32,8 +33,9 @@ def test_topk_route_16bit_logits(dtype):
     ref_w, ref_ids = naive.route(logits.float(), 8)
     chosen = logits.gather(1, ids.long()).float().sort(1).values
     assert torch.equal(chosen, logits.gather(1, ref_ids).float().sort(1).values)
-    torch.testing.assert_close(weights.sort(1).values, ref_w.float().sort(1).values,
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        weights.sort(1).values, ref_w.float().sort(1).values, rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -86,8 +88,9 @@ def test_align_random(device, t, k, block_m):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("t, k, block_m, small_m", [(1, 8, 32, 16), (60, 8, 32, 16),
-                                                    (100, 8, 64, 32), (300, 8, 16, 16)])
+@pytest.mark.parametrize(
+    "t, k, block_m, small_m", [(1, 8, 32, 16), (60, 8, 32, 16), (100, 8, 64, 32), (300, 8, 16, 16)]
+)
 def test_align_two_sizes(device, t, k, block_m, small_m):
     """An expert's last rows in a small block when they fit in one (rests of 0, <= small_m and
     > small_m all occur at these sizes)."""

@@ -28,10 +28,10 @@ def _case(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, seed=0):
     return [x.to(device, dtype) if x.is_floating_point() else x.to(device) for x in tensors]
 
 
-def _check(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, tol, with_gate=True,
-           splits=None):  # fmt: skip
-    q, k_cache, v_cache, tables, cu, ctx, gate = _case(ctx_lens, q_lens, hq, hkv, d, block,
-                                                       device, dtype)  # fmt: skip
+def _check(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, tol, with_gate=True, splits=None):
+    q, k_cache, v_cache, tables, cu, ctx, gate = _case(
+        ctx_lens, q_lens, hq, hkv, d, block, device, dtype
+    )
     gate = gate if with_gate else None
     scale = d**-0.5
     expected = naive.paged_attention(
@@ -49,7 +49,7 @@ def _check(ctx_lens, q_lens, hq, hkv, d, block, device, dtype, tol, with_gate=Tr
     else:  # the split-K decode kernel (one query per sequence); its gate as the layer
         # passes it, a view of the q projection (rows [q | gate] per head)
         if gate is not None:
-            gate = torch.cat([q, gate], dim=-1)[..., q.shape[-1]:]
+            gate = torch.cat([q, gate], dim=-1)[..., q.shape[-1] :]
         tiles = DecodeTiles.for_shape(len(ctx_lens), hkv, d)
         tiles = replace(tiles, splits=splits) if splits else tiles  # 0: chosen by batch
         out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, gate, tiles)
@@ -71,15 +71,26 @@ def test_split_decode(ctx_lens, splits):
     _check(ctx_lens, [1] * len(ctx_lens), **CPU, splits=splits)
 
 
-@pytest.mark.parametrize("ctx_lens, q_lens", [([37], [37]), ([70, 16], [20, 16]),
-                                              ([33, 5, 90], [1, 5, 45])])  # fmt: skip
+@pytest.mark.parametrize(
+    "ctx_lens, q_lens", [([37], [37]), ([70, 16], [20, 16]), ([33, 5, 90], [1, 5, 45])]
+)
 def test_prefill_chunks_on_cached_prefix(ctx_lens, q_lens):
     _check(ctx_lens, q_lens, **CPU)
 
 
 def test_no_gate_and_wide_gqa():
-    _check([50, 3], [50, 1], hq=8, hkv=1, d=16, block=16, device="cpu", dtype=torch.float32,
-           tol=1e-5, with_gate=False)  # fmt: skip
+    _check(
+        [50, 3],
+        [50, 1],
+        hq=8,
+        hkv=1,
+        d=16,
+        block=16,
+        device="cpu",
+        dtype=torch.float32,
+        tol=1e-5,
+        with_gate=False,
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

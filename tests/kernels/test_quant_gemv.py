@@ -27,8 +27,15 @@ def _case(m, n, k, spec, dtype, device):
 
 # Awkward on purpose: N not a multiple of the row block, K not a multiple of BLOCK_K (256)
 # nor of the split ranges, one output row, 8-bit words, 16 rows (the most the GEMV takes).
-CPU_SHAPES = [(1, 37, 192, 4), (3, 16, 64, 4), (8, 5, 320, 8), (2, 1, 128, 8), (1, 64, 512, 4),
-              (16, 33, 448, 4), (5, 70, 1024, 4)]  # fmt: skip
+CPU_SHAPES = [
+    (1, 37, 192, 4),
+    (3, 16, 64, 4),
+    (8, 5, 320, 8),
+    (2, 1, 128, 8),
+    (1, 64, 512, 4),
+    (16, 33, 448, 4),
+    (5, 70, 1024, 4),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -42,9 +49,14 @@ def test_gemv_matches_reference(m, n, k, bits, dtype):
     assert rel_err(y, expected) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
-@pytest.mark.parametrize("config", [dict(split=1, block_n=16, num_warps=1),
-                                    dict(split=2, block_n=32, block_k=128, num_warps=2),
-                                    dict(split=4, block_n=16, num_warps=4)])  # fmt: skip
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(split=1, block_n=16, num_warps=1),
+        dict(split=2, block_n=32, block_k=128, num_warps=2),
+        dict(split=4, block_n=16, num_warps=4),
+    ],
+)
 def test_mma_configs_match_reference(config):
     """Every code path of the few-rows kernel, whatever shape picks it by default."""
     spec = QuantSpec(4, 64)
@@ -77,9 +89,10 @@ def test_mma_many_rows_real_sizes_gpu(m, n, k):
     assert rel_err(y, quant_matmul(x, packed, scales, biases, spec)) < 1e-2
 
 
-@pytest.mark.parametrize("n, k, bits, block_k, gated", [(37, 320, 4, 128, False),
-                                                     (21, 448, 8, 64, True),
-                                                     (16, 128, 4, 128, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "n, k, bits, block_k, gated",
+    [(37, 320, 4, 128, False), (21, 448, 8, 64, True), (16, 128, 4, 128, False)],
+)
 def test_weight_prefetch_matches(n, k, bits, block_k, gated):
     """The prefetching loop (used with programmatic dependent launch: each weight tile loaded
     one step ahead, the first before the wait) gives the plain loop's result, over several
@@ -89,8 +102,14 @@ def test_weight_prefetch_matches(n, k, bits, block_k, gated):
     outs = []
     for prefetch in (False, True):
         y = torch.empty(1, n)
-        launch_gemv(x, (packed, scales, biases), y, spec,
-                    GemvTiles(8, block_k, 1, prefetch=prefetch), gated=gated)
+        launch_gemv(
+            x,
+            (packed, scales, biases),
+            y,
+            spec,
+            GemvTiles(8, block_k, 1, prefetch=prefetch),
+            gated=gated,
+        )
         outs.append(y)
     assert torch.equal(outs[0], outs[1])
     full = quant_matmul(x, packed, scales, biases, spec)
@@ -131,14 +150,16 @@ def _conv_reference(x, w, spec, weight, pool, slot):
     return torch.cat((conv, y[:, weight.shape[0] :]), dim=1), state
 
 
-@pytest.mark.parametrize("n, k, channels, bits, group", [(70, 192, 40, 4, 64),
-                                                         (37, 256, 37, 8, 32),
-                                                         (16, 128, 5, 4, 128)])  # fmt: skip
+@pytest.mark.parametrize(
+    "n, k, channels, bits, group",
+    [(70, 192, 40, 4, 64), (37, 256, 37, 8, 32), (16, 128, 5, 4, 128)],
+)
 def test_gemv_conv_matches_reference(n, k, channels, bits, group):
     """The in-projection with the GDN conv step in its epilogue: outputs (conv'd channels
     and plain ones, straddling row blocks) and the moved window in the pool."""
-    spec, x, w, weight, pool, slots = _conv_case(n, k, channels, torch.float32, "cpu",
-                                                 QuantSpec(bits, group))  # fmt: skip
+    spec, x, w, weight, pool, slots = _conv_case(
+        n, k, channels, torch.float32, "cpu", QuantSpec(bits, group)
+    )
     expected, state = _conv_reference(x, w, spec, weight, pool, 2)
     others = pool[:2].clone()
     y = quant_gemv_conv(x, *w, spec, weight, pool, slots)
@@ -160,16 +181,17 @@ def _norm_case(heads, d, parts, n, dtype, device, spec=Q4):
     return spec, (gated, sq_sums, norm.eps), norm(o, z), (packed, scales, biases)
 
 
-@pytest.mark.parametrize("heads, d, parts, n, bits, group", [(3, 64, 4, 37, 4, 64),
-                                                            (2, 128, 8, 70, 4, 64),
-                                                            (6, 128, 1, 8, 8, 32),
-                                                            (2, 128, 2, 16, 4, 128)])  # fmt: skip
+@pytest.mark.parametrize(
+    "heads, d, parts, n, bits, group",
+    [(3, 64, 4, 37, 4, 64), (2, 128, 8, 70, 4, 64), (6, 128, 1, 8, 8, 32), (2, 128, 2, 16, 4, 128)],
+)
 def test_gemv_rms_scaled_matches_reference(heads, d, parts, n, bits, group):
     """The out-projection finishing the GDN gated norm (each head scaled by its 1 / rms from
     partial sums of squares) vs the layer's norm, then the reference matmul; heads of one,
     two and four quantisation groups, 4- and 8-bit."""
-    spec, step_parts, normed, w = _norm_case(heads, d, parts, n, torch.float32, "cpu",
-                                             QuantSpec(bits, group))  # fmt: skip
+    spec, step_parts, normed, w = _norm_case(
+        heads, d, parts, n, torch.float32, "cpu", QuantSpec(bits, group)
+    )
     y = quant_gemv_rms_scaled(*step_parts, *w, spec)
     assert rel_err(y, quant_matmul(normed.flatten(1), *w, spec)) < 1e-5
 
@@ -220,8 +242,9 @@ def test_fused_or_dequantised_by_shape():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
-@pytest.mark.parametrize("n, k", [(12352, 2048), (2048, 4096), (248320, 2048), (32, 2048),
-                                  (2048, 512), (1024, 2048)])  # fmt: skip
+@pytest.mark.parametrize(
+    "n, k", [(12352, 2048), (2048, 4096), (248320, 2048), (32, 2048), (2048, 512), (1024, 2048)]
+)
 def test_gemv_real_sizes_gpu(m, n, k, dtype):
     spec = QuantSpec(4, 64)
     x, packed, scales, biases = _case(m, n, k, spec, dtype, "cuda")
@@ -232,10 +255,15 @@ def test_gemv_real_sizes_gpu(m, n, k, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n, k, block_n, block_k, warps", [(8192, 2048, 16, 2048, 2),
-                                                           (37, 2048, 8, 1024, 2),
-                                                           (1000, 4096, 16, 2048, 2),
-                                                           (300, 512, 8, 512, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "n, k, block_n, block_k, warps",
+    [
+        (8192, 2048, 16, 2048, 2),
+        (37, 2048, 8, 1024, 2),
+        (1000, 4096, 16, 2048, 2),
+        (300, 512, 8, 512, 1),
+    ],
+)
 def test_gemv_x_in_place_gpu(n, k, block_n, block_k, warps, dtype):
     """x loaded straight into the fp16-pair products' layout (one power of two per 16 values)
     against x loaded whole and moved there (one per group of 64), with x spread over nine
@@ -250,8 +278,9 @@ def test_gemv_x_in_place_gpu(n, k, block_n, block_k, warps, dtype):
         ys = []
         for in_place in (False, True):
             y = torch.empty(1, n, device="cuda", dtype=dtype)
-            tiles = GemvTiles(block_n, block_k, warps, f16_dot=True, prefetch=prefetch,
-                              x_in_place=in_place)  # fmt: skip
+            tiles = GemvTiles(
+                block_n, block_k, warps, f16_dot=True, prefetch=prefetch, x_in_place=in_place
+            )
             launch_gemv(x, (packed, scales, biases), y, spec, tiles)
             ys.append(y)
         errors = rel_err(ys[0], expected), rel_err(ys[1], expected)  # bf16 rounding: 2^-8
@@ -259,8 +288,13 @@ def test_gemv_x_in_place_gpu(n, k, block_n, block_k, warps, dtype):
     shifted = torch.empty(1, k + 1, device="cuda", dtype=dtype)[:, 1:]
     shifted.copy_(x)
     y = torch.empty(1, n, device="cuda", dtype=dtype)
-    launch_gemv(shifted, (packed, scales, biases), y, spec,
-                GemvTiles(block_n, block_k, warps, f16_dot=True, x_in_place=True))
+    launch_gemv(
+        shifted,
+        (packed, scales, biases),
+        y,
+        spec,
+        GemvTiles(block_n, block_k, warps, f16_dot=True, x_in_place=True),
+    )
     assert rel_err(y, expected) < 1e-2 and rel_err(y, ys[0]) <= 2**-8
 
 

@@ -17,11 +17,14 @@ def _rand(*shape, device, dtype, seed=0):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows, dim, dtype", [(1, 64, torch.float32), (7, 48, torch.float32),
-                                              (5, 2048, torch.float16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows, dim, dtype", [(1, 64, torch.float32), (7, 48, torch.float32), (5, 2048, torch.float16)]
+)
 def test_add_rms_norm(device, rows, dim, dtype):
-    x, r = _rand(rows, dim, device=device, dtype=dtype), _rand(rows, dim, device=device,
-                                                                dtype=dtype, seed=1)  # fmt: skip
+    x, r = (
+        _rand(rows, dim, device=device, dtype=dtype),
+        _rand(rows, dim, device=device, dtype=dtype, seed=1),
+    )
     w = _rand(dim, device=device, dtype=dtype, seed=2) * 0.1
     tol = 1e-6 if dtype == torch.float32 else 2e-3
     assert rel_err(kernels.rms_norm(x, w, 1e-6), naive.rms_norm(x, w, 1e-6)) < tol
@@ -31,9 +34,10 @@ def test_add_rms_norm(device, rows, dim, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("heads, dim, rot, dtype", [(3, 32, 16, torch.float32),
-                                                    (2, 16, 16, torch.float32),
-                                                    (4, 64, 16, torch.float16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "heads, dim, rot, dtype",
+    [(3, 32, 16, torch.float32), (2, 16, 16, torch.float32), (4, 64, 16, torch.float16)],
+)
 def test_rms_norm_rope_on_a_strided_view(device, heads, dim, rot, dtype):
     t = 5
     proj = _rand(t, heads, 2 * dim, device=device, dtype=dtype)  # [q | gate] per head

@@ -17,8 +17,12 @@ def test_prompt_attention_matches_reference():
     k, v = torch.randn(t, 2, 32, generator=gen), torch.randn(t, 2, 32, generator=gen)
     out = prompt_attention(q, k, v, seq_lens, 32**-0.5)
     bounds = [0, 1, 38, 102]
-    expected = torch.cat([causal_attention(q[a:b], k[a:b], v[a:b], 32**-0.5)
-                          for a, b in zip(bounds[:-1], bounds[1:], strict=True)])  # fmt: skip
+    expected = torch.cat(
+        [
+            causal_attention(q[a:b], k[a:b], v[a:b], 32**-0.5)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+    )
     assert out.shape == q.shape
     assert rel_err(out, expected) < 1e-5
 
@@ -37,7 +41,10 @@ def test_prompt_attention_real_size_gpu():
     k, v = (torch.randn(t, 2, 256, device="cuda", generator=gen).bfloat16() for _ in range(2))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = prompt_attention(q, k, v, seq_lens, 256**-0.5)
-    expected = torch.cat([causal_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(),
-                                           256**-0.5)
-                          for a, b in ((0, 4096), (4096, t))])  # fmt: skip
+    expected = torch.cat(
+        [
+            causal_attention(q[a:b].float(), k[a:b].float(), v[a:b].float(), 256**-0.5)
+            for a, b in ((0, 4096), (4096, t))
+        ]
+    )
     assert rel_err(out, expected) < 2e-2

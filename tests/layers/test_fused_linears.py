@@ -30,7 +30,7 @@ def test_quantized_fusion_with_padding():
     torch.manual_seed(1)
     mods = [QuantizedLinear(64, n, spec, torch.float32) for n in (9, 1)]
     for m in mods:
-        m.weight.copy_(torch.randint(-2**31, 2**31 - 1, m.weight.shape, dtype=torch.int32))
+        m.weight.copy_(torch.randint(-(2**31), 2**31 - 1, m.weight.shape, dtype=torch.int32))
         m.scales.copy_(torch.rand(m.scales.shape) * 0.01)
         m.biases.copy_(torch.randn(m.biases.shape) * 0.1)
     x = torch.randn(2, 64)

@@ -17,8 +17,12 @@ def hf_positions(types: list[int], images: list, videos: list) -> tuple[torch.Te
     this.get_vision_position_ids = Qwen3_5MoeModel.get_vision_position_ids.__get__(this)
     ids = torch.zeros(1, len(types), dtype=torch.long)
     pos, delta = Qwen3_5MoeModel.get_rope_index(
-        this, ids, torch.tensor([types]), torch.tensor(images) if images else None,
-        torch.tensor(videos) if videos else None)
+        this,
+        ids,
+        torch.tensor([types]),
+        torch.tensor(images) if images else None,
+        torch.tensor(videos) if videos else None,
+    )
     return pos[:, 0], int(delta)
 
 
@@ -37,18 +41,22 @@ def layout(parts: list) -> tuple[list[int], list, list, list]:
             if frame:
                 types += [0] * 3
             runs.append((len(types), (1 if kind == "video" else t, h, w)))
-            types += [IMAGE if kind == "image" else VIDEO] * (per_frame * (1 if kind == "video"
-                                                                            else t))  # fmt: skip
+            types += [IMAGE if kind == "image" else VIDEO] * (
+                per_frame * (1 if kind == "video" else t)
+            )
     return types, images, videos, runs
 
 
-@pytest.mark.parametrize("parts", [
-    [7],
-    [3, ("image", (1, 4, 6)), 5],
-    [("image", (1, 6, 2)), 2, ("image", (1, 2, 2)), 4],
-    [2, ("video", (3, 4, 4)), 3, ("image", (1, 8, 4)), 1],
-    [1, ("video", (2, 2, 6))],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [7],
+        [3, ("image", (1, 4, 6)), 5],
+        [("image", (1, 6, 2)), 2, ("image", (1, 2, 2)), 4],
+        [2, ("video", (3, 4, 4)), 3, ("image", (1, 8, 4)), 1],
+        [1, ("video", (2, 2, 6))],
+    ],
+)
 def test_positions_equal_hf(parts):
     types, images, videos, runs = layout(parts)
     ref, ref_delta = hf_positions(types, images, videos)

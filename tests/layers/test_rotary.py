@@ -15,24 +15,35 @@ YARN = {
     "qwen-1m": {"factor": 4.0, "original_max_position_embeddings": 262144},
     "small-original": {"factor": 4, "original_max_position_embeddings": 64},
     "factor-null": {"factor": None, "original_max_position_embeddings": 100},
-    "mscales-untruncated": {"factor": 3.5, "original_max_position_embeddings": 64,
-                            "mscale": 0.7, "mscale_all_dim": 0.3, "truncate": False,
-                            "beta_fast": 8, "beta_slow": 2},
-    "attention-factor": {"factor": 2.0, "original_max_position_embeddings": 48,
-                         "attention_factor": 0.9, "beta_fast": 0},
+    "mscales-untruncated": {
+        "factor": 3.5,
+        "original_max_position_embeddings": 64,
+        "mscale": 0.7,
+        "mscale_all_dim": 0.3,
+        "truncate": False,
+        "beta_fast": 8,
+        "beta_slow": 2,
+    },
+    "attention-factor": {
+        "factor": 2.0,
+        "original_max_position_embeddings": 48,
+        "attention_factor": 0.9,
+        "beta_fast": 0,
+    },
     "no-original": {"factor": 8.0},
-}  # fmt: skip
+}
 # (head_dim, partial_rotary_factor, rope_theta): the real block, and awkward widths.
 WIDTHS = [(256, 0.25, 1e7), (48, 0.25, 1e4), (24, 0.5, 5e5), (60, 1.0, 1e6)]
 
 
 def _pair(rope: dict, head_dim: int, partial: float, theta: float):
-    hf = Qwen3_5MoeTextConfig(head_dim=head_dim, num_hidden_layers=4,
-                              rope_parameters=rope | {"partial_rotary_factor": partial,
-                                                      "rope_theta": theta})  # fmt: skip
+    hf = Qwen3_5MoeTextConfig(
+        head_dim=head_dim,
+        num_hidden_layers=4,
+        rope_parameters=rope | {"partial_rotary_factor": partial, "rope_theta": theta},
+    )
     args = model_args_from_hf(json.loads(hf.to_json_string()))
-    ours = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.mrope_section,
-                           args.rope_scaling)  # fmt: skip
+    ours = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.mrope_section, args.rope_scaling)
     return ours, Qwen3_5MoeTextRotaryEmbedding(hf)
 
 

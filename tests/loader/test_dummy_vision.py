@@ -13,8 +13,7 @@ def test_dummy_weights_include_the_tower(tmp_path):
     config = PRESETS["qwen3.6-tiny"].to_hf_config()
     assert names_vision(config) and not names_vision(config["text_config"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", dtype="float32",
-              max_model_len=64)  # fmt: skip
+    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", dtype="float32", max_model_len=64)
     tower = llm.model.visual
     params = dict(tower.named_parameters())
     assert all(torch.isfinite(p).all() for p in params.values())

@@ -12,11 +12,22 @@ from sparrow.models.qwen3_5_moe import ModelArgs
 from sparrow.worker.sequences import SequenceBatch
 
 CFG = ModelArgs(
-    vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=2, num_kv_heads=1,
-    head_dim=16, mrope_section=(1, 1, 0), linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=8, linear_value_head_dim=8, num_experts=6, num_experts_per_tok=2,
-    moe_intermediate_size=16, shared_expert_intermediate_size=16,
-)  # fmt: skip
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=4,
+    num_attention_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    mrope_section=(1, 1, 0),
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+)
 
 
 def _write(path, **kw):
@@ -106,16 +117,22 @@ EXPERTS = "model.language_model.layers.1.mlp.experts.gate_up_proj"
 def test_missing_tensor(tmp_path):
     path = _write(tmp_path)
     _edit(path, lambda t: t.pop(EXPERTS))
-    with pytest.raises(CheckpointError, match=r"missing tensors: layers\.1\.mlp\.experts"
-                       r"\.gate_up_proj \(expected shape \[6, 32, 32\]\)"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing tensors: layers\.1\.mlp\.experts"
+        r"\.gate_up_proj \(expected shape \[6, 32, 32\]\)",
+    ):
         _load(path)
 
 
 def test_missing_expert_of_per_expert_layout(tmp_path):
     path = _write(tmp_path, per_expert=True)
     _edit(path, lambda t: t.pop("model.language_model.layers.2.mlp.experts.4.down_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"layers\.2\.mlp\.experts\.down_proj \(expert 4, "
-                       r"down_proj; full shape \[6, 32, 16\]\)"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.2\.mlp\.experts\.down_proj \(expert 4, "
+        r"down_proj; full shape \[6, 32, 16\]\)",
+    ):
         _load(path)
 
 
@@ -132,8 +149,11 @@ def test_wrong_dtype(tmp_path):
     path = _write(tmp_path)
     name = "model.language_model.norm.weight"
     _edit(path, lambda t: t.update({name: torch.zeros(32, dtype=torch.int32)}))
-    with pytest.raises(CheckpointError, match=r"norm\.weight.* dtype torch.int32, expected a "
-                       r"float dtype with shape \[32\]"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"norm\.weight.* dtype torch.int32, expected a "
+        r"float dtype with shape \[32\]",
+    ):
         _load(path)
 
 

@@ -16,8 +16,9 @@ from tests.conftest import rel_err
 TINY = {
     "qwen3_5_moe": PRESETS["qwen3.6-tiny"].replace(vocab_size=320, initializer_range=0.1),
     # MSA blocks of 4 tokens, top-2: PROMPT spans 8 blocks, so selection drops most of them.
-    "minimax_m3": PRESETS["minimax-m3-tiny"].replace(vocab_size=320, initializer_range=0.1,
-                                                     index_block_size=4),
+    "minimax_m3": PRESETS["minimax-m3-tiny"].replace(
+        vocab_size=320, initializer_range=0.1, index_block_size=4
+    ),
 }
 TOL = 1e-4
 PROMPT = [(7 * i + 3) % 320 for i in range(29)]

@@ -47,10 +47,14 @@ PROMPT_LENGTHS = (9, 70, 23)  # 70: more than one 64-token GDN chunk in HF
 LIN, FULL = "linear_attention", "full_attention"
 
 
-def _rope(partial: float, section: list[int] | None = None, theta: float = 10_000.0,
-          **yarn) -> dict:  # fmt: skip
-    rope = {"rope_type": "yarn" if yarn else "default", "rope_theta": theta,
-            "partial_rotary_factor": partial} | yarn  # fmt: skip
+def _rope(
+    partial: float, section: list[int] | None = None, theta: float = 10_000.0, **yarn
+) -> dict:
+    rope = {
+        "rope_type": "yarn" if yarn else "default",
+        "rope_theta": theta,
+        "partial_rotary_factor": partial,
+    } | yarn
     return rope | ({"mrope_section": section, "mrope_interleaved": True} if section else {})
 
 
@@ -68,82 +72,208 @@ class Case:
 CASES = {
     # HF's own rope_parameters (no mrope_section: HF falls back to [11, 11, 10]); rotary
     # dim 48 * 0.25 = 12. MQA (3 q heads, 1 kv head), top-1 of 10 experts.
-    "text-mqa-default-rope": Case("text", dict(
-        vocab_size=250, hidden_size=96, num_hidden_layers=4, layer_types=[FULL, LIN, LIN, FULL],
-        num_attention_heads=3, num_key_value_heads=1, head_dim=48,
-        linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=24,
-        linear_value_head_dim=40, num_experts=10, num_experts_per_tok=1,
-        moe_intermediate_size=40, shared_expert_intermediate_size=56)),
+    "text-mqa-default-rope": Case(
+        "text",
+        dict(
+            vocab_size=250,
+            hidden_size=96,
+            num_hidden_layers=4,
+            layer_types=[FULL, LIN, LIN, FULL],
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=48,
+            linear_num_key_heads=3,
+            linear_num_value_heads=6,
+            linear_key_head_dim=24,
+            linear_value_head_dim=40,
+            num_experts=10,
+            num_experts_per_tok=1,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=56,
+        ),
+    ),
     # mrope_section given and consistent with the rotary dim (12 / 2 = 2 + 2 + 2).
-    "text-gqa": Case("text", dict(
-        vocab_size=250, hidden_size=96, num_hidden_layers=3, layer_types=[LIN, FULL, LIN],
-        num_attention_heads=6, num_key_value_heads=3, head_dim=48,
-        rope_parameters=_rope(0.25, [2, 2, 2]),
-        linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=40,
-        linear_value_head_dim=24, num_experts=6, num_experts_per_tok=3,
-        moe_intermediate_size=40, shared_expert_intermediate_size=56), seed=1),
+    "text-gqa": Case(
+        "text",
+        dict(
+            vocab_size=250,
+            hidden_size=96,
+            num_hidden_layers=3,
+            layer_types=[LIN, FULL, LIN],
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            head_dim=48,
+            rope_parameters=_rope(0.25, [2, 2, 2]),
+            linear_num_key_heads=3,
+            linear_num_value_heads=6,
+            linear_key_head_dim=40,
+            linear_value_head_dim=24,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=56,
+        ),
+        seed=1,
+    ),
     # ConditionalGeneration layout; rotary dim 24 * 0.5 = 12, sections [3, 2, 1].
-    "vlm-gqa": Case("vlm", dict(
-        vocab_size=333, hidden_size=120, num_hidden_layers=3, layer_types=[FULL, LIN, FULL],
-        num_attention_heads=6, num_key_value_heads=2, head_dim=24,
-        rope_parameters=_rope(0.5, [3, 2, 1]),
-        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=40,
-        linear_value_head_dim=24, num_experts=10, num_experts_per_tok=3,
-        moe_intermediate_size=24, shared_expert_intermediate_size=40), seed=2),
+    "vlm-gqa": Case(
+        "vlm",
+        dict(
+            vocab_size=333,
+            hidden_size=120,
+            num_hidden_layers=3,
+            layer_types=[FULL, LIN, FULL],
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=24,
+            rope_parameters=_rope(0.5, [3, 2, 1]),
+            linear_num_key_heads=2,
+            linear_num_value_heads=6,
+            linear_key_head_dim=40,
+            linear_value_head_dim=24,
+            num_experts=10,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        ),
+        seed=2,
+    ),
     # ConditionalGeneration with HF's default rope block; rotary dim 40 * 0.25 = 10. MHA.
-    "vlm-default-rope": Case("vlm", dict(
-        vocab_size=1000, hidden_size=96, num_hidden_layers=2, layer_types=[LIN, FULL],
-        num_attention_heads=3, num_key_value_heads=3, head_dim=40,
-        linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=24,
-        linear_value_head_dim=24, num_experts=6, num_experts_per_tok=1,
-        moe_intermediate_size=24, shared_expert_intermediate_size=24), seed=3),
+    "vlm-default-rope": Case(
+        "vlm",
+        dict(
+            vocab_size=1000,
+            hidden_size=96,
+            num_hidden_layers=2,
+            layer_types=[LIN, FULL],
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            head_dim=40,
+            linear_num_key_heads=3,
+            linear_num_value_heads=3,
+            linear_key_head_dim=24,
+            linear_value_head_dim=24,
+            num_experts=6,
+            num_experts_per_tok=1,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=24,
+        ),
+        seed=3,
+    ),
     # The real checkpoints' rope block (head_dim 256, 0.25, [11, 11, 10], theta 1e7).
-    "vlm-qwen-rope": Case("vlm", dict(
-        vocab_size=515, hidden_size=72, num_hidden_layers=3, layer_types=[LIN, LIN, FULL],
-        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
-        rope_parameters=_rope(0.25, [11, 11, 10], theta=10_000_000.0),
-        linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16,
-        linear_value_head_dim=32, num_experts=12, num_experts_per_tok=3,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48), seed=4),
+    "vlm-qwen-rope": Case(
+        "vlm",
+        dict(
+            vocab_size=515,
+            hidden_size=72,
+            num_hidden_layers=3,
+            layer_types=[LIN, LIN, FULL],
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=256,
+            rope_parameters=_rope(0.25, [11, 11, 10], theta=10_000_000.0),
+            linear_num_key_heads=2,
+            linear_num_value_heads=6,
+            linear_key_head_dim=16,
+            linear_value_head_dim=32,
+            num_experts=12,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+        seed=4,
+    ),
     # YaRN over 64 original positions (factor 4: a context of 256), prompts longer than 64.
     # The real rope block; most frequencies interpolated, cos and sin scaled by 1.139.
-    "vlm-yarn": Case("vlm", dict(
-        vocab_size=515, hidden_size=72, num_hidden_layers=3, layer_types=[FULL, LIN, FULL],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=256,
-        rope_parameters=_rope(0.25, [11, 11, 10], theta=10_000_000.0, factor=4.0,
-                              original_max_position_embeddings=64),
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=32, num_experts=12, num_experts_per_tok=3,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48), seed=7,
-        lengths=(100, 9, 70)),
+    "vlm-yarn": Case(
+        "vlm",
+        dict(
+            vocab_size=515,
+            hidden_size=72,
+            num_hidden_layers=3,
+            layer_types=[FULL, LIN, FULL],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=256,
+            rope_parameters=_rope(
+                0.25,
+                [11, 11, 10],
+                theta=10_000_000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=32,
+            num_experts=12,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+        seed=7,
+        lengths=(100, 9, 70),
+    ),
     # YaRN with every optional key, in the text layout (a context of 144); rotary dim 12.
-    "text-yarn": Case("text", dict(
-        vocab_size=250, hidden_size=96, num_hidden_layers=2, layer_types=[FULL, LIN],
-        num_attention_heads=6, num_key_value_heads=3, head_dim=48,
-        rope_parameters=_rope(0.25, [2, 2, 2], factor=3.0,
-                              original_max_position_embeddings=48, beta_fast=16, beta_slow=2,
-                              mscale=1.0, mscale_all_dim=0.5, truncate=False),
-        linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=24,
-        linear_value_head_dim=24, num_experts=6, num_experts_per_tok=2,
-        moe_intermediate_size=40, shared_expert_intermediate_size=56), seed=8,
-        lengths=(90, 41, 9)),
-}  # fmt: skip
+    "text-yarn": Case(
+        "text",
+        dict(
+            vocab_size=250,
+            hidden_size=96,
+            num_hidden_layers=2,
+            layer_types=[FULL, LIN],
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            head_dim=48,
+            rope_parameters=_rope(
+                0.25,
+                [2, 2, 2],
+                factor=3.0,
+                original_max_position_embeddings=48,
+                beta_fast=16,
+                beta_slow=2,
+                mscale=1.0,
+                mscale_all_dim=0.5,
+                truncate=False,
+            ),
+            linear_num_key_heads=3,
+            linear_num_value_heads=6,
+            linear_key_head_dim=24,
+            linear_value_head_dim=24,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=56,
+        ),
+        seed=8,
+        lengths=(90, 41, 9),
+    ),
+}
 # Tied embeddings: HF writes no lm_head tensor. In the VLM layout HF sets the flag at the top
 # level and writes text_config.tie_word_embeddings false; HF ties by the top-level flag.
 TIED = {
     "text-tied": Case("text", CASES["text-gqa"].text, tie=True, seed=5),
     "vlm-tied": Case("vlm", CASES["vlm-gqa"].text, tie=True, seed=6),
 }
-SMALL_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
-                    num_position_embeddings=16)  # fmt: skip
+SMALL_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=8,
+    num_position_embeddings=16,
+)
 
 
 def save_hf_checkpoint(path: Path, case: Case, eos_token_id: int | None = -1) -> torch.nn.Module:
     """Build the case's model with HF (fp32, seeded; weights std 0.1 so every layer moves the
     logits), `save_pretrained` it to `path` with a word-level tokenizer. eos -1: the last id."""
     vocab = case.text["vocab_size"]
-    text = dict(case.text, initializer_range=0.1,
-                eos_token_id=vocab - 1 if eos_token_id == -1 else eos_token_id)  # fmt: skip
+    text = dict(
+        case.text,
+        initializer_range=0.1,
+        eos_token_id=vocab - 1 if eos_token_id == -1 else eos_token_id,
+    )
     torch.manual_seed(case.seed)
     if case.layout == "text":
         hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text, tie_word_embeddings=case.tie))
@@ -270,11 +400,11 @@ def test_yarn_changes_the_logits(name, tmp_path):
     assert len(prompt) > args.rope_scaling.original_max_position_embeddings
     errs = []
     for scaling in (args.rope_scaling, None):
-        model.rotary = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.mrope_section,
-                                       scaling)  # fmt: skip
+        model.rotary = RotaryEmbedding(
+            args.rotary_dim, args.rope_theta, args.mrope_section, scaling
+        )
         with torch.inference_mode():
-            errs.append(rel_err(model.logits(SequenceBatch(model, 1, 100).forward([prompt])),
-                                want))  # fmt: skip
+            errs.append(rel_err(model.logits(SequenceBatch(model, 1, 100).forward([prompt])), want))
     assert errs[0] < TOL, f"YaRN: rel err {errs[0]:.2e}"
     assert errs[1] > 100 * TOL, f"plain RoPE is as close to HF as YaRN: {errs[1]:.2e}"
 
@@ -298,8 +428,10 @@ def test_checkpoint_without_eos_token_loads(tmp_path):
 @pytest.mark.parametrize("eos", [0, 249, [249, 0]], ids=["id0", "last-id", "list"])
 def test_eos_token_ids_of_the_config_stop_generation(eos, tmp_path):
     """Whatever HF writes as eos_token_id (0 included) is among the default stop ids."""
-    case = dataclasses.replace(CASES["text-gqa"], text=CASES["text-gqa"].text | {
-        "num_hidden_layers": 1, "layer_types": [FULL]})  # fmt: skip
+    case = dataclasses.replace(
+        CASES["text-gqa"],
+        text=CASES["text-gqa"].text | {"num_hidden_layers": 1, "layer_types": [FULL]},
+    )
     save_hf_checkpoint(tmp_path, case, eos_token_id=eos)
     expected = set(eos) if isinstance(eos, list) else {eos}
     assert expected <= set(_llm(tmp_path).default_stop_ids)
@@ -314,8 +446,9 @@ GPU_LIMITS = {"max_model_len": 128, "block_size": 128, "max_num_seqs": 4}
 LOGPROB_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 
 
-def _gpu_logprobs(path: Path, prompts: list[list[int]], dtype: torch.dtype,
-                  cuda_graphs: bool) -> list[list]:  # fmt: skip
+def _gpu_logprobs(
+    path: Path, prompts: list[list[int]], dtype: torch.dtype, cuda_graphs: bool
+) -> list[list]:
     """Each prompt's greedy steps [STEPS] as TokenLogprobs (token, log-prob, top 2), from a
     fresh engine that is freed afterwards (its KV cache is sized from the free memory)."""
     llm = _llm(path, "cuda", dtype, enforce_eager=not cuda_graphs, **GPU_LIMITS)

@@ -52,8 +52,9 @@ def save(path: Path, layout: str, text: dict = TEXT) -> torch.nn.Module:
     if layout == "text":
         hf = MiniMaxM3VLForCausalLM(MiniMaxM3VLTextConfig(**text))
     else:
-        config = MiniMaxM3VLConfig(text_config=text, vision_config=VISION,
-                                   projector_hidden_size=text["hidden_size"])  # fmt: skip
+        config = MiniMaxM3VLConfig(
+            text_config=text, vision_config=VISION, projector_hidden_size=text["hidden_size"]
+        )
         hf = MiniMaxM3SparseForConditionalGeneration(config)
     with torch.no_grad():
         for name, buffer in hf.named_buffers():
@@ -149,10 +150,15 @@ def test_wrong_shape_names_file_tensor_and_shape(vlm_dir, tmp_path):
 def test_missing_expert_piece_is_named(vlm_dir, tmp_path):
     for f in ("config.json", "tokenizer.json", "model.safetensors"):
         (tmp_path / f).write_bytes((vlm_dir / f).read_bytes())
-    rewrite(tmp_path, lambda t: t.pop("language_model.model.layers.1.block_sparse_moe."
-                                      "experts.3.w3.weight"))  # fmt: skip
-    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.gate_up_proj "
-                                              r"\(expert 3, up_proj"):  # fmt: skip
+    rewrite(
+        tmp_path,
+        lambda t: t.pop("language_model.model.layers.1.block_sparse_moe.experts.3.w3.weight"),
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.1\.mlp\.experts\.gate_up_proj "
+        r"\(expert 3, up_proj",
+    ):
         LLM(model=str(tmp_path), device="cpu", dtype=torch.float32)
 
 
@@ -164,10 +170,12 @@ def test_unknown_layer_type_is_rejected(tmp_path):
 
 
 def test_page_size_other_than_the_msa_block_is_rejected(vlm_dir):
-    with pytest.raises(ConfigError, match="block_size 16 does not match the model's MSA "
-                                          "block of 4 tokens"):  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="block_size 16 does not match the model's MSA block of 4 tokens"
+    ):
         LLM(model=str(vlm_dir), device="cpu", dtype=torch.float32, block_size=16)
     llm = LLM(model=str(vlm_dir), device="cpu", dtype=torch.float32, block_size=4)
-    with pytest.raises(ValueError, match="cache block size 8 does not match the model's MSA "
-                                         "block of 4 tokens"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="cache block size 8 does not match the model's MSA block of 4 tokens"
+    ):
         ModelCache(llm.model.cache_specs(), 8, 8, 1, "cpu", torch.float32)

@@ -33,8 +33,9 @@ TEXT = dict(vocab_size=64, hidden_size=36, num_hidden_layers=3, num_attention_he
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
-    config = MiniMaxM3VLConfig(text_config=TEXT, vision_config=VISION, projector_hidden_size=44,
-                               image_token_index=IMAGE_ID)  # fmt: skip
+    config = MiniMaxM3VLConfig(
+        text_config=TEXT, vision_config=VISION, projector_hidden_size=44, image_token_index=IMAGE_ID
+    )
     hf = MiniMaxM3SparseForConditionalGeneration(config).eval()
     randomize(hf.model.vision_tower, 1)
     randomize(hf.model.multi_modal_projector, 2)
@@ -46,22 +47,33 @@ def checkpoint(tmp_path_factory):
 def run_both(checkpoint, prompt, pixels, grids, runs):
     path, hf = checkpoint
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), pixel_values=torch.cat(pixels),
-                          image_grid_thw=torch.tensor(grids), max_new_tokens=STEPS,
-                          do_sample=False)[0, len(prompt):].tolist()  # fmt: skip
-    llm = LLM(model=str(path), device="cpu", dtype=torch.float32, max_model_len=256,
-              num_blocks=128, max_num_batched_tokens=16)  # fmt: skip
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            pixel_values=torch.cat(pixels),
+            image_grid_thw=torch.tensor(grids),
+            max_new_tokens=STEPS,
+            do_sample=False,
+        )[0, len(prompt) :].tolist()
+    llm = LLM(
+        model=str(path),
+        device="cpu",
+        dtype=torch.float32,
+        max_model_len=256,
+        num_blocks=128,
+        max_num_batched_tokens=16,
+    )
     assert llm.info().media
-    media = [MediaItem((r,), p, g, f"img{r}")
-             for r, p, g in zip(runs, pixels, grids, strict=True)]  # fmt: skip
-    request = llm.add_request(prompt, SamplingParams(max_tokens=STEPS, ignore_eos=True),
-                              media=media)  # fmt: skip
+    media = [MediaItem((r,), p, g, f"img{r}") for r, p, g in zip(runs, pixels, grids, strict=True)]
+    request = llm.add_request(
+        prompt, SamplingParams(max_tokens=STEPS, ignore_eos=True), media=media
+    )
     # every cached block of the prompt depends on all its images: one key for all of them
     assert {s.digest for s in request.media} == {"+".join(m.digest for m in media)}
     out = []
     while llm.has_unfinished():
-        out += [t for o in llm.step() if o.request_id == request.request_id
-                for t in o.new_token_ids]  # fmt: skip
+        out += [
+            t for o in llm.step() if o.request_id == request.request_id for t in o.new_token_ids
+        ]
     return out, ref
 
 

@@ -124,8 +124,10 @@ def test_chunked_prefill_equals_one_piece(models):
     ids = prompt(66, TEXT["vocab_size"], 2)
     whole = ours.logits(SequenceBatch(ours, 1, 70).forward([ids]))
     batch = SequenceBatch(ours, 1, 70)
-    pieces = [ours.logits(batch.forward([ids[i : i + n]]))
-              for i, n in zip((0, 5, 22, 23, 50), (5, 17, 1, 27, 16), strict=True)]  # fmt: skip
+    pieces = [
+        ours.logits(batch.forward([ids[i : i + n]]))
+        for i, n in zip((0, 5, 22, 23, 50), (5, 17, 1, 27, 16), strict=True)
+    ]
     assert rel_err(torch.cat(pieces), whole) < TOL
     assert rel_err(whole, hf_logits(hf, ids)) < TOL
 
@@ -142,6 +144,7 @@ def test_legacy_config_matches_hf():
     hf, ours = build(LEGACY, seed=5)
     ids = prompt(90, LEGACY["vocab_size"], 6)
     batch = SequenceBatch(ours, 1, 96)
-    got = torch.cat([ours.logits(batch.forward([ids[:61]])),
-                     ours.logits(batch.forward([ids[61:]]))])  # fmt: skip
+    got = torch.cat(
+        [ours.logits(batch.forward([ids[:61]])), ours.logits(batch.forward([ids[61:]]))]
+    )
     assert rel_err(got, hf_logits(hf, ids)) < TOL

@@ -34,8 +34,12 @@ TEXT = dict(vocab_size=64, hidden_size=36, num_hidden_layers=1, num_attention_he
             dense_intermediate_size=8, shared_intermediate_size=8, bos_token_id=1,
             eos_token_id=2)
 # fmt: on
-CONFIG = {"model_type": "minimax_m3_vl", "vision_config": VISION, "text_config": TEXT,
-          "projector_hidden_size": 44}  # fmt: skip
+CONFIG = {
+    "model_type": "minimax_m3_vl",
+    "vision_config": VISION,
+    "text_config": TEXT,
+    "projector_hidden_size": 44,
+}
 PATCH_DIM = 3 * 2 * 4 * 4
 
 
@@ -65,14 +69,20 @@ def hf_values(config: MiniMaxM3VLConfig) -> dict:
     """The HF config's values of the MiniMaxM3VisionArgs fields."""
     v = config.vision_config
     return dict(
-        num_layers=v.num_hidden_layers, hidden_size=v.hidden_size,
-        intermediate_size=v.intermediate_size, num_heads=v.num_attention_heads,
-        hidden_act=v.hidden_act, num_channels=v.num_channels, patch_size=v.patch_size,
-        temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
-        layer_norm_eps=v.layer_norm_eps, rope_theta=v.rope_parameters["rope_theta"],
+        num_layers=v.num_hidden_layers,
+        hidden_size=v.hidden_size,
+        intermediate_size=v.intermediate_size,
+        num_heads=v.num_attention_heads,
+        hidden_act=v.hidden_act,
+        num_channels=v.num_channels,
+        patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size,
+        spatial_merge_size=v.spatial_merge_size,
+        layer_norm_eps=v.layer_norm_eps,
+        rope_theta=v.rope_parameters["rope_theta"],
         projector_hidden_size=config.projector_hidden_size,
         text_hidden_size=config.text_config.hidden_size,
-    )  # fmt: skip
+    )
 
 
 def test_args_follow_hf_config():
@@ -85,11 +95,15 @@ def test_args_follow_hf_config():
     assert defaults.head_dim == 80
 
 
-@pytest.mark.parametrize("grids", [
-    [(1, 4, 6)],
-    [(1, 4, 6), (1, 10, 8), (1, 2, 14)],
-    [(2, 6, 4), (1, 8, 8)],
-], ids=["one image", "three images", "video and image"])  # fmt: skip
+@pytest.mark.parametrize(
+    "grids",
+    [
+        [(1, 4, 6)],
+        [(1, 4, 6), (1, 10, 8), (1, 2, 14)],
+        [(2, 6, 4), (1, 8, 8)],
+    ],
+    ids=["one image", "three images", "video and image"],
+)
 @torch.no_grad()
 def test_matches_hf(models, grids):
     hf, ours = models
@@ -140,21 +154,27 @@ def test_checkpoint_names():
     name = minimax_m3_vision.checkpoint_name
     layer = "vision_tower.vision_model.encoder.layers.3"
     pairs = {
-        "vision_tower.vision_model.embeddings.patch_embedding.weight":
-            "vision_tower.embeddings.proj.weight",
+        "vision_tower.vision_model.embeddings.patch_embedding.weight": (
+            "vision_tower.embeddings.proj.weight"
+        ),
         "vision_tower.vision_model.pre_layrnorm.bias": "vision_tower.pre_layrnorm.bias",
         f"{layer}.block_sparse_moe.fc1.weight": "vision_tower.layers.3.mlp.fc1.weight",
         f"{layer}.mlp.fc2.bias": "vision_tower.layers.3.mlp.fc2.bias",
         f"{layer}.self_attn.out_proj.weight": "vision_tower.layers.3.self_attn.out_proj.weight",
         "multi_modal_projector.linear_2.weight": "multi_modal_projector.linear_2.weight",
         "patch_merge_mlp.linear_1.bias": "multi_modal_projector.merge_linear_1.bias",
-        "model.vision_tower.layers.0.layer_norm1.weight":
-            "vision_tower.layers.0.layer_norm1.weight",
-        "model.multi_modal_projector.merge_linear_2.weight":
-            "multi_modal_projector.merge_linear_2.weight",
-    }  # fmt: skip
+        "model.vision_tower.layers.0.layer_norm1.weight": (
+            "vision_tower.layers.0.layer_norm1.weight"
+        ),
+        "model.multi_modal_projector.merge_linear_2.weight": (
+            "multi_modal_projector.merge_linear_2.weight"
+        ),
+    }
     for checkpoint, ours in pairs.items():
         assert name(checkpoint) == ours, checkpoint
-    for other in ("language_model.model.layers.0.block_sparse_moe.gate.weight",
-                  "model.language_model.embed_tokens.weight", "lm_head.weight"):
+    for other in (
+        "language_model.model.layers.0.block_sparse_moe.gate.weight",
+        "model.language_model.embed_tokens.weight",
+        "lm_head.weight",
+    ):
         assert name(other) is None

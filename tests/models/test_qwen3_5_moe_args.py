@@ -62,8 +62,9 @@ def test_bad_files(tmp_path):
         load_model_args(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe_text"}))
     # keys left out take HF's defaults, which differ from the released checkpoint's here
-    assert load_model_args(tmp_path) == ModelArgs(rope_theta=10_000.0,
-                                                  max_position_embeddings=32768)
+    assert load_model_args(tmp_path) == ModelArgs(
+        rope_theta=10_000.0, max_position_embeddings=32768
+    )
 
 
 @pytest.mark.parametrize("head_dim, factor", [(48, 0.25), (24, 0.5), (256, 0.25)])
@@ -78,9 +79,15 @@ def test_hf_configs_without_mrope_section_load(head_dim, factor):
 
     from sparrow.layers.rotary import RotaryEmbedding
 
-    hf = Qwen3_5MoeTextConfig(head_dim=head_dim, num_hidden_layers=4,
-                              rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                               "partial_rotary_factor": factor})  # fmt: skip
+    hf = Qwen3_5MoeTextConfig(
+        head_dim=head_dim,
+        num_hidden_layers=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": factor,
+        },
+    )
     raw = json.loads(hf.to_json_string())
     assert "mrope_section" not in raw["rope_parameters"]
     args = model_args_from_hf(raw)
@@ -89,7 +96,8 @@ def test_hf_configs_without_mrope_section_load(head_dim, factor):
     ours = RotaryEmbedding(args.rotary_dim, args.rope_theta, args.mrope_section)
     cos, sin = ours.cos_sin(positions, torch.float32)
     want_cos, want_sin = Qwen3_5MoeTextRotaryEmbedding(hf)(
-        torch.zeros(1, dtype=torch.float32), positions.expand(3, 1, -1))
+        torch.zeros(1, dtype=torch.float32), positions.expand(3, 1, -1)
+    )
     torch.testing.assert_close(cos, want_cos[0], rtol=0, atol=0)
     torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=0)
 
@@ -98,8 +106,10 @@ def test_full_attention_interval_lays_out_layers():
     raw = ModelArgs(num_layers=6).to_hf_text_config()
     del raw["layer_types"]
     raw["full_attention_interval"] = 3
-    assert model_args_from_hf(raw).layer_types == ("linear_attention", "linear_attention",
-                                                   "full_attention") * 2
+    assert (
+        model_args_from_hf(raw).layer_types
+        == ("linear_attention", "linear_attention", "full_attention") * 2
+    )
 
 
 def _yarn_text(**rope) -> dict:
@@ -122,8 +132,16 @@ def test_yarn_parses_with_hf_defaults():
 def test_yarn_round_trips_through_hf_configs():
     from transformers import Qwen3_5MoeConfig
 
-    yarn = YarnScaling(3.0, 64, beta_fast=8.0, beta_slow=2.0, mscale=0.7, mscale_all_dim=0.3,
-                       attention_factor=1.2, truncate=False)  # fmt: skip
+    yarn = YarnScaling(
+        3.0,
+        64,
+        beta_fast=8.0,
+        beta_slow=2.0,
+        mscale=0.7,
+        mscale_all_dim=0.3,
+        attention_factor=1.2,
+        truncate=False,
+    )
     cfg = ModelArgs(num_layers=4, max_position_embeddings=192, rope_scaling=yarn)
     assert model_args_from_hf(cfg.to_hf_config()) == cfg
     hf = Qwen3_5MoeConfig(**cfg.to_hf_config())  # HF reads the same keys back
@@ -138,13 +156,24 @@ def test_yarn_round_trips_through_hf_configs():
         # a null factor: max_position_embeddings / original
         ({"factor": None, "original_max_position_embeddings": 65536}, {}, YarnScaling(4.0, 65536)),
         # 0 or null betas take HF's 32 and 1
-        ({"factor": 2.0, "original_max_position_embeddings": 64, "beta_fast": 0,
-          "beta_slow": None}, {}, YarnScaling(2.0, 64)),
+        (
+            {
+                "factor": 2.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 0,
+                "beta_slow": None,
+            },
+            {},
+            YarnScaling(2.0, 64),
+        ),
         # a text-config original_max_position_embeddings wins over rope_parameters' (HF)
-        ({"factor": 2.0, "original_max_position_embeddings": 64},
-         {"original_max_position_embeddings": 128}, YarnScaling(2.0, 128)),
+        (
+            {"factor": 2.0, "original_max_position_embeddings": 64},
+            {"original_max_position_embeddings": 128},
+            YarnScaling(2.0, 128),
+        ),
     ],
-)  # fmt: skip
+)
 def test_yarn_fills_what_hf_fills(rope, text, expected):
     assert model_args_from_hf(_yarn_text(**rope) | text).rope_scaling == expected
 
@@ -154,9 +183,11 @@ def test_legacy_rope_scaling_block():
     partial_rotary_factor may then sit in the text config."""
     text = ModelArgs().to_hf_text_config()
     del text["rope_parameters"]
-    text |= {"rope_scaling": {"type": "yarn", "factor": 4.0,
-                              "original_max_position_embeddings": 4096},
-             "rope_theta": 5e5, "partial_rotary_factor": 0.5}  # fmt: skip
+    text |= {
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+        "rope_theta": 5e5,
+        "partial_rotary_factor": 0.5,
+    }
     args = model_args_from_hf(text)
     assert args.rope_scaling == YarnScaling(4.0, 4096)
     assert (args.rope_theta, args.partial_rotary_factor) == (5e5, 0.5)

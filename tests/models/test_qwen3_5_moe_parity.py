@@ -1,6 +1,5 @@
 """Logits parity with the HF oracle (transformers.Qwen3_5MoeForCausalLM), fp32 on CPU."""
 
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -20,15 +19,29 @@ DECODE_STEPS = 8
 # Small, but every mechanism of the real model: GQA 2:1, partial mRoPE, GDN with 2 v-heads
 # per k-head, top-4 of 16 experts, and a layer_types list that is not the default pattern.
 SMALL = ModelArgs(
-    vocab_size=300, hidden_size=64, num_layers=5,
-    layer_types=("linear_attention", "full_attention", "linear_attention",
-                 "linear_attention", "full_attention"),
-    num_attention_heads=4, num_kv_heads=2, head_dim=32, mrope_section=(2, 1, 1),
-    linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=24,
-    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+    vocab_size=300,
+    hidden_size=64,
+    num_layers=5,
+    layer_types=(
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    ),
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mrope_section=(2, 1, 1),
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=24,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=32,
     shared_expert_intermediate_size=48,
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +49,9 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt")
     # Larger init than HF's default 0.02 so every layer moves the logits measurably.
     cfg = SMALL.replace(initializer_range=0.1)
-    return write_random_checkpoint(path, cfg, seed=1, dtype=torch.float32, tokenizer=False,
-                                   progress=False)  # fmt: skip
+    return write_random_checkpoint(
+        path, cfg, seed=1, dtype=torch.float32, tokenizer=False, progress=False
+    )
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -78,8 +92,7 @@ def test_batched_prefill_and_decode_match_hf(models, lengths):
     batch = SequenceBatch(ours, len(prompts), max(lengths) + DECODE_STEPS)
     with torch.no_grad():
         prefill = ours.logits(batch.forward(prompts)).split(list(lengths))
-        steps = [ours.logits(batch.forward(decode[i, :, None]))
-                 for i in range(DECODE_STEPS)]  # fmt: skip
+        steps = [ours.logits(batch.forward(decode[i, :, None])) for i in range(DECODE_STEPS)]
 
     for b, prompt in enumerate(prompts):
         hf_prefill, hf_steps = _hf_run(hf, prompt, decode[:, b].tolist(), device)

@@ -36,16 +36,28 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=4, num_attention
                              "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
                              "mrope_interleaved": True})
 # fmt: on
-SPEC = dataclasses.replace(QWEN3_5_MOE, patch_size=4, min_pixels=64, max_pixels=4096,
-                           image_token_id=IMAGE_ID, start_token_id=START, end_token_id=END)
+SPEC = dataclasses.replace(
+    QWEN3_5_MOE,
+    patch_size=4,
+    min_pixels=64,
+    max_pixels=4096,
+    image_token_id=IMAGE_ID,
+    start_token_id=START,
+    end_token_id=END,
+)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE_ID,
-                           video_token_id=VIDEO_ID, vision_start_token_id=START,
-                           vision_end_token_id=END)  # fmt: skip
+    cfg = Qwen3_5MoeConfig(
+        text_config=TEXT,
+        vision_config=VISION,
+        image_token_id=IMAGE_ID,
+        video_token_id=VIDEO_ID,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+    )
     hf = Qwen3_5MoeForConditionalGeneration(cfg).eval()
     randomize(hf.model.visual, 1)
     path = tmp_path_factory.mktemp("vlm")
@@ -61,17 +73,30 @@ def image(height: int, width: int, seed: int) -> Image.Image:
 def run_both(checkpoint, prompt, items, types, **hf_inputs):
     path, hf = checkpoint
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), mm_token_type_ids=torch.tensor([types]),
-                          max_new_tokens=STEPS, do_sample=False, **hf_inputs)
-    ref = ref[0, len(prompt):]
-    llm = LLM(model=str(path), device="cpu", dtype=torch.float32, max_model_len=256,
-              block_size=16, num_blocks=32)  # fmt: skip
-    request = llm.add_request(prompt, SamplingParams(max_tokens=STEPS, ignore_eos=True),
-                              media=items)  # fmt: skip
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            mm_token_type_ids=torch.tensor([types]),
+            max_new_tokens=STEPS,
+            do_sample=False,
+            **hf_inputs,
+        )
+    ref = ref[0, len(prompt) :]
+    llm = LLM(
+        model=str(path),
+        device="cpu",
+        dtype=torch.float32,
+        max_model_len=256,
+        block_size=16,
+        num_blocks=32,
+    )
+    request = llm.add_request(
+        prompt, SamplingParams(max_tokens=STEPS, ignore_eos=True), media=items
+    )
     out = []
     while llm.has_unfinished():
-        out += [t for o in llm.step() if o.request_id == request.request_id
-                for t in o.new_token_ids]  # fmt: skip
+        out += [
+            t for o in llm.step() if o.request_id == request.request_id for t in o.new_token_ids
+        ]
     return out, ref.tolist()
 
 
@@ -81,9 +106,14 @@ def test_image_prompt_equals_hf(checkpoint):
     prompt = [5, 9, START] + [IMAGE_ID] * n + [END, 11, 12, 13]
     types = [1 if t == IMAGE_ID else 0 for t in prompt]
     item = MediaItem((3,), processed.pixel_values, processed.grid_thw, "img")
-    ours, ref = run_both(checkpoint, prompt, [item], types,
-                         pixel_values=processed.pixel_values,
-                         image_grid_thw=torch.tensor([processed.grid_thw]))  # fmt: skip
+    ours, ref = run_both(
+        checkpoint,
+        prompt,
+        [item],
+        types,
+        pixel_values=processed.pixel_values,
+        image_grid_thw=torch.tensor([processed.grid_thw]),
+    )
     assert ours == ref
 
 
@@ -93,10 +123,21 @@ def test_video_prompt_equals_hf(checkpoint):
     grid = (2, 4, 6)
     pixels = torch.randn(2 * 4 * 6, 3 * 2 * 4 * 4, generator=gen)
     per_frame = 4 * 6 // 4
-    prompt = [5, 20, 21, START] + [VIDEO_ID] * per_frame + [END, 22, 23, START] \
-        + [VIDEO_ID] * per_frame + [END, 11, 12]  # fmt: skip
+    prompt = (
+        [5, 20, 21, START]
+        + [VIDEO_ID] * per_frame
+        + [END, 22, 23, START]
+        + [VIDEO_ID] * per_frame
+        + [END, 11, 12]
+    )
     types = [2 if t == VIDEO_ID else 0 for t in prompt]
     item = MediaItem((4, 4 + per_frame + 4), pixels, grid, "vid", video=True)
-    ours, ref = run_both(checkpoint, prompt, [item], types, pixel_values_videos=pixels,
-                         video_grid_thw=torch.tensor([grid]))  # fmt: skip
+    ours, ref = run_both(
+        checkpoint,
+        prompt,
+        [item],
+        types,
+        pixel_values_videos=pixels,
+        video_grid_thw=torch.tensor([grid]),
+    )
     assert ours == ref

@@ -88,11 +88,15 @@ def test_args_follow_hf_config():
     assert dataclasses.replace(defaults, out_hidden_size=2048) == Qwen3_5VisionArgs()
 
 
-@pytest.mark.parametrize("grids", [
-    [(1, 4, 6)],
-    [(1, 4, 6), (1, 10, 8), (1, 2, 14)],
-    [(2, 6, 4), (1, 8, 8)],
-], ids=["one image", "three images", "video and image"])  # fmt: skip
+@pytest.mark.parametrize(
+    "grids",
+    [
+        [(1, 4, 6)],
+        [(1, 4, 6), (1, 10, 8), (1, 2, 14)],
+        [(2, 6, 4), (1, 8, 8)],
+    ],
+    ids=["one image", "three images", "video and image"],
+)
 @torch.no_grad()
 def test_matches_hf(towers, grids):
     hf, ours = towers
@@ -111,7 +115,7 @@ def test_attention_stays_within_each_frame(towers):
     together = ours(patches, grid)
     alone, start = [], 0
     for t, h, w in grids:
-        alone.append(ours(patches[start:start + t * h * w], torch.tensor([[t, h, w]])))
+        alone.append(ours(patches[start : start + t * h * w], torch.tensor([[t, h, w]])))
         start += t * h * w
     assert rel_err(together, torch.cat(alone)) < 1e-5
     # Frame 1 of the video alone equals its half of the video's output.
@@ -123,12 +127,23 @@ def test_attention_stays_within_each_frame(towers):
 @torch.no_grad()
 def test_patches_from_the_multimodal_pipeline(towers):
     hf, ours = towers
-    spec = ImageSpec(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=64,
-                     max_pixels=48 * 48, image_mean=(0.5,) * 3, image_std=(0.5,) * 3,
-                     image_token_id=1, start_token_id=2, end_token_id=3)  # fmt: skip
+    spec = ImageSpec(
+        patch_size=4,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=64,
+        max_pixels=48 * 48,
+        image_mean=(0.5,) * 3,
+        image_std=(0.5,) * 3,
+        image_token_id=1,
+        start_token_id=2,
+        end_token_id=3,
+    )
     rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-              for h, w in ((37, 50), (20, 20))]  # fmt: skip
+    images = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for h, w in ((37, 50), (20, 20))
+    ]
     processed = [preprocess_image(image, spec) for image in images]
     patches = torch.cat([p.pixel_values for p in processed])
     grid = torch.tensor([p.grid_thw for p in processed])
@@ -140,8 +155,9 @@ def test_patches_from_the_multimodal_pipeline(towers):
 @torch.no_grad()
 def test_loads_a_save_pretrained_checkpoint(tmp_path):
     torch.manual_seed(0)
-    hf = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=TEXT,
-                                                             vision_config=VISION)).eval()
+    hf = Qwen3_5MoeForConditionalGeneration(
+        Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION)
+    ).eval()
     randomize(hf.model.visual, 1)
     hf.save_pretrained(tmp_path)
     ours = load_vision_checkpoint(tmp_path)
@@ -165,11 +181,10 @@ def test_bad_state_dicts_name_the_tensor(towers):
     qkv = "model.visual.blocks.1.attn.qkv.weight"
     cases = [
         ({qkv: torch.zeros(180, 59)}, rf"'{qkv}' has shape \[180, 59\], expected \[180, 60\]"),
-        ({"model.visual.deepstack_merger_list.0.norm.weight": torch.ones(60)},
-         "does not belong"),
+        ({"model.visual.deepstack_merger_list.0.norm.weight": torch.ones(60)}, "does not belong"),
         ({qkv: torch.zeros(180, 60, dtype=torch.int32)}, "dtype torch.int32"),
         ({"visual.pos_embed.weight": torch.ones(36, 60)}, "already filled"),
-    ]  # fmt: skip
+    ]
     for change, message in cases:
         with pytest.raises(CheckpointError, match=message):
             load_vision_tensors(CONFIG, good | change)
@@ -185,10 +200,12 @@ def test_bad_inputs_and_configs(towers):
         ours(patches[:-1], grid)
     with pytest.raises(ValueError, match="multiples of the merge size 2"):
         ours(patches[:20], torch.tensor([[1, 4, 5]]))
-    bad = [({"num_heads": 4}, "head dim 15 must be a multiple of 4"),
-           ({"num_position_embeddings": 40}, "not a square"),
-           ({"hidden_act": "relu"}, "hidden_act 'relu'"),
-           ({"patch_size": [4, 4]}, "patch_size must be a positive integer")]  # fmt: skip
+    bad = [
+        ({"num_heads": 4}, "head dim 15 must be a multiple of 4"),
+        ({"num_position_embeddings": 40}, "not a square"),
+        ({"hidden_act": "relu"}, "hidden_act 'relu'"),
+        ({"patch_size": [4, 4]}, "patch_size must be a positive integer"),
+    ]
     for change, message in bad:
         with pytest.raises(ConfigError, match=message):
             Qwen3_5VisionArgs.from_hf({"vision_config": VISION | change})

@@ -15,14 +15,20 @@ import os
 import sys
 from pathlib import Path
 
-SITE = Path(os.environ.get("SPARROW_ORACLE_SITE",
-                           Path(__file__).resolve().parents[2] / ".oracle-site"))
+SITE = Path(
+    os.environ.get("SPARROW_ORACLE_SITE", Path(__file__).resolve().parents[2] / ".oracle-site")
+)
 
 QWEN_PREPROCESSOR_CONFIG = {
     "size": {"longest_edge": 16777216, "shortest_edge": 65536},
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    "do_rescale": True, "rescale_factor": 0.00392156862745098, "resample": 3,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_rescale": True,
+    "rescale_factor": 0.00392156862745098,
+    "resample": 3,
 }
 M3_PREPROCESSOR_CONFIG = {"size": [672, 672], "patch_size": 14, "resample": 3}
 
@@ -64,15 +70,25 @@ def _smart_resize(name: str, sizes: list) -> list:
     from transformers.models.minimax_m3_vl import image_processing_minimax_m3_vl as m3
     from transformers.models.qwen2_vl import image_processing_qwen2_vl as qwen
 
-    fn, args = {"qwen": (qwen.smart_resize, (32, 65536, 16777216)),
-                "m3": (m3.smart_resize, (28, 3136, 451584))}[name]
+    fn, args = {
+        "qwen": (qwen.smart_resize, (32, 65536, 16777216)),
+        "m3": (m3.smart_resize, (28, 3136, 451584)),
+    }[name]
     return [fn(h, w, *args) for h, w in sizes]
 
 
-QWEN_VIDEO_CONFIG = {"size": {"longest_edge": 25165824, "shortest_edge": 4096}, "patch_size": 16,
-                     "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-                     "image_std": [0.5, 0.5, 0.5], "fps": 2, "min_frames": 4,
-                     "max_frames": 768, "cap_pixels_per_frame": False}  # fmt: skip
+QWEN_VIDEO_CONFIG = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+    "cap_pixels_per_frame": False,
+}
 
 
 def _video_processor(name: str):
@@ -105,13 +121,21 @@ def _run_video(name: str, data: bytes, indices: list | None) -> tuple:
     with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
         f.write(data)
         f.flush()
-        pick = (lambda metadata, **_: processor.sample_frames(metadata)) if indices is None \
-            else (lambda metadata, **_: indices)  # fmt: skip
+        pick = (
+            (lambda metadata, **_: processor.sample_frames(metadata))
+            if indices is None
+            else (lambda metadata, **_: indices)
+        )
         frames, metadata = load_video(f.name, backend="pyav", sample_indices_fn=pick)
-    out = processor(videos=[frames], video_metadata=[metadata], do_sample_frames=False,
-                    return_tensors="pt")  # fmt: skip
-    return (out["pixel_values_videos"], out["video_grid_thw"][0].tolist(),
-            [int(i) for i in metadata.frames_indices], float(metadata.fps))  # fmt: skip
+    out = processor(
+        videos=[frames], video_metadata=[metadata], do_sample_frames=False, return_tensors="pt"
+    )
+    return (
+        out["pixel_values_videos"],
+        out["video_grid_thw"][0].tolist(),
+        [int(i) for i in metadata.frames_indices],
+        float(metadata.fps),
+    )
 
 
 def _placeholder(name: str, grid: list, indices: list, fps: float) -> str:
@@ -126,12 +150,15 @@ def _placeholder(name: str, grid: list, indices: list, fps: float) -> str:
 
     cls = Qwen3VLProcessor if name == "qwen" else MiniMaxM3VLProcessor
     video_processor = SimpleNamespace(merge_size=2, temporal_patch_size=2)
-    this = SimpleNamespace(video_processor=video_processor, video_token="<|video_pad|>",
-                           vision_start_token="<|vision_start|>",
-                           vision_end_token="<|vision_end|>",
-                           VISION_START_TOKEN=cls.__dict__.get("VISION_START_TOKEN"),
-                           VISION_END_TOKEN=cls.__dict__.get("VISION_END_TOKEN"),
-                           VIDEO_TOKEN=cls.__dict__.get("VIDEO_TOKEN"))  # fmt: skip
+    this = SimpleNamespace(
+        video_processor=video_processor,
+        video_token="<|video_pad|>",
+        vision_start_token="<|vision_start|>",
+        vision_end_token="<|vision_end|>",
+        VISION_START_TOKEN=cls.__dict__.get("VISION_START_TOKEN"),
+        VISION_END_TOKEN=cls.__dict__.get("VISION_END_TOKEN"),
+        VIDEO_TOKEN=cls.__dict__.get("VIDEO_TOKEN"),
+    )
     this._calculate_timestamps = lambda *a: Qwen3VLProcessor._calculate_timestamps(this, *a)
     metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=indices)
     inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [metadata]}

@@ -20,8 +20,10 @@ from sparrow.multimodal import (
 )
 from sparrow.multimodal.image import placeholder_token_ids, smart_resize
 
-SPECS = {"qwen": QWEN3_5_MOE.from_preprocessor_config(QWEN_PREPROCESSOR_CONFIG),
-         "m3": MINIMAX_M3.from_preprocessor_config(M3_PREPROCESSOR_CONFIG)}
+SPECS = {
+    "qwen": QWEN3_5_MOE.from_preprocessor_config(QWEN_PREPROCESSOR_CONFIG),
+    "m3": MINIMAX_M3.from_preprocessor_config(M3_PREPROCESSOR_CONFIG),
+}
 
 
 def _noise(height, width, channels=3, seed=0):
@@ -64,8 +66,9 @@ def test_large_photo_bit_identical(hf_oracle_run, name):
 
 
 @pytest.mark.parametrize("name", ["qwen", "m3"])
-@pytest.mark.parametrize("mode,fmt", [("RGBA", "PNG"), ("CMYK", "JPEG"), ("L", "PNG"),
-                                      ("P", "PNG"), ("LA", "PNG")])
+@pytest.mark.parametrize(
+    "mode,fmt", [("RGBA", "PNG"), ("CMYK", "JPEG"), ("L", "PNG"), ("P", "PNG"), ("LA", "PNG")]
+)
 def test_colour_modes_bit_identical(hf_oracle_run, name, mode, fmt):
     channels = {"RGBA": 4, "CMYK": 4, "L": 1, "P": 1, "LA": 2}[mode]
     array = _noise(61, 83, channels, seed=channels)
@@ -108,8 +111,11 @@ def test_degenerate_images_rejected():
 
 def test_smart_resize_matches_hf_over_many_sizes(hf_oracle_run):
     rng = np.random.default_rng(3)
-    sizes = [(int(h), int(w)) for h, w in rng.integers(2, 6000, size=(400, 2))
-             if max(h, w) / min(h, w) <= 200]
+    sizes = [
+        (int(h), int(w))
+        for h, w in rng.integers(2, 6000, size=(400, 2))
+        if max(h, w) / min(h, w) <= 200
+    ]
     for name in ("qwen", "m3"):
         ours = [smart_resize(h, w, SPECS[name]) for h, w in sizes]
         assert ours == [tuple(hw) for hw in hf_oracle_run.smart_resize(name, sizes)]
@@ -121,7 +127,8 @@ def test_specs_and_overrides():
     assert spec_for_model_type("qwen3_5_moe") is QWEN3_5_MOE
     assert spec_for_model_type("minimax_m3_vl") is MINIMAX_M3
     custom = QWEN3_5_MOE.from_preprocessor_config(
-        {"size": {"shortest_edge": 4096, "longest_edge": 10**6}, "max_pixels": 2 * 10**6})
+        {"size": {"shortest_edge": 4096, "longest_edge": 10**6}, "max_pixels": 2 * 10**6}
+    )
     assert (custom.min_pixels, custom.max_pixels) == (4096, 2 * 10**6)
     with pytest.raises(ValueError, match="resample"):
         QWEN3_5_MOE.from_preprocessor_config({"resample": 2})

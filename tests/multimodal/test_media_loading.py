@@ -53,8 +53,11 @@ def test_local_files_only_under_allowed_dir(tmp_path):
     limits = MediaLimits(allowed_dir=allowed)
     assert load_image(str(allowed / "a.png"), limits).size == (37, 21)
     assert load_image(f"file://{allowed / 'a.png'}", limits).size == (37, 21)
-    for escape in (str(tmp_path / "secret.png"), str(allowed / ".." / "secret.png"),
-                   str(allowed / "link.png")):
+    for escape in (
+        str(tmp_path / "secret.png"),
+        str(allowed / ".." / "secret.png"),
+        str(allowed / "link.png"),
+    ):
         with pytest.raises(MediaError, match="outside"):
             load_image(escape, limits)
     with pytest.raises(MediaError, match="not allowed"):
@@ -69,8 +72,13 @@ def test_local_files_only_under_allowed_dir(tmp_path):
 def public_dns(monkeypatch):
     """img.test resolves to a public address (TEST-NET addresses are not public)."""
     real = fetch.resolve
-    monkeypatch.setattr(fetch, "resolve", lambda host, port: (
-        [ipaddress.ip_address("93.184.215.14")] if host == "img.test" else real(host, port)))
+    monkeypatch.setattr(
+        fetch,
+        "resolve",
+        lambda host, port: (
+            [ipaddress.ip_address("93.184.215.14")] if host == "img.test" else real(host, port)
+        ),
+    )
 
 
 def _client(handler):
@@ -108,8 +116,14 @@ def test_http_errors(public_dns):
         return httpx.Response(200, content=b"<html>not an image</html>")
 
     limits = MediaLimits(max_bytes=len(data) + 10)
-    cases = {"/missing": "HTTP 404", "/declared-big": "bytes, over", "/stream-big": "exceeds",
-             "/slow": "timed out", "/down": "ConnectError", "/html": "cannot decode"}
+    cases = {
+        "/missing": "HTTP 404",
+        "/declared-big": "bytes, over",
+        "/stream-big": "exceeds",
+        "/slow": "timed out",
+        "/down": "ConnectError",
+        "/html": "cannot decode",
+    }
     with _client(handler) as client:
         for path, message in cases.items():
             with pytest.raises(MediaError, match=message):
@@ -124,8 +138,14 @@ def test_package_imports_nothing_from_the_engine():
 
     for path in Path(sparrow.multimodal.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
-                assert not name.startswith("sparrow.") or name.startswith("sparrow.multimodal"), \
+                assert not name.startswith("sparrow.") or name.startswith("sparrow.multimodal"), (
                     f"{path.name} imports {name}"
+                )

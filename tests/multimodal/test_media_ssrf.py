@@ -50,27 +50,30 @@ class Recorder:
         return self.handler(request)
 
 
-@pytest.mark.parametrize("url", [
-    "http://127.0.0.1/x.png",
-    "http://10.1.2.3/x.png",
-    "http://169.254.169.254/latest/meta-data",
-    "http://[::1]/x.png",
-    "http://[::ffff:127.0.0.1]/x.png",
-    "http://[::ffff:a9fe:a9fe]:8080/latest",  # 169.254.169.254, IPv4-mapped in hex
-    "http://[2002:7f00:1::]/x.png",  # 6to4 around 127.0.0.1
-    "http://[fd12:3456::1]/x.png",
-    "http://[fe80::1]/x.png",
-    "http://[::]/x.png",
-    "https://2130706433/x.png",  # 127.0.0.1 in decimal
-    "http://0x7f.0.0.1:8000/x.png",
-    "http://017700000001/x.png",  # octal
-    "http://127.1/x.png",
-    "http://0.0.0.0/x.png",
-    "http://100.64.7.9/x.png",  # carrier-grade NAT
-    "http://224.0.0.251/x.png",  # multicast: `is_global` alone lets it through
-    "http://240.1.2.3/x.png",
-    "http://192.168.77.3:31337/a/b?c=d#e",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1/x.png",
+        "http://10.1.2.3/x.png",
+        "http://169.254.169.254/latest/meta-data",
+        "http://[::1]/x.png",
+        "http://[::ffff:127.0.0.1]/x.png",
+        "http://[::ffff:a9fe:a9fe]:8080/latest",  # 169.254.169.254, IPv4-mapped in hex
+        "http://[2002:7f00:1::]/x.png",  # 6to4 around 127.0.0.1
+        "http://[fd12:3456::1]/x.png",
+        "http://[fe80::1]/x.png",
+        "http://[::]/x.png",
+        "https://2130706433/x.png",  # 127.0.0.1 in decimal
+        "http://0x7f.0.0.1:8000/x.png",
+        "http://017700000001/x.png",  # octal
+        "http://127.1/x.png",
+        "http://0.0.0.0/x.png",
+        "http://100.64.7.9/x.png",  # carrier-grade NAT
+        "http://224.0.0.251/x.png",  # multicast: `is_global` alone lets it through
+        "http://240.1.2.3/x.png",
+        "http://192.168.77.3:31337/a/b?c=d#e",
+    ],
+)
 def test_non_public_literals_are_refused_before_any_request(url):
     recorder = Recorder()
     with pytest.raises(MediaError, match=r"private or reserved address \(.+\); refused"):
@@ -144,12 +147,15 @@ def _redirecting(locations):
     return handler
 
 
-@pytest.mark.parametrize("location", [
-    "http://10.0.0.5/x.png",
-    "http://[::1]:8080/x.png",
-    "http://internal.example/x.png",
-    "//169.254.169.254/latest/meta-data",  # scheme-relative
-])
+@pytest.mark.parametrize(
+    "location",
+    [
+        "http://10.0.0.5/x.png",
+        "http://[::1]:8080/x.png",
+        "http://internal.example/x.png",
+        "//169.254.169.254/latest/meta-data",  # scheme-relative
+    ],
+)
 def test_a_redirect_to_a_private_address_is_refused(dns, location):
     dns["cdn.example"] = [PUBLIC]
     dns["internal.example"] = ["172.16.3.4"]
@@ -159,13 +165,16 @@ def test_a_redirect_to_a_private_address_is_refused(dns, location):
     assert len(recorder.requests) == 1
 
 
-@pytest.mark.parametrize(("location", "message"), [
-    ("file:///etc/passwd", "scheme must be http or https, not 'file'"),
-    ("ftp://cdn.example/x.png", "scheme must be http or https"),
-    ("gopher://cdn.example:70/_x", "scheme must be http or https"),
-    ("data:image/png;base64,AAAA", "redirected to an invalid URL"),
-    ("http://[::1/x.png", "RemoteProtocolError"),  # httpx rejects this Location itself
-])
+@pytest.mark.parametrize(
+    ("location", "message"),
+    [
+        ("file:///etc/passwd", "scheme must be http or https, not 'file'"),
+        ("ftp://cdn.example/x.png", "scheme must be http or https"),
+        ("gopher://cdn.example:70/_x", "scheme must be http or https"),
+        ("data:image/png;base64,AAAA", "redirected to an invalid URL"),
+        ("http://[::1/x.png", "RemoteProtocolError"),  # httpx rejects this Location itself
+    ],
+)
 def test_a_redirect_to_another_scheme_or_a_bad_url_is_refused(dns, location, message):
     dns["cdn.example"] = [PUBLIC]
     recorder = Recorder(_redirecting([location]))
@@ -180,12 +189,18 @@ def test_redirects_are_followed_and_checked_hop_by_hop(dns):
     dns["c.example"] = ["8.8.4.4"]
     # Relative, then absolute to another host and port, then path-relative on that host.
     recorder = Recorder(_redirecting(["/1", "https://c.example:444/2", "3"]))
-    assert fetch_bytes("http://a.example/0", MediaLimits(max_redirects=3),
-                       client=recorder.client) == BODY  # fmt: skip
+    assert (
+        fetch_bytes("http://a.example/0", MediaLimits(max_redirects=3), client=recorder.client)
+        == BODY
+    )
     hops = [(r.url.host, r.url.port, r.headers["host"], r.url.path) for r in recorder.requests]
     c = ("8.8.4.4", 444, "c.example:444")
-    assert hops == [(PUBLIC, None, "a.example", "/0"), (PUBLIC, None, "a.example", "/1"),
-                    (*c, "/2"), (*c, "/3")]  # fmt: skip
+    assert hops == [
+        (PUBLIC, None, "a.example", "/0"),
+        (PUBLIC, None, "a.example", "/1"),
+        (*c, "/2"),
+        (*c, "/3"),
+    ]
     recorder = Recorder(_redirecting(["http://b.example/x.png"]))
     with pytest.raises(MediaError, match=r"'b.example' .* \(198\.51\.100\.77\)"):
         fetch_bytes("http://a.example/0", client=recorder.client)
@@ -195,13 +210,15 @@ def test_too_many_redirects(dns):
     dns["loop.example"] = [PUBLIC]
     recorder = Recorder(lambda request: httpx.Response(301, headers={"location": "/again"}))
     with pytest.raises(MediaError, match="more than 2 redirects"):
-        fetch_bytes("http://loop.example/start", MediaLimits(max_redirects=2),
-                    client=recorder.client)  # fmt: skip
+        fetch_bytes(
+            "http://loop.example/start", MediaLimits(max_redirects=2), client=recorder.client
+        )
     assert len(recorder.requests) == 3
     recorder = Recorder(lambda request: httpx.Response(302, headers={"location": "/again"}))
     with pytest.raises(MediaError, match="more than 0 redirects"):
-        fetch_bytes("http://loop.example/start", MediaLimits(max_redirects=0),
-                    client=recorder.client)  # fmt: skip
+        fetch_bytes(
+            "http://loop.example/start", MediaLimits(max_redirects=0), client=recorder.client
+        )
     assert len(recorder.requests) == 1
 
 
@@ -215,8 +232,11 @@ def test_one_deadline_covers_every_hop_and_the_body(dns):
     recorder = Recorder(slow_redirects)
     started = time.monotonic()
     with pytest.raises(MediaError, match="timed out after 0.3 s"):
-        fetch_bytes("http://slow.example/0", MediaLimits(timeout_s=0.3, max_redirects=9),
-                    client=recorder.client)  # fmt: skip
+        fetch_bytes(
+            "http://slow.example/0",
+            MediaLimits(timeout_s=0.3, max_redirects=9),
+            client=recorder.client,
+        )
     assert len(recorder.requests) < 5 and time.monotonic() - started < 1.0
 
     def trickle():
@@ -279,10 +299,28 @@ def test_allow_private_urls_reaches_a_loopback_server():
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not found")
 def test_tls_uses_the_original_name_for_sni_and_the_certificate(dns, tmp_path):
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=img.example", "-addext", "subjectAltName=DNS:img.example",
-                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=img.example",
+            "-addext",
+            "subjectAltName=DNS:img.example",
+            "-keyout",
+            str(tmp_path / "key.pem"),
+            "-out",
+            str(tmp_path / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
     names = []

@@ -21,8 +21,16 @@ from sparrow.multimodal.video import (
 av = pytest.importorskip("av")
 
 
-def encode(frames: int, height: int, width: int, fps: int = 24, codec: str = "mpeg4",
-           fmt: str = "mp4", pts_step=None, seed: int = 0) -> bytes:  # fmt: skip
+def encode(
+    frames: int,
+    height: int,
+    width: int,
+    fps: int = 24,
+    codec: str = "mpeg4",
+    fmt: str = "mp4",
+    pts_step=None,
+    seed: int = 0,
+) -> bytes:
     """A synthetic clip: moving gradients plus noise, so resizing has edges to keep."""
     rng = np.random.default_rng(seed)
     out = io.BytesIO()
@@ -62,7 +70,8 @@ def test_qwen_video_equals_hf(hf_oracle_run, clip):
     assert ours.pixel_values.dtype == ref_pixels.dtype
     assert ours.pixel_values.equal(ref_pixels)
     assert placeholder_text(ours, QWEN3_5_MOE_VIDEO) == hf_oracle_run.placeholder(
-        "qwen", ref_grid, ref_indices, ref_fps)
+        "qwen", ref_grid, ref_indices, ref_fps
+    )
 
 
 @pytest.mark.parametrize("clip", sorted(CLIPS))
@@ -71,11 +80,13 @@ def test_m3_video_equals_hf(hf_oracle_run, clip):
     data = encode(*CLIPS[clip])
     ours = preprocess_video(data, MINIMAX_M3_VIDEO)
     ref_pixels, ref_grid, ref_indices, ref_fps = hf_oracle_run.video(
-        "m3", data, list(ours.frame_indices))
+        "m3", data, list(ours.frame_indices)
+    )
     assert list(ours.grid_thw) == ref_grid and ours.source_fps == ref_fps
     assert ours.pixel_values.equal(ref_pixels)
     assert placeholder_text(ours, MINIMAX_M3_VIDEO) == hf_oracle_run.placeholder(
-        "m3", ref_grid, ref_indices, ref_fps)
+        "m3", ref_grid, ref_indices, ref_fps
+    )
 
 
 def test_sampling_rules():
@@ -116,10 +127,18 @@ def test_bad_videos_are_media_errors():
 
 def test_video_preprocessor_config_overrides():
     """The published Qwen3.6 file's values, and a file that asks for another resample mode."""
-    spec = QWEN3_5_MOE_VIDEO.from_preprocessor_config({
-        "size": {"longest_edge": 1000000, "shortest_edge": 8192}, "fps": 1, "max_frames": 64,
-        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]})  # fmt: skip
+    spec = QWEN3_5_MOE_VIDEO.from_preprocessor_config(
+        {
+            "size": {"longest_edge": 1000000, "shortest_edge": 8192},
+            "fps": 1,
+            "max_frames": 64,
+            "patch_size": 16,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        }
+    )
     assert (spec.min_pixels, spec.max_pixels, spec.fps, spec.max_frames) == (8192, 1000000, 1, 64)
     assert spec.image == QWEN3_5_MOE_VIDEO.image
     assert QWEN3_5_MOE_VIDEO.from_preprocessor_config({"max_pixels": 5000}).max_pixels == 5000

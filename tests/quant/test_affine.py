@@ -33,8 +33,9 @@ def test_first_element_in_lowest_bits():
     assert pack(codes, 4).view(torch.uint32).item() == 0xF7654321
 
 
-@pytest.mark.parametrize("bits, group, dtype", [(4, 64, torch.bfloat16), (8, 64, torch.float16),
-                                                (4, 32, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bits, group, dtype", [(4, 64, torch.bfloat16), (8, 64, torch.float16), (4, 32, torch.float32)]
+)
 def test_dequantize_matches_mlx_definition(bits, group, dtype):
     spec = QuantSpec(bits, group)
     w = torch.randn(7, 3 * group) * torch.linspace(0.1, 3, 7)[:, None]

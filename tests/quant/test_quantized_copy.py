@@ -4,8 +4,13 @@ from sparrow.config import QuantConfig
 from sparrow.layers.quantized import QuantizedExperts, QuantizedLinear, quantized_copy
 from sparrow.models.qwen3_5_moe import ModelArgs, sparse_moe
 
-CFG = ModelArgs(hidden_size=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                  shared_expert_intermediate_size=64)  # fmt: skip
+CFG = ModelArgs(
+    hidden_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+)
 
 
 def test_quantized_copy_of_a_moe_layer():
@@ -14,8 +19,9 @@ def test_quantized_copy_of_a_moe_layer():
     for p in layer.parameters():
         p.requires_grad_(False).normal_(0, 0.05)
     q = quantized_copy(layer, QuantConfig.mlx_default(), torch.float32, prefix="layers.0.mlp.")
-    assert isinstance(q.experts, QuantizedExperts) and isinstance(q.shared_expert.up_proj,
-                                                                  QuantizedLinear)  # fmt: skip
+    assert isinstance(q.experts, QuantizedExperts) and isinstance(
+        q.shared_expert.up_proj, QuantizedLinear
+    )
     assert q.gate.spec.bits == 8 and q.experts.spec.bits == 4
     x = torch.randn(9, 64)
     with torch.no_grad():

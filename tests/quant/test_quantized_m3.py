@@ -22,8 +22,9 @@ CFG = PRESETS["minimax-m3-tiny"].replace(vocab_size=384, initializer_range=0.1)
 @pytest.fixture(scope="module")
 def float_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("m3-float")
-    return write_random_checkpoint(path, CFG, seed=2, dtype=torch.float32, tokenizer=False,
-                                   progress=False)  # fmt: skip
+    return write_random_checkpoint(
+        path, CFG, seed=2, dtype=torch.float32, tokenizer=False, progress=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,14 @@ def test_what_is_quantised(quantized):
     dense, sparse = quantized.layers[0], quantized.layers[1]
     assert isinstance(sparse.mlp.experts, QuantizedOAIExperts)
     assert sparse.mlp.experts.spec.bits == 4
-    for m in (dense.mlp.gate_up_proj, dense.mlp.down_proj, sparse.mlp.shared_experts.gate_up_proj,
-              sparse.self_attn.q_proj, sparse.self_attn.indexer.k_proj, quantized.lm_head):
+    for m in (
+        dense.mlp.gate_up_proj,
+        dense.mlp.down_proj,
+        sparse.mlp.shared_experts.gate_up_proj,
+        sparse.self_attn.q_proj,
+        sparse.self_attn.indexer.k_proj,
+        quantized.lm_head,
+    ):
         assert isinstance(m, QuantizedLinear) and m.spec.bits == 4
     assert isinstance(quantized.embed_tokens, QuantizedEmbedding)
     assert sparse.mlp.gate.weight.dtype == torch.float32  # the router stays float
@@ -85,10 +92,14 @@ def test_kernel_path_matches_reference(tmp_path, monkeypatch):
     import sparrow.layers.sigmoid_moe as sigmoid_moe
     from sparrow.kernels import get_backend, set_backend
 
-    cfg = CFG.replace(num_layers=2, layer_types=("full_attention", "full_attention"),
-                      mlp_layer_types=("dense", "sparse"))  # fmt: skip
-    ckpt = write_random_checkpoint(tmp_path, cfg, seed=3, dtype=torch.float32, tokenizer=False,
-                                   progress=False)  # fmt: skip
+    cfg = CFG.replace(
+        num_layers=2,
+        layer_types=("full_attention", "full_attention"),
+        mlp_layer_types=("dense", "sparse"),
+    )
+    ckpt = write_random_checkpoint(
+        tmp_path, cfg, seed=3, dtype=torch.float32, tokenizer=False, progress=False
+    )
     model = load_checkpoint(ckpt, quantize=QuantConfig.mlx_default(), progress=False)
     assert isinstance(model.layers[1].mlp.experts, QuantizedOAIExperts)
     ids = torch.randint(0, cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(4))
@@ -103,8 +114,9 @@ def test_kernel_path_matches_reference(tmp_path, monkeypatch):
     def run(backend):
         set_backend(backend)
         batch = SequenceBatch(model, 1, 64)
-        return torch.cat([model.logits(batch.forward([ids.tolist()])),
-                          model.logits(batch.forward([[7]]))])  # fmt: skip
+        return torch.cat(
+            [model.logits(batch.forward([ids.tolist()])), model.logits(batch.forward([[7]]))]
+        )
 
     previous = get_backend()
     try:

@@ -22,8 +22,9 @@ DECODE_STEPS = 2  # through the kernels under the interpreter: ~10 s a step on 2
 @pytest.fixture(scope="module")
 def float_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("float")
-    return write_random_checkpoint(path, CFG, seed=5, dtype=torch.float32, tokenizer=False,
-                                   progress=False)  # fmt: skip
+    return write_random_checkpoint(
+        path, CFG, seed=5, dtype=torch.float32, tokenizer=False, progress=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +83,15 @@ def test_mlx_layout_round_trip(tmp_path, float_ckpt, quantized):
             return f.get_tensor(name)
 
     assert read("language_model.model.layers.0.linear_attn.conv1d.weight").shape == (
-        CFG.linear_conv_dim, 4, 1)  # fmt: skip
+        CFG.linear_conv_dim,
+        4,
+        1,
+    )
     norm = read("language_model.model.layers.0.input_layernorm.weight")
     assert torch.equal(norm, torch.ones_like(norm))  # zero-init w is stored as 1 + w
     assert read("language_model.model.layers.0.mlp.switch_mlp.down_proj.weight").dtype == (
-        torch.uint32)  # fmt: skip
+        torch.uint32
+    )
 
     reloaded = load_checkpoint(out, progress=False)
     assert reloaded.config.quantization is not None
@@ -108,8 +113,11 @@ def test_quantised_checkpoint_with_missing_scales(tmp_path, quantized):
     tensors = load_file(str(out / "model.safetensors"))
     del tensors["language_model.model.layers.1.mlp.switch_mlp.up_proj.scales"]
     save_file(tensors, str(out / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.gate_up_proj_scales "
-                       r"\(expert 0, up_proj"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.1\.mlp\.experts\.gate_up_proj_scales "
+        r"\(expert 0, up_proj",
+    ):
         load_checkpoint(out, progress=False)
 
 
@@ -152,14 +160,20 @@ def test_one_token_decode_with_gdn_gemv_fusions(tmp_path, monkeypatch):
     it equals the reference path."""
     import sparrow.layers.gated_deltanet as gdn
 
-    cfg = CFG.replace(linear_key_head_dim=64, linear_value_head_dim=64, num_layers=2,
-                      layer_types=("linear_attention", "full_attention"))  # fmt: skip
-    ckpt = write_random_checkpoint(tmp_path, cfg, seed=7, dtype=torch.float32, tokenizer=False,
-                                   progress=False)  # fmt: skip
+    cfg = CFG.replace(
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_layers=2,
+        layer_types=("linear_attention", "full_attention"),
+    )
+    ckpt = write_random_checkpoint(
+        tmp_path, cfg, seed=7, dtype=torch.float32, tokenizer=False, progress=False
+    )
     model = load_checkpoint(ckpt, quantize=QuantConfig.mlx_default(), progress=False)
     calls = []
-    monkeypatch.setattr(gdn, "quant_gemv_conv",
-                        lambda *a, **k: calls.append(1) or quant_gemv_conv(*a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        gdn, "quant_gemv_conv", lambda *a, **k: calls.append(1) or quant_gemv_conv(*a, **k)
+    )
     test_decode_with_triton_gemv_matches_reference(model)
     assert len(calls) == DECODE_STEPS * cfg.layer_types.count("linear_attention")
 

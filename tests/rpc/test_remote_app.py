@@ -38,8 +38,7 @@ def pipeline() -> MediaPipeline:
 
 
 def app_over(engine, tokenizer, media=None):
-    return build_app(engine, tokenizer, "m", max_body_bytes=8 << 20,
-                     media=media or pipeline())  # fmt: skip
+    return build_app(engine, tokenizer, "m", max_body_bytes=8 << 20, media=media or pipeline())
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +52,15 @@ def clients(worker):
 
 
 def complete(client, **fields):
-    body = {"model": "m", "prompt": "The capital of France is", "max_tokens": 8,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True, **fields}
+    body = {
+        "model": "m",
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **fields,
+    }
     return client.post("/v1/completions", json=body)
 
 
@@ -106,9 +112,12 @@ def png(width: int, height: int) -> str:
 
 def chat_image(client):
     image = {"type": "image_url", "image_url": {"url": png(40, 30)}}
-    body = {"model": "m", "max_tokens": 2, "temperature": 0,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "what?"},
-                                                      image]}]}  # fmt: skip
+    body = {
+        "model": "m",
+        "max_tokens": 2,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, image]}],
+    }
     return client.post("/v1/chat/completions", json=body)
 
 
@@ -190,8 +199,12 @@ def test_refusals_and_failures_get_the_in_process_status():
     remote = RemoteEngine(thread.target, CharTokenizer().decode, poll_s=0.05)
     with TestClient(build_app(remote, CharTokenizer(), "m")) as client:
         local = TestClient(build_app(refusing, CharTokenizer(), "m"))
-        for error in (InvalidRequest("too long"), EngineFull("queue full"),
-                      EngineError("the engine stopped"), None):  # fmt: skip
+        for error in (
+            InvalidRequest("too long"),
+            EngineFull("queue full"),
+            EngineError("the engine stopped"),
+            None,
+        ):
             refusing.error, refusing.fail = error, error is None
             got = client.post("/v1/completions", json=body)
             want = local.post("/v1/completions", json=body)
@@ -205,13 +218,16 @@ def test_refusals_and_failures_get_the_in_process_status():
         assert client.get("/health").status_code == 503
 
 
-@pytest.mark.parametrize("fields", [
-    {"structured_outputs": {"choice": ["Paris", "Lyon"]}, "ignore_eos": False},
-    {"response_format": {"type": "json_object"}, "ignore_eos": False, "max_tokens": 24},
-    {"min_p": 0.2, "temperature": 1.0, "seed": 3, "min_tokens": 4},
-    {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
-    {"logit_bias": {"11": 100}},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"structured_outputs": {"choice": ["Paris", "Lyon"]}, "ignore_eos": False},
+        {"response_format": {"type": "json_object"}, "ignore_eos": False, "max_tokens": 24},
+        {"min_p": 0.2, "temperature": 1.0, "seed": 3, "min_tokens": 4},
+        {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+        {"logit_bias": {"11": 100}},
+    ],
+)
 def test_sampling_controls_cross_the_worker_protocol(clients, fields):
     """Structured output, min_p / min_tokens, penalties and logit_bias reach the worker: the
     same tokens as the in-process engine."""

@@ -37,8 +37,9 @@ def test_worker_serves_then_exits_0_on_sigterm():
             engine = connect(f"127.0.0.1:{port}")
 
             async def run():
-                stream = await engine.add("a", [5, 6, 7], SamplingParams(max_tokens=3,
-                                                                         ignore_eos=True))
+                stream = await engine.add(
+                    "a", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)
+                )
                 seen["tokens"] = [t async for d in stream for t in d.token_ids]
                 await engine.shutdown()
 
@@ -48,8 +49,19 @@ def test_worker_serves_then_exits_0_on_sigterm():
 
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
-    code = cli.main(["worker", "--device", "cpu", "--port", str(port), "--max-model-len", "128",
-                     "--num-blocks", "16"])  # fmt: skip
+    code = cli.main(
+        [
+            "worker",
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "128",
+            "--num-blocks",
+            "16",
+        ]
+    )
     thread.join(30)
     assert code == 0 and len(seen["tokens"]) == 3
     # the port is closed: nothing answers there

@@ -72,8 +72,9 @@ def test_greedy_tokens_equal_the_in_process_engine(worker):
 def test_logprobs_cross(worker):
     params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2)
 
-    entries = [e for d in remote_deltas(worker, "remote-logprobs", params)
-               for e in d.logprobs or []]
+    entries = [
+        e for d in remote_deltas(worker, "remote-logprobs", params) for e in d.logprobs or []
+    ]
     assert len(entries) == 3 and all(len(e.top) == 2 and e.token.logprob <= 0 for e in entries)
 
 
@@ -81,8 +82,9 @@ def test_prompt_logprobs_and_skip_special_tokens_cross(worker):
     """The gateway side gets the prompt logprobs (ids, logprobs, ranks, top ones) and text the
     in-process engine gives; skip_special_tokens unset in a message means true."""
     thread, _ = worker
-    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2,
-                            skip_special_tokens=False)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=3, ignore_eos=True, prompt_logprobs=2, skip_special_tokens=False
+    )
     crossed = convert.params_from_pb(convert.params_to_pb(params))
     assert (crossed.prompt_logprobs, crossed.skip_special_tokens) == (2, False)
     unset = convert.params_from_pb(pb.SamplingParams(max_tokens=1, top_p=1.0))
@@ -120,21 +122,28 @@ def test_media_arrive_intact(worker):
 
 
 def generate(target: str, media: pb.MediaItem) -> grpc.StatusCode:
-    request = pb.GenerateRequest(request_id="raw", prompt_token_ids=PROMPT + [0] * 6,
-                                 sampling_params=convert.params_to_pb(GREEDY), media=[media])
+    request = pb.GenerateRequest(
+        request_id="raw",
+        prompt_token_ids=PROMPT + [0] * 6,
+        sampling_params=convert.params_to_pb(GREEDY),
+        media=[media],
+    )
     with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
         with pytest.raises(grpc.RpcError) as raised:
             list(pb_grpc.WorkerStub(channel).Generate(request, timeout=30))
     return raised.value.code()
 
 
-@pytest.mark.parametrize("change", [
-    lambda m: setattr(m.pixel_values, "dtype", "float16"),
-    lambda m: setattr(m.pixel_values, "data", m.pixel_values.data[:-4]),
-    lambda m: m.pixel_values.shape.append(1),
-    lambda m: m.grid_thw.__setitem__(2, 5),
-    lambda m: m.ClearField("runs"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m.pixel_values, "dtype", "float16"),
+        lambda m: setattr(m.pixel_values, "data", m.pixel_values.data[:-4]),
+        lambda m: m.pixel_values.shape.append(1),
+        lambda m: m.grid_thw.__setitem__(2, 5),
+        lambda m: m.ClearField("runs"),
+    ],
+)
 def test_malformed_media_are_invalid_argument(worker, change):
     media = convert.media_to_pb(image_item(60, runs=(2,)))
     change(media)
@@ -187,8 +196,12 @@ def test_a_stop_string_only_the_caller_sees_is_aborted_on_the_worker(worker):
     thread, llm = worker
     params = SamplingParams(max_tokens=2000, ignore_eos=True)
     text = llm.tokenizer.decode(
-        [t for d in thread.call(collect(thread.call(thread.engine.add("plain", PROMPT, GREEDY))))
-         for t in d.token_ids])  # fmt: skip
+        [
+            t
+            for d in thread.call(collect(thread.call(thread.engine.add("plain", PROMPT, GREEDY))))
+            for t in d.token_ids
+        ]
+    )
     at = next(i for i in range(2, len(text) - 1) if text[i : i + 2].upper() != text[i : i + 2])
     stop = text[at : at + 2].upper()
     assert stop not in text

@@ -42,8 +42,9 @@ class CharTokenizer:
 
 class ScriptedEngine(EngineClient):
     def __init__(self):
-        self.processor = OutputProcessor(lambda ids: "".join(PIECES.get(i, f"#{i}") for i in ids),
-                                         on_stop=self.abort)  # fmt: skip
+        self.processor = OutputProcessor(
+            lambda ids: "".join(PIECES.get(i, f"#{i}") for i in ids), on_stop=self.abort
+        )
         self.added: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
         self.refusal: Exception | None = None
@@ -68,13 +69,15 @@ class ScriptedEngine(EngineClient):
             if self.fail_after == i:
                 raise EngineError("the engine stopped: device lost")
             lp = [TokenLogprob(token, -0.5, ((token, -0.5), (5, -2.0)))]
-            out = RequestOutput(request_id, [token], FinishReason.LENGTH if i == n - 1 else None,
-                                lp)  # fmt: skip
+            out = RequestOutput(
+                request_id, [token], FinishReason.LENGTH if i == n - 1 else None, lp
+            )
             if i == 0 and params.prompt_logprobs is not None:  # the prompt's token p: -p, rank p
                 prompt = next(ids for rid, ids, _ in self.added if rid == request_id)
                 out.prompt_logprobs = [
-                    TokenLogprob(t, -float(t), ((1, -1.0), (2, -2.0))[:params.prompt_logprobs], t)
-                    for t in prompt[1:]]  # fmt: skip
+                    TokenLogprob(t, -float(t), ((1, -1.0), (2, -2.0))[: params.prompt_logprobs], t)
+                    for t in prompt[1:]
+                ]
             for delta in self.processor.process([out]):
                 yield delta
                 if delta.finish_reason is not None:
@@ -120,8 +123,11 @@ def test_chat_whole_response_and_usage(client, engine):
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hello world!"}
     assert out["choices"][0]["finish_reason"] == "length" and out["choices"][0]["logprobs"] is None
     prompt = len(CharTokenizer().encode("<user>hi"))
-    assert out["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5,
-                            "total_tokens": prompt + 5}  # fmt: skip
+    assert out["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 5,
+        "total_tokens": prompt + 5,
+    }
     assert engine.added[0][1] == CharTokenizer().encode("<user>hi")
 
 
@@ -132,13 +138,13 @@ def test_stop_string_is_applied_behind_the_interface(client, engine):
 
 
 def test_stream_chunks_n_and_usage(client, engine):
-    r = chat(client, max_tokens=4, n=2, seed=7, stream=True,
-             stream_options={"include_usage": True})  # fmt: skip
+    r = chat(client, max_tokens=4, n=2, seed=7, stream=True, stream_options={"include_usage": True})
     assert r.headers["content-type"].startswith("text/event-stream")
     chunks = events(r)
     assert chunks[-1] == "[DONE]" and chunks[-2]["usage"]["completion_tokens"] == 8
-    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant",
-                                                               "content": ""}] * 2  # fmt: skip
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
+        {"role": "assistant", "content": ""}
+    ] * 2
     for index in (0, 1):
         parts = [c["choices"][0] for c in chunks[2:-2] if c["choices"][0]["index"] == index]
         assert "".join(p["delta"]["content"] for p in parts) == "Hello world"
@@ -160,12 +166,18 @@ def test_completions_logprobs(client):
     assert [t["logprob"] for t in first["top_logprobs"]] == [-0.5, -2.0]
 
 
-@pytest.mark.parametrize("refusal, status, kind", [
-    (InvalidRequest("prompt + max_tokens exceeds the context limit of 64"), 400,
-     "invalid_request_error"),
-    (EngineFull("8 requests are already waiting"), 503, "server_overloaded"),
-    (EngineError("the engine stopped"), 503, "server_error"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "refusal, status, kind",
+    [
+        (
+            InvalidRequest("prompt + max_tokens exceeds the context limit of 64"),
+            400,
+            "invalid_request_error",
+        ),
+        (EngineFull("8 requests are already waiting"), 503, "server_overloaded"),
+        (EngineError("the engine stopped"), 503, "server_error"),
+    ],
+)
 def test_refusals_become_error_bodies(client, engine, refusal, status, kind):
     engine.refusal = refusal
     r = chat(client)
@@ -197,31 +209,41 @@ def test_prompt_logprobs_in_vllm_shape(client, engine):
     asks the engine for them."""
     body = {"model": MODEL, "prompt": [3, 1, 2], "max_tokens": 2, "n": 2, "prompt_logprobs": 1}
     out = client.post("/v1/completions", json=body).json()
-    assert [c["prompt_logprobs"] for c in out["choices"]] == [[
-        None,
-        {"1": {"logprob": -1.0, "rank": 1, "decoded_token": "Hel"}},
-        {"2": {"logprob": -2.0, "rank": 2, "decoded_token": "lo"},
-         "1": {"logprob": -1.0, "rank": 1, "decoded_token": "Hel"}},
-    ]] * 2  # fmt: skip
+    assert [c["prompt_logprobs"] for c in out["choices"]] == [
+        [
+            None,
+            {"1": {"logprob": -1.0, "rank": 1, "decoded_token": "Hel"}},
+            {
+                "2": {"logprob": -2.0, "rank": 2, "decoded_token": "lo"},
+                "1": {"logprob": -1.0, "rank": 1, "decoded_token": "Hel"},
+            },
+        ]
+    ] * 2
     assert [p.prompt_logprobs for _, _, p in engine.added] == [1, None]
     out = chat(client, max_tokens=1, prompt_logprobs=0).json()
     prompt = CharTokenizer().encode("<user>hi")
     assert len(out["prompt_logprobs"]) == len(prompt) and out["prompt_logprobs"][0] is None
-    assert out["prompt_logprobs"][1] == {str(prompt[1]): {"logprob": -prompt[1], "rank": prompt[1],
-                                                          "decoded_token": f"#{prompt[1]}"}}
+    assert out["prompt_logprobs"][1] == {
+        str(prompt[1]): {"logprob": -prompt[1], "rank": prompt[1], "decoded_token": f"#{prompt[1]}"}
+    }
     assert "prompt_logprobs" not in out["choices"][0]
     plain = client.post("/v1/completions", json=body | {"prompt_logprobs": None}).json()
     assert "prompt_logprobs" not in plain["choices"][0]
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"prompt_logprobs": 21}, "prompt_logprobs: Input should be less than or equal to 20"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs: Input should be greater than or equal to 0"),
-    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs is not available with stream"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt_logprobs": 21}, "prompt_logprobs: Input should be less than or equal to 20"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs: Input should be greater than or equal to 0"),
+        ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs is not available with stream"),
+    ],
+)
 def test_prompt_logprobs_refusals(client, body, message):
-    for r in (chat(client, **body),
-              client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"} | body)):
+    for r in (
+        chat(client, **body),
+        client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"} | body),
+    ):
         assert r.status_code == 400 and message in r.json()["error"]["message"]
 
 
@@ -251,8 +273,15 @@ def test_token_ids_come_back_when_asked_for(client):
 
 
 def test_sampling_controls_reach_the_engine(client, engine):
-    reply = chat(client, min_p=0.1, min_tokens=2, logit_bias={"3": 5, "4": -100},
-                 presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2)
+    reply = chat(
+        client,
+        min_p=0.1,
+        min_tokens=2,
+        logit_bias={"3": 5, "4": -100},
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        repetition_penalty=1.2,
+    )
     assert reply.status_code == 200, reply.text
     params = engine.added[-1][2]
     assert (params.min_p, params.min_tokens) == (0.1, 2)
@@ -261,7 +290,12 @@ def test_sampling_controls_reach_the_engine(client, engine):
     chat(client, stop_token_ids=[7, 9])
     assert engine.added[-1][2].stop_token_ids == (7, 9)  # the scripted model has no end ids
     assert params.logit_bias == ((3, 5.0), (4, -100.0))
-    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"3": 500}}, {"min_p": 2},
-                {"presence_penalty": 3}, {"repetition_penalty": 0}):
+    for bad in (
+        {"logit_bias": {"x": 1}},
+        {"logit_bias": {"3": 500}},
+        {"min_p": 2},
+        {"presence_penalty": 3},
+        {"repetition_penalty": 0},
+    ):
         reply = chat(client, **bad)
         assert reply.status_code == 400 and "error" in reply.json(), bad

@@ -18,23 +18,67 @@ pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 MODEL = "default"
 NORMAL = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
 
-EXTREME_NUMBERS = [5e-324, 1e-45, 2.2250738585072014e-308, -0.0, 0.0, 1e308, -1e308,
-                   float("nan"), float("inf"), float("-inf"), 0.5, 1.0, 2.0, 2.0000001,
-                   -1, 0, 1, 2, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**64), 10**30,
-                   -(10**30)]  # fmt: skip
-TEXTS = ["", " ", "\x00", "\U0001f600" * 50, "\u202e\u0301", "x" * 10_000, "日本語" * 1000,
-         "</s><|im_end|>", "<|endoftext|>", "\\u0000", "null"]  # fmt: skip
+EXTREME_NUMBERS = [
+    5e-324,
+    1e-45,
+    2.2250738585072014e-308,
+    -0.0,
+    0.0,
+    1e308,
+    -1e308,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    0.5,
+    1.0,
+    2.0,
+    2.0000001,
+    -1,
+    0,
+    1,
+    2,
+    2**31,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**64),
+    10**30,
+    -(10**30),
+]
+TEXTS = [
+    "",
+    " ",
+    "\x00",
+    "\U0001f600" * 50,
+    "\u202e\u0301",
+    "x" * 10_000,
+    "日本語" * 1000,
+    "</s><|im_end|>",
+    "<|endoftext|>",
+    "\\u0000",
+    "null",
+]
 SURROGATES = ["\ud800", "\udfff", "a\ud800b", "\udc00\ud800"]  # JSON escapes of lone halves
 
 numbers = st.sampled_from(EXTREME_NUMBERS) | st.floats() | st.integers()
-texts = st.sampled_from(TEXTS) | st.text(max_size=40) | st.text(
-    st.characters(codec=None, categories=["Co", "Cn", "Zs", "Mn", "Cc"]), max_size=20)
-surrogates = st.sampled_from(SURROGATES) | st.text(st.characters(codec=None, categories=["Cs"]),
-                                                   min_size=1, max_size=4)  # fmt: skip
+texts = (
+    st.sampled_from(TEXTS)
+    | st.text(max_size=40)
+    | st.text(st.characters(codec=None, categories=["Co", "Cn", "Zs", "Mn", "Cc"]), max_size=20)
+)
+surrogates = st.sampled_from(SURROGATES) | st.text(
+    st.characters(codec=None, categories=["Cs"]), min_size=1, max_size=4
+)
 strings = st.integers(0, 7).flatmap(lambda i: surrogates if i == 7 else texts)
 scalars = st.none() | st.booleans() | numbers | strings
-junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
-                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+junk = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 wrong = numbers | junk
 
 
@@ -51,43 +95,74 @@ def edge(values: list, more=None):
 
 # in range for the protocol, at its edges; max_tokens stays small (the model runs it) or is
 # refused (never None: the default fills the context)
-max_tokens = mostly(st.integers(1, 3), edge([0, -1, 2**64, 10**30, 10**7, 262144, 262145,
-                                             5e-324, 1.5, "3", True]))
-temperature = edge([5e-324, 1e-45, 1e-300, 2.2250738585072014e-308, 0.0, -0.0, 1e-7,
-                    1.9999999, 2.0], st.floats(0, 2))
+max_tokens = mostly(
+    st.integers(1, 3), edge([0, -1, 2**64, 10**30, 10**7, 262144, 262145, 5e-324, 1.5, "3", True])
+)
+temperature = edge(
+    [5e-324, 1e-45, 1e-300, 2.2250738585072014e-308, 0.0, -0.0, 1e-7, 1.9999999, 2.0],
+    st.floats(0, 2),
+)
 top_p = edge([5e-324, 1e-45, 1e-300, 1e-7, 0.9999999, 1.0], st.floats(5e-324, 1))
-top_k = edge([0, 1, 2, 248319, 248320, 248321, 2**31, 2**63 - 1, 2**63, 2**64, 10**30],
-             st.integers(0))
-seed = edge([0, -1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, -(2**63), -(2**64), 10**30,
-             -(10**30)], st.integers())
+top_k = edge(
+    [0, 1, 2, 248319, 248320, 248321, 2**31, 2**63 - 1, 2**63, 2**64, 10**30], st.integers(0)
+)
+seed = edge(
+    [0, -1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, -(2**63), -(2**64), 10**30, -(10**30)],
+    st.integers(),
+)
 stops = strings | st.lists(strings, min_size=1, max_size=4)
-content = strings | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": strings}),
-                             min_size=1, max_size=2)  # fmt: skip
+content = strings | st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": strings}), min_size=1, max_size=2
+)
 message = st.fixed_dictionaries(
-    {"role": mostly(st.sampled_from(["user", "system", "assistant", "developer", "tool"])),
-     "content": mostly(content)})  # fmt: skip
-token_ids = st.lists(mostly(st.integers(0, 5000), edge([-1, 248319, 248320, 2**31, 2**64])),
-                     min_size=1, max_size=20)  # fmt: skip
+    {
+        "role": mostly(st.sampled_from(["user", "system", "assistant", "developer", "tool"])),
+        "content": mostly(content),
+    }
+)
+token_ids = st.lists(
+    mostly(st.integers(0, 5000), edge([-1, 248319, 248320, 2**31, 2**64])), min_size=1, max_size=20
+)
 SHARED = {
-    "temperature": mostly(temperature), "top_p": mostly(top_p), "top_k": mostly(top_k),
-    "seed": mostly(seed), "n": mostly(edge([1, 2, 16]), edge([0, -1, 17, 2**64, 1.5, "2"])),
-    "stop": mostly(stops), "stream": mostly(st.booleans()),
+    "temperature": mostly(temperature),
+    "top_p": mostly(top_p),
+    "top_k": mostly(top_k),
+    "seed": mostly(seed),
+    "n": mostly(edge([1, 2, 16]), edge([0, -1, 17, 2**64, 1.5, "2"])),
+    "stop": mostly(stops),
+    "stream": mostly(st.booleans()),
     "stream_options": mostly(st.fixed_dictionaries({"include_usage": st.booleans()})),
-    "ignore_eos": mostly(st.booleans()), "user": mostly(texts), "unknown_field": junk,
+    "ignore_eos": mostly(st.booleans()),
+    "user": mostly(texts),
+    "unknown_field": junk,
     "frequency_penalty": mostly(st.just(0), numbers),
-}  # fmt: skip
+}
 chat_bodies = st.fixed_dictionaries(
-    {"model": mostly(st.just(MODEL)), "max_tokens": max_tokens,
-     "messages": mostly(st.lists(message, min_size=1, max_size=2))},
-    optional=SHARED | {"logprobs": mostly(st.booleans()), "max_completion_tokens": max_tokens,
-                       "top_logprobs": mostly(edge([0, 1, 20]))},
-)  # fmt: skip
+    {
+        "model": mostly(st.just(MODEL)),
+        "max_tokens": max_tokens,
+        "messages": mostly(st.lists(message, min_size=1, max_size=2)),
+    },
+    optional=SHARED
+    | {
+        "logprobs": mostly(st.booleans()),
+        "max_completion_tokens": max_tokens,
+        "top_logprobs": mostly(edge([0, 1, 20])),
+    },
+)
 text_bodies = st.fixed_dictionaries(
-    {"model": mostly(st.just(MODEL)), "max_tokens": max_tokens,
-     "prompt": mostly(strings | token_ids)},
-    optional=SHARED | {"logprobs": mostly(edge([0, 1, 20])), "echo": mostly(st.just(False)),
-                       "suffix": mostly(st.just(""))},
-)  # fmt: skip
+    {
+        "model": mostly(st.just(MODEL)),
+        "max_tokens": max_tokens,
+        "prompt": mostly(strings | token_ids),
+    },
+    optional=SHARED
+    | {
+        "logprobs": mostly(edge([0, 1, 20])),
+        "echo": mostly(st.just(False)),
+        "suffix": mostly(st.just("")),
+    },
+)
 
 
 class Server:
@@ -165,24 +240,44 @@ def test_completion_extreme_bodies_never_5xx(server, body):
     check(server, "/v1/completions", body)
 
 
-@pytest.mark.parametrize("path, raw", [
-    ("/v1/chat/completions", '{"model": "default", "messages": [{"role": "user", "content": '
-     '"hi"}], "max_tokens": 2, "temperature": NaN}'),
-    ("/v1/chat/completions", '{"model": "default", "messages": [{"role": "user", "content": '
-     '"hi"}], "max_tokens": 2, "top_p": -Infinity}'),
-    ("/v1/completions", '{"model": "default", "prompt": "\\ud800", "max_tokens": 2}'),
-    ("/v1/completions", '{"model": "default", "prompt": "hi", "max_tokens": 2, '
-     '"seed": 18446744073709551616}'),
-    ("/v1/completions", '{"model": "default", "prompt": "hi", "max_tokens": 2, '
-     '"temperature": 1e-45}'),
-    ("/v1/completions", '{"model": "default", "prompt": "hi", "max_tokens": 2, '
-     '"temperature": 5e-324}'),
-    ("/v1/completions", '{"model": "default", "prompt": " ", "max_tokens": 1, '
-     '"top_p": 5e-324}'),
-    ("/v1/completions", '{"model": "default", "prompt": [1, 2], "max_tokens": 1e400}'),
-    ("/v1/chat/completions", '{"model": "default", "messages": [{"role": "user", "content": '
-     '"hi"}], "max_tokens": 2, "stop": ["\\udfff"]}'),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, raw",
+    [
+        (
+            "/v1/chat/completions",
+            '{"model": "default", "messages": [{"role": "user", "content": '
+            '"hi"}], "max_tokens": 2, "temperature": NaN}',
+        ),
+        (
+            "/v1/chat/completions",
+            '{"model": "default", "messages": [{"role": "user", "content": '
+            '"hi"}], "max_tokens": 2, "top_p": -Infinity}',
+        ),
+        ("/v1/completions", '{"model": "default", "prompt": "\\ud800", "max_tokens": 2}'),
+        (
+            "/v1/completions",
+            '{"model": "default", "prompt": "hi", "max_tokens": 2, "seed": 18446744073709551616}',
+        ),
+        (
+            "/v1/completions",
+            '{"model": "default", "prompt": "hi", "max_tokens": 2, "temperature": 1e-45}',
+        ),
+        (
+            "/v1/completions",
+            '{"model": "default", "prompt": "hi", "max_tokens": 2, "temperature": 5e-324}',
+        ),
+        (
+            "/v1/completions",
+            '{"model": "default", "prompt": " ", "max_tokens": 1, "top_p": 5e-324}',
+        ),
+        ("/v1/completions", '{"model": "default", "prompt": [1, 2], "max_tokens": 1e400}'),
+        (
+            "/v1/chat/completions",
+            '{"model": "default", "messages": [{"role": "user", "content": '
+            '"hi"}], "max_tokens": 2, "stop": ["\\udfff"]}',
+        ),
+    ],
+)
 def test_known_extremes_never_5xx(server, path, raw):
     """Raw bodies hypothesis may not reach: each is answered under 500, and the engine keeps
     answering."""

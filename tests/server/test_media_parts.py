@@ -74,8 +74,12 @@ def served():
 
 
 def chat(client, parts):
-    body = {"model": "m", "max_tokens": 2, "temperature": 0,
-            "messages": [{"role": "user", "content": parts}]}  # fmt: skip
+    body = {
+        "model": "m",
+        "max_tokens": 2,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": parts}],
+    }
     return client.post("/v1/chat/completions", json=body)
 
 
@@ -101,15 +105,22 @@ def test_image_and_video_parts(served):
     assert "sparrow_media_items_total 2.0" in metrics
 
 
-@pytest.mark.parametrize("part, message", [
-    ({"type": "image_url", "image_url": {"url": data_url(b"not an image", "image/png")}},
-     "cannot"),
-    ({"type": "video_url", "video_url": {"url": data_url(b"\x00" * 100, "video/mp4")}},
-     "cannot decode video"),
-    ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "local"),
-    ({"type": "image_url", "image_url": {}}, "needs"),
-    ({"type": "input_audio", "input_audio": {}}, "not supported"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "part, message",
+    [
+        (
+            {"type": "image_url", "image_url": {"url": data_url(b"not an image", "image/png")}},
+            "cannot",
+        ),
+        (
+            {"type": "video_url", "video_url": {"url": data_url(b"\x00" * 100, "video/mp4")}},
+            "cannot decode video",
+        ),
+        ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "local"),
+        ({"type": "image_url", "image_url": {}}, "needs"),
+        ({"type": "input_audio", "input_audio": {}}, "not supported"),
+    ],
+)
 def test_bad_media_parts_are_400s(served, part, message):
     reply = chat(served[0], [part])
     assert reply.status_code == 400, reply.text
@@ -118,8 +129,9 @@ def test_bad_media_parts_are_400s(served, part, message):
 
 
 def test_text_only_models_refuse_media():
-    llm = LLM(random_model(CFG, 0, "cpu", torch.float32), max_model_len=256, block_size=16,
-              num_blocks=32)  # fmt: skip
+    llm = LLM(
+        random_model(CFG, 0, "cpu", torch.float32), max_model_len=256, block_size=16, num_blocks=32
+    )
     llm.tokenizer = load_tokenizer(None)
     engine = AsyncEngine(llm, max_waiting=8)
     with TestClient(build_app(engine, llm.tokenizer, "m")) as client:
@@ -153,8 +165,9 @@ def test_through_the_openai_client():
         messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=3)
         assert reply.usage.completion_tokens == 3 and reply.usage.prompt_tokens > 64
-        stream = client.chat.completions.create(model="m", messages=messages, max_tokens=3,
-                                                stream=True)  # fmt: skip
+        stream = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=3, stream=True
+        )
         assert sum(bool(c.choices and c.choices[0].delta.content is not None) for c in stream)
         pytest.importorskip("av")
         from tests.multimodal.test_video_preprocessing import encode
@@ -162,12 +175,14 @@ def test_through_the_openai_client():
         clip = data_url(encode(6, 32, 48), "video/mp4")
         video = {"type": "video_url", "video_url": {"url": clip}}
         reply = client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": [video]}], max_tokens=2)
+            model="m", messages=[{"role": "user", "content": [video]}], max_tokens=2
+        )
         assert reply.usage.completion_tokens == 2 and tower.grids[-1][0][0] == 2
         with pytest.raises(openai.BadRequestError):
             bad = {"type": "image_url", "image_url": {"url": data_url(b"nope", "image/png")}}
             client.chat.completions.create(
-                model="m", max_tokens=2, messages=[{"role": "user", "content": [bad]}])
+                model="m", max_tokens=2, messages=[{"role": "user", "content": [bad]}]
+            )
     finally:
         server.should_exit = True
         thread.join(timeout=60)
@@ -179,12 +194,15 @@ def test_tokenize_and_detokenize(served):
     assert out["count"] == len(out["tokens"]) > 0 and out["max_model_len"] == 2048
     text = client.post("/detokenize", json={"model": "m", "tokens": out["tokens"]}).json()
     assert text == {"prompt": "hello world"}
-    chat = client.post("/tokenize", json={"model": "m", "messages": [
-        {"role": "user", "content": "hi"}]}).json()  # fmt: skip
+    chat = client.post(
+        "/tokenize", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    ).json()
     assert chat["count"] > 3
-    for path, body, status in (("/tokenize", {"model": "m"}, 400),
-                               ("/tokenize", {"model": "x", "prompt": "a"}, 404),
-                               ("/detokenize", {"model": "m", "tokens": [10**9]}, 400),
-                               ("/detokenize", {"model": "m", "tokens": [-1]}, 400)):  # fmt: skip
+    for path, body, status in (
+        ("/tokenize", {"model": "m"}, 400),
+        ("/tokenize", {"model": "x", "prompt": "a"}, 404),
+        ("/detokenize", {"model": "m", "tokens": [10**9]}, 400),
+        ("/detokenize", {"model": "m", "tokens": [-1]}, 400),
+    ):
         reply = client.post(path, json=body)
         assert reply.status_code == status and "error" in reply.json(), (path, body)

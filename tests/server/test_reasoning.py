@@ -25,16 +25,19 @@ def split_all(text: str, inside: bool, cuts: list[int]) -> tuple[str, str]:
     return "".join(r for r, _ in parts), "".join(c for _, c in parts)
 
 
-@pytest.mark.parametrize("text, inside, expected", [
-    ("<think>\nplan a\nb</think>\n\nthe answer", False, ("\nplan a\nb", "the answer")),
-    ("plan</think>\n\nanswer", True, ("plan", "answer")),
-    ("  <think>x</think>y", False, ("x", "y")),
-    ("no markers at all", False, ("", "no markers at all")),
-    ("an answer, then <think>x</think>", False, ("", "an answer, then <think>x</think>")),
-    ("truncated reasoning </thi", True, ("truncated reasoning </thi", "")),
-    ("<thi", False, ("", "<thi")),
-    ("</think>\n\n\n", True, ("", "")),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, inside, expected",
+    [
+        ("<think>\nplan a\nb</think>\n\nthe answer", False, ("\nplan a\nb", "the answer")),
+        ("plan</think>\n\nanswer", True, ("plan", "answer")),
+        ("  <think>x</think>y", False, ("x", "y")),
+        ("no markers at all", False, ("", "no markers at all")),
+        ("an answer, then <think>x</think>", False, ("", "an answer, then <think>x</think>")),
+        ("truncated reasoning </thi", True, ("truncated reasoning </thi", "")),
+        ("<thi", False, ("", "<thi")),
+        ("</think>\n\n\n", True, ("", "")),
+    ],
+)
 def test_splitter_at_every_cut(text, inside, expected):
     for cut in range(len(text) + 1):
         assert split_all(text, inside, [cut]) == expected, cut

@@ -24,10 +24,25 @@ def _start(cache_dir) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = os.environ | {"SPARROW_CACHE": str(cache_dir)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sparrow", "serve", "--port", str(port), "--api-key", KEY,
-         "--max-body-bytes", "20000", "--max-waiting", "64"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "sparrow",
+            "serve",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--max-body-bytes",
+            "20000",
+            "--max-waiting",
+            "64",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -58,8 +73,12 @@ def client(server):
 
 
 def _chat(client, **kw):
-    args = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}],
-            "max_tokens": 12, "temperature": 0} | kw  # fmt: skip
+    args = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    } | kw
     return client.chat.completions.create(**args)
 
 
@@ -87,8 +106,7 @@ def test_streaming_matches_non_streaming(client):
 
 
 def test_completions_endpoint_and_models(client):
-    out = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5,
-                                    temperature=0)  # fmt: skip
+    out = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5, temperature=0)
     assert out.object == "text_completion" and out.usage.completion_tokens == 5
     assert [m.id for m in client.models.list().data] == [MODEL]
 
@@ -116,8 +134,7 @@ def test_16_concurrent_streams(client):
     def one(i):
         try:
             stream = _chat(client, stream=True, max_tokens=8, temperature=0.5, seed=i)
-            results.append("".join(c.choices[0].delta.content or "" for c in stream
-                                   if c.choices))  # fmt: skip
+            results.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
 
@@ -137,17 +154,28 @@ def _metric(server, name) -> float:
 
 def test_disconnect_mid_stream_frees_the_request(server):
     aborted = _metric(server, "sparrow_aborted_requests_total")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 2000, "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2000,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {") and '"content": "' in line:
                 break  # got a token: hang up
     deadline = time.time() + 30
     while time.time() < deadline:
-        if (_metric(server, "sparrow_aborted_requests_total") > aborted
-                and _metric(server, "sparrow_running_requests") == 0):  # fmt: skip
+        if (
+            _metric(server, "sparrow_aborted_requests_total") > aborted
+            and _metric(server, "sparrow_running_requests") == 0
+        ):
             return
         time.sleep(0.2)
     pytest.fail("the request kept running after the client left")
@@ -161,18 +189,29 @@ def _post(server, body, key=KEY, raw=None):
     return httpx.post(f"{server}/v1/chat/completions", content=content, headers=headers)
 
 
-@pytest.mark.parametrize("body, raw, status, needle", [
-    (None, "{not json", 400, ""),
-    ({"model": MODEL}, None, 400, "messages"),
-    ({"model": MODEL, "messages": []}, None, 400, "messages"),
-    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "role"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1},
-     None, 400, "temperature"),
-    ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, None, 404, "gpt-9"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**7},
-     None, 400, "context limit"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 30000}]}, None, 413, ""),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, raw, status, needle",
+    [
+        (None, "{not json", 400, ""),
+        ({"model": MODEL}, None, 400, "messages"),
+        ({"model": MODEL, "messages": []}, None, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "role"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1},
+            None,
+            400,
+            "temperature",
+        ),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, None, 404, "gpt-9"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**7},
+            None,
+            400,
+            "context limit",
+        ),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 30000}]}, None, 413, ""),
+    ],
+)
 def test_errors(server, body, raw, status, needle):
     r = _post(server, body, raw=raw)
     assert r.status_code == status, r.text
@@ -192,14 +231,31 @@ def test_fuzzed_bodies_never_5xx(server):
     from hypothesis import strategies as st
 
     values = st.recursive(
-        st.none() | st.booleans() | st.integers(-5, 10**6) | st.floats(allow_nan=False)
+        st.none()
+        | st.booleans()
+        | st.integers(-5, 10**6)
+        | st.floats(allow_nan=False)
         | st.text(max_size=20),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                    max_size=3),
+        lambda inner: (
+            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+        ),
         max_leaves=8,
-    )  # fmt: skip
-    keys = st.sampled_from(["model", "messages", "max_tokens", "temperature", "top_p", "n",
-                            "stop", "stream", "seed", "top_k", "prompt"])  # fmt: skip
+    )
+    keys = st.sampled_from(
+        [
+            "model",
+            "messages",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "stream",
+            "seed",
+            "top_k",
+            "prompt",
+        ]
+    )
 
     @hypothesis.settings(max_examples=60, deadline=None)
     @hypothesis.given(st.dictionaries(keys, values, max_size=6))
@@ -224,13 +280,20 @@ def test_logprobs(client):
         tops = [t.logprob for t in e.top_logprobs]
         assert tops == sorted(tops, reverse=True)
         assert abs(tops[0] - e.logprob) < 1e-5  # greedy: the sampled token is the top one
-    text = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, temperature=0,
-                                     logprobs=2).choices[0]  # fmt: skip
+    text = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=3, temperature=0, logprobs=2
+    ).choices[0]
     assert len(text.logprobs.tokens) == 3 and len(text.logprobs.top_logprobs[0]) <= 2
     assert text.logprobs.text_offset[0] == 0
     streamed = list(_chat(client, max_tokens=3, logprobs=True, stream=True))
-    assert sum(len(c.choices[0].logprobs.content) for c in streamed
-               if c.choices and c.choices[0].logprobs) == 3  # fmt: skip
+    assert (
+        sum(
+            len(c.choices[0].logprobs.content)
+            for c in streamed
+            if c.choices and c.choices[0].logprobs
+        )
+        == 3
+    )
 
 
 def test_graceful_shutdown_finishes_in_flight_streams(tmp_path):

@@ -15,8 +15,21 @@ def test_short_soak_has_no_unexpected_outcomes(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPARROW_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "soak.json"
-    code = soak.main(["--spawn", "--minutes", "0.1", "--concurrency", "4", "--seed", "1",
-                      "--sample-s", "1", "--out", str(out)])  # fmt: skip
+    code = soak.main(
+        [
+            "--spawn",
+            "--minutes",
+            "0.1",
+            "--concurrency",
+            "4",
+            "--seed",
+            "1",
+            "--sample-s",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert report["unexpected_total"] == 0, report["unexpected_examples"]
     assert code == 0 and report["health_after"] == 200

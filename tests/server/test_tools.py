@@ -20,29 +20,45 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from sparrow.server.app import build_app  # noqa: E402
 
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"},
-    "units": {"type": "object", "properties": {"metric": {"type": "boolean"}}},
-    "hours": {"type": "array", "items": {"type": "integer"}}}}  # fmt: skip
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "zip": {"type": "string"},
+        "units": {"type": "object", "properties": {"metric": {"type": "boolean"}}},
+        "hours": {"type": "array", "items": {"type": "integer"}},
+    },
+}
 SCHEMAS = {"get_weather": WEATHER, "search": {"type": "object", "properties": {}}}
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}}
-         for n, p in SCHEMAS.items()]  # fmt: skip
-CALLS = [("get_weather", {"city": "Paris", "days": 3, "zip": "007",
-                          "units": {"metric": True}, "hours": [6, 18]}),
-         ("search", {"query": "a < b && c\nline two", "-A": 2, "tags": ["x", "y"]})]  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in SCHEMAS.items()]
+CALLS = [
+    (
+        "get_weather",
+        {"city": "Paris", "days": 3, "zip": "007", "units": {"metric": True}, "hours": [6, 18]},
+    ),
+    ("search", {"query": "a < b && c\nline two", "-A": 2, "tags": ["x", "y"]}),
+]
 
 
 def rendered(template: str, content: str, calls: list) -> str:
     """An assistant turn's text as `template` renders it: what the model writes."""
     tok = Tokenizer(None, "tiktoken", template)
-    message = {"role": "assistant", "content": content,
-               "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}}
-                              for n, a in calls]}  # fmt: skip
+    message = {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [
+            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
+        ],
+    }
     text = tok.apply_chat_template([message], add_generation_prompt=False)
-    head, tail = ("<|im_start|>assistant\n", "<|im_end|>\n") if template == CHATML_TEMPLATE \
-        else ("]~!b[]~b]ai\n", "[e~[\n")  # fmt: skip
+    head, tail = (
+        ("<|im_start|>assistant\n", "<|im_end|>\n")
+        if template == CHATML_TEMPLATE
+        else ("]~!b[]~b]ai\n", "[e~[\n")
+    )
     assert text.startswith(head) and text.endswith(tail)
-    return text[len(head):-len(tail)]
+    return text[len(head) : -len(tail)]
 
 
 def parse(parser: str, pieces: list[str], schemas=SCHEMAS) -> tuple[str, list]:
@@ -61,11 +77,17 @@ def check_every_split(parser: str, text: str, expected, schemas=SCHEMAS) -> None
     assert parse(parser, list(text), schemas) == expected  # char by char
 
 
-@pytest.mark.parametrize("parser, template", [("qwen3", CHATML_TEMPLATE),
-                                              ("minimax_m3", MINIMAX_TEMPLATE)])
-@pytest.mark.parametrize("content, calls", [
-    ("", CALLS[:1]), ("Let me look that up.", CALLS[:1]), ("Two at once:", CALLS),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "parser, template", [("qwen3", CHATML_TEMPLATE), ("minimax_m3", MINIMAX_TEMPLATE)]
+)
+@pytest.mark.parametrize(
+    "content, calls",
+    [
+        ("", CALLS[:1]),
+        ("Let me look that up.", CALLS[:1]),
+        ("Two at once:", CALLS),
+    ],
+)
 def test_template_rendered_calls_at_every_split(parser, template, content, calls):
     text = rendered(template, content, calls)
     check_every_split(parser, text, (content, calls))
@@ -74,53 +96,86 @@ def test_template_rendered_calls_at_every_split(parser, template, content, calls
 def test_qwen_formats_and_value_types():
     """Qwen3's JSON call, an undeclared tool's values decoded as JSON, a string-typed
     parameter kept as text, a multi-line value and the whitespace the template writes."""
-    text = ('Sure.\n\n<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
-            '\n<tool_call>\n<function=other>\n<parameter=n>\n123\n</parameter>\n'
-            '<parameter=s>\nnot json\n</parameter>\n<parameter=o>\n{"k": [1, null]}\n'
-            '</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n'
-            '<parameter=city>\n123\n</parameter>\n<parameter=zip>\n\nline\n\n</parameter>\n'
-            '</function>\n</tool_call>\n')  # fmt: skip
-    check_every_split("qwen3", text, ("Sure.", [
-        ("search", {"query": "x"}), ("other", {"n": 123, "s": "not json", "o": {"k": [1, None]}}),
-        ("get_weather", {"city": "123", "zip": "\nline\n"})]))
+    text = (
+        'Sure.\n\n<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
+        "\n<tool_call>\n<function=other>\n<parameter=n>\n123\n</parameter>\n"
+        '<parameter=s>\nnot json\n</parameter>\n<parameter=o>\n{"k": [1, null]}\n'
+        "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+        "<parameter=city>\n123\n</parameter>\n<parameter=zip>\n\nline\n\n</parameter>\n"
+        "</function>\n</tool_call>\n"
+    )
+    check_every_split(
+        "qwen3",
+        text,
+        (
+            "Sure.",
+            [
+                ("search", {"query": "x"}),
+                ("other", {"n": 123, "s": "not json", "o": {"k": [1, None]}}),
+                ("get_weather", {"city": "123", "zip": "\nline\n"}),
+            ],
+        ),
+    )
 
 
 def test_minimax_nesting_duplicates_and_types():
     """M3's nested objects and arrays, a repeated tag collected in an array, a name that is
     no identifier, numbers typed by the schema ("007" as an integer) or kept as text."""
-    body = (f'{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>007{NS}</days>'
-            f'{NS}<units>{NS}<metric>false{NS}</metric>{NS}</units>{NS}<hours>{NS}</hours>'
-            f'{NS}<extra>{NS}<tag>a{NS}</tag>{NS}<tag>b{NS}</tag>{NS}</extra>'
-            f'{NS}<-A>{NS}<item>1.5{NS}</item>{NS}<item>{NS}<k>v w{NS}</k>{NS}</item>{NS}</-A>'
-            f'{NS}</invoke>')  # fmt: skip
-    text = f"Checking.{NS}<tool_call>\n{body}\n{NS}<invoke name=\"search\">{NS}</invoke>\n" \
-           f"{NS}</tool_call>"  # fmt: skip
-    args = {"city": "Paris", "days": 7, "units": {"metric": False}, "hours": [],
-            "extra": {"tag": ["a", "b"]}, "-A": [1.5, {"k": "v w"}]}  # fmt: skip
-    check_every_split("minimax_m3", text, ("Checking.", [("get_weather", args),
-                                                         ("search", {})]))  # fmt: skip
+    body = (
+        f'{NS}<invoke name="get_weather">{NS}<city>Paris{NS}</city>{NS}<days>007{NS}</days>'
+        f"{NS}<units>{NS}<metric>false{NS}</metric>{NS}</units>{NS}<hours>{NS}</hours>"
+        f"{NS}<extra>{NS}<tag>a{NS}</tag>{NS}<tag>b{NS}</tag>{NS}</extra>"
+        f"{NS}<-A>{NS}<item>1.5{NS}</item>{NS}<item>{NS}<k>v w{NS}</k>{NS}</item>{NS}</-A>"
+        f"{NS}</invoke>"
+    )
+    text = (
+        f'Checking.{NS}<tool_call>\n{body}\n{NS}<invoke name="search">{NS}</invoke>\n'
+        f"{NS}</tool_call>"
+    )
+    args = {
+        "city": "Paris",
+        "days": 7,
+        "units": {"metric": False},
+        "hours": [],
+        "extra": {"tag": ["a", "b"]},
+        "-A": [1.5, {"k": "v w"}],
+    }
+    check_every_split("minimax_m3", text, ("Checking.", [("get_weather", args), ("search", {})]))
 
 
 M3_CALL = f'{NS}<invoke name="search">{NS}<q>x{NS}</q>{NS}</invoke>'
 
 
-@pytest.mark.parametrize("parser, text, calls", [
-    # malformed: the text as it was
-    ("qwen3", "Hi <tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call> end",
-     []),
-    ("qwen3", "<tool_call>just words</tool_call>", []),
-    ("qwen3", '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>', []),
-    ("minimax_m3", f"{NS}<tool_call>\n{NS}</q> after", []),
-    ("minimax_m3", f'x {NS}<tool_call>\n{NS}<invoke name="f">{NS}<a>1{NS}</b>{NS}</invoke>\n'
-                   f'{NS}</tool_call>', []),
-    ("minimax_m3", f'{NS}<tool_call>\n{NS}<invoke name="f">text{NS}<a>1{NS}</a>{NS}</invoke>',
-     []),
-    # truncated: no call, the text as it was
-    ("qwen3", "Sure <tool_call>\n<function=get_weather>\n<parameter=city>\nPar", []),
-    ("qwen3", "an unfinished marker <tool_ca", []),
-    ("minimax_m3", f"Sure {NS}<tool_call>\n{NS}<invoke name=\"search\">{NS}<q>x", []),
-    ("minimax_m3", f"ends in {NS}<tool", []),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "parser, text, calls",
+    [
+        # malformed: the text as it was
+        (
+            "qwen3",
+            "Hi <tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call> end",
+            [],
+        ),
+        ("qwen3", "<tool_call>just words</tool_call>", []),
+        ("qwen3", '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>', []),
+        ("minimax_m3", f"{NS}<tool_call>\n{NS}</q> after", []),
+        (
+            "minimax_m3",
+            f'x {NS}<tool_call>\n{NS}<invoke name="f">{NS}<a>1{NS}</b>{NS}</invoke>\n'
+            f"{NS}</tool_call>",
+            [],
+        ),
+        (
+            "minimax_m3",
+            f'{NS}<tool_call>\n{NS}<invoke name="f">text{NS}<a>1{NS}</a>{NS}</invoke>',
+            [],
+        ),
+        # truncated: no call, the text as it was
+        ("qwen3", "Sure <tool_call>\n<function=get_weather>\n<parameter=city>\nPar", []),
+        ("qwen3", "an unfinished marker <tool_ca", []),
+        ("minimax_m3", f'Sure {NS}<tool_call>\n{NS}<invoke name="search">{NS}<q>x', []),
+        ("minimax_m3", f"ends in {NS}<tool", []),
+    ],
+)
 def test_malformed_and_truncated_calls_are_text(parser, text, calls):
     check_every_split(parser, text, (text, calls))
 
@@ -167,7 +222,7 @@ class ToolTokenizer(CharTokenizer):
 
 def script(monkeypatch, text: str, size: int = 3) -> None:
     """The engine writes `text`, `size` characters a token."""
-    pieces = {i + 1: text[i * size:(i + 1) * size] for i in range((len(text) + size - 1) // size)}
+    pieces = {i + 1: text[i * size : (i + 1) * size] for i in range((len(text) + size - 1) // size)}
     monkeypatch.setattr(test_app, "PIECES", pieces)
 
 
@@ -211,8 +266,10 @@ def test_tool_calls_whole_and_streamed(tools_client):
     choice = chat(client, tools=TOOLS).json()["choices"][0]
     message = choice["message"]
     assert choice["finish_reason"] == "tool_calls" and message["content"] == "Checking."
-    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
-            for c in message["tool_calls"]] == [("function", n, a) for n, a in CALLS]
+    assert [
+        (c["type"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in message["tool_calls"]
+    ] == [("function", n, a) for n, a in CALLS]
     assert all(c["id"].startswith("call_") for c in message["tool_calls"])
     assert tokenizer.seen[-1][1]["tools"] == TOOLS  # the template renders them
     content, calls, reason = streamed(chat(client, tools=TOOLS, stream=True))
@@ -221,8 +278,9 @@ def test_tool_calls_whole_and_streamed(tools_client):
     assert sorted(calls) == [0, 1] and all(i.startswith("call_") for i, _, _ in calls.values())
 
 
-@pytest.mark.parametrize("choice", ["auto", "required",
-                                    {"type": "function", "function": {"name": "search"}}])
+@pytest.mark.parametrize(
+    "choice", ["auto", "required", {"type": "function", "function": {"name": "search"}}]
+)
 def test_tool_choices_that_parse(tools_client, choice):
     out = chat(tools_client[0], tools=TOOLS, tool_choice=choice).json()["choices"][0]
     assert len(out["message"]["tool_calls"]) == 2
@@ -244,23 +302,44 @@ def test_text_stays_text_without_parsing(tools_client, monkeypatch):
         assert content == "Sure <tool_call>\n<function=search>\n"
 
 
-@pytest.mark.parametrize("body, fault", [
-    ({"tool_choice": "required"}, "needs tools"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "'nope'"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
-    ({"tools": TOOLS, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
-     "not a JSON object"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, fault",
+    [
+        ({"tool_choice": "required"}, "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "'nope'",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+        ({"tools": TOOLS, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{oops"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "not a JSON object",
+        ),
+    ],
+)
 def test_bad_tool_requests_are_400(tools_client, body, fault):
     r = chat(tools_client[0], **body)
     assert r.status_code == 400 and fault in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("parser, template", [("qwen3", CHATML_TEMPLATE),
-                                              ("minimax_m3", MINIMAX_TEMPLATE)])
+@pytest.mark.parametrize(
+    "parser, template", [("qwen3", CHATML_TEMPLATE), ("minimax_m3", MINIMAX_TEMPLATE)]
+)
 def test_round_trip_through_the_template(monkeypatch, parser, template):
     """The calls come back in the next request with their results; the template renders
     the assistant turn exactly as the model wrote it, and the results after it."""
@@ -272,15 +351,27 @@ def test_round_trip_through_the_template(monkeypatch, parser, template):
     client = TestClient(build_app(engine, tokenizer, MODEL, tool_parser=PARSERS[parser]))
     first = [{"role": "user", "content": "weather?"}]
     message = chat(client, messages=first, tools=TOOLS).json()["choices"][0]["message"]
-    results = [{"role": "tool", "tool_call_id": c["id"], "content": f"result {i}"}
-               for i, c in enumerate(message["tool_calls"])]  # fmt: skip
+    results = [
+        {"role": "tool", "tool_call_id": c["id"], "content": f"result {i}"}
+        for i, c in enumerate(message["tool_calls"])
+    ]
     r = chat(client, messages=[*first, message, *results], tools=TOOLS)
     assert r.status_code == 200
     prompt = tokenizer.decode(engine.added[-1][1])
     assert prompt == tokenizer.apply_chat_template(
-        [*first, {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in CALLS]},
-         *results], tools=TOOLS)  # fmt: skip
+        [
+            *first,
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": n, "arguments": a}} for n, a in CALLS
+                ],
+            },
+            *results,
+        ],
+        tools=TOOLS,
+    )
     assert out in prompt and "result 0" in prompt and "result 1" in prompt
 
 

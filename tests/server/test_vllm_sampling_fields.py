@@ -16,8 +16,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 from sparrow.server.app import build_app  # noqa: E402
 
 MODEL = "default"
-PROMPT = ('def add(a, b):\n    """The sum of a and b."""\n    return a + b\n\n\n'
-          "def sub(a, b):\n    return a - b\n")  # 37 tokens: three chunks of at most 16
+PROMPT = (
+    'def add(a, b):\n    """The sum of a and b."""\n    return a + b\n\n\n'
+    "def sub(a, b):\n    return a - b\n"
+)  # 37 tokens: three chunks of at most 16
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +32,9 @@ def served():
 
 def test_completion_prompt_logprobs_equal_a_whole_prompt_forward(served):
     client, llm = served
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2,
-                                    extra_body={"prompt_logprobs": 2})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, n=2, extra_body={"prompt_logprobs": 2}
+    )
     ids = llm.tokenizer.encode(PROMPT)
     hidden = SequenceBatch(llm.model, 1, len(ids)).forward([ids])
     ref = torch.log_softmax(llm.model.logits(hidden).double(), dim=-1)
@@ -51,17 +54,20 @@ def test_chat_prompt_logprobs_beside_the_choices(served):
     client, llm = served
     messages = [{"role": "user", "content": "hi"}]
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0})
+        model=MODEL, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
     body = raw.http_response.json()
     ids = llm.tokenizer.encode_chat(messages)
     assert len(body["prompt_logprobs"]) == len(ids) and body["prompt_logprobs"][0] is None
     assert [list(p) for p in body["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
     with pytest.raises(openai.BadRequestError, match="less than or equal to 20"):
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
-                                  extra_body={"prompt_logprobs": 21})  # fmt: skip
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 21}
+        )
     with pytest.raises(openai.BadRequestError, match="not available with stream"):
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=True,
-                                  extra_body={"prompt_logprobs": 1})  # fmt: skip
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
+        )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -71,9 +77,14 @@ def test_skip_special_tokens_false_keeps_their_text(served, stream):
     start = llm.tokenizer.token_id("<|im_start|>")
     texts = []
     for skip in (True, False):
-        kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-              "logit_bias": {str(start): 100}, "stream": stream,
-              "extra_body": {"skip_special_tokens": skip, "ignore_eos": True}}  # fmt: skip
+        kw = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "logit_bias": {str(start): 100},
+            "stream": stream,
+            "extra_body": {"skip_special_tokens": skip, "ignore_eos": True},
+        }
         out = client.chat.completions.create(**kw)
         if stream:
             texts.append("".join(c.choices[0].delta.content or "" for c in out if c.choices))

@@ -13,8 +13,9 @@ def tiny_checkpoint(tmp_path_factory):
     """An fp32 checkpoint of TINY with a word-level tokenizer.json (prompts go in as ids;
     it keeps the packaged Qwen vocabulary from loading)."""
     path = tmp_path_factory.mktemp("tiny")
-    write_random_checkpoint(path, TINY, seed=4, dtype=torch.float32, tokenizer=False,
-                            progress=False)  # fmt: skip
+    write_random_checkpoint(
+        path, TINY, seed=4, dtype=torch.float32, tokenizer=False, progress=False
+    )
     words = {f"t{i}": i for i in range(TINY.vocab_size)}
     Tokenizer(models.WordLevel(words, unk_token="t0")).save(str(path / "tokenizer.json"))
     return path

@@ -17,9 +17,14 @@ from sparrow.worker.cache import ModelCache, build_metadata
 
 
 def test_metadata_of_a_prompt_and_a_decode():
-    meta = build_metadata(tokens=[[11, 12, 13], [14]], computed=[0, 20],
-                          block_tables=[[4, 2], [7, 1, 3]], state_slots=[1, 0], block_size=16,
-                          device="cpu")  # fmt: skip
+    meta = build_metadata(
+        tokens=[[11, 12, 13], [14]],
+        computed=[0, 20],
+        block_tables=[[4, 2], [7, 1, 3]],
+        state_slots=[1, 0],
+        block_size=16,
+        device="cpu",
+    )
     assert meta.input_ids.tolist() == [11, 12, 13, 14]
     assert meta.positions.tolist() == [0, 1, 2, 20]
     # token 20 of sequence 1 sits in its table's block 1 (block id 1), offset 4
@@ -31,9 +36,15 @@ def test_metadata_of_a_prompt_and_a_decode():
     assert meta.state_slots.tolist() == [1, 0]
     assert meta.max_q_len == 3
     assert not meta.prefix_free
-    dtypes = {"input_ids": torch.long, "positions": torch.long, "slot_mapping": torch.long,
-              "cu_seqlens": torch.int32, "context_lens": torch.int32,
-              "block_tables": torch.int32, "state_slots": torch.int32}  # fmt: skip
+    dtypes = {
+        "input_ids": torch.long,
+        "positions": torch.long,
+        "slot_mapping": torch.long,
+        "cu_seqlens": torch.int32,
+        "context_lens": torch.int32,
+        "block_tables": torch.int32,
+        "state_slots": torch.int32,
+    }
     assert {k: getattr(meta, k).dtype for k in dtypes} == dtypes
 
 
@@ -58,8 +69,10 @@ def test_slot_mapping_follows_the_block_tables():
         n = rng.randint(1, 6)
         computed = [rng.randint(0, 40) for _ in range(n)]
         lens = [rng.randint(1, 20) for _ in range(n)]
-        tables = [rng.sample(range(100), -(-(c + q) // block_size))
-                  for c, q in zip(computed, lens, strict=True)]  # fmt: skip
+        tables = [
+            rng.sample(range(100), -(-(c + q) // block_size))
+            for c, q in zip(computed, lens, strict=True)
+        ]
         tokens = [[rng.randint(0, 299) for _ in range(q)] for q in lens]
         meta = build_metadata(tokens, computed, tables, list(range(n)), block_size, "cpu")
         rows, positions = meta.slot_mapping.tolist(), meta.positions.tolist()

@@ -75,10 +75,17 @@ def cpu_model(tiny_checkpoint):
     return load_checkpoint(tiny_checkpoint, "cpu", torch.float32, progress=False)
 
 
-@pytest.mark.parametrize("max_batch, sizes", [
-    (1, [1]), (3, [1, 2, 3]), (4, [1, 2, 4]), (5, [1, 2, 4, 5]), (64, list(BATCH_SIZES[:9])),
-    (200, [*BATCH_SIZES, 200]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "max_batch, sizes",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (4, [1, 2, 4]),
+        (5, [1, 2, 4, 5]),
+        (64, list(BATCH_SIZES[:9])),
+        (200, [*BATCH_SIZES, 200]),
+    ],
+)
 def test_captured_sizes_end_at_the_max_batch(cpu_model, max_batch, sizes):
     cache = ModelCache(cpu_model.cache_specs(), 4, BLOCK_SIZE, 2, "cpu", torch.float32)
     graphs = DecodeGraphs(cpu_model, cache, max_batch, 3)
@@ -95,7 +102,8 @@ def test_padded_size_is_the_smallest_captured_size_that_fits(cpu_model):
     cache = ModelCache(cpu_model.cache_specs(), 4, BLOCK_SIZE, 2, "cpu", torch.float32)
     graphs = DecodeGraphs(cpu_model, cache, 20, 3)
     assert [graphs.padded_size(b) for b in range(1, 22)] == (
-        [1, 2, 4, 4] + [8] * 4 + [16] * 8 + [20] * 4 + [None])  # fmt: skip
+        [1, 2, 4, 4] + [8] * 4 + [16] * 8 + [20] * 4 + [None]
+    )
 
 
 def test_static_buffers_start_on_the_scratch_block_and_slot(cpu_model):
@@ -137,8 +145,7 @@ def _prefill(model, cache, gen: torch.Generator) -> list[int]:
 
 
 def _eager_decode(model, cache, tokens: list[int], positions: list[int]) -> torch.Tensor:
-    meta = build_metadata([[t] for t in tokens], positions, TABLES, SLOTS, BLOCK_SIZE,
-                          model.device)  # fmt: skip
+    meta = build_metadata([[t] for t in tokens], positions, TABLES, SLOTS, BLOCK_SIZE, model.device)
     with torch.inference_mode():
         return model.logits(model(meta, cache))
 
@@ -148,8 +155,9 @@ def check_padded_decode(model, tol: float) -> None:
     with two tokens still on the device; an identical cache decodes eagerly. Same logits;
     the graphs' cache differs from the eager one only in the scratch block and slot."""
     device = model.device
-    graph_cache = ModelCache(model.cache_specs(), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, device,
-                             model.dtype)  # fmt: skip
+    graph_cache = ModelCache(
+        model.cache_specs(), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, device, model.dtype
+    )
     tokens = _prefill(model, graph_cache, torch.Generator().manual_seed(0))
     eager_cache = copy.deepcopy(graph_cache)
     before = [t.clone() for t in _tensors(graph_cache)]
@@ -170,12 +178,14 @@ def check_padded_decode(model, tol: float) -> None:
         positions = [p + 1 for p in positions]
 
     pad_block, pad_slot = graph_cache.pad_block, graph_cache.pad_slot
-    written_blocks = {table[p // BLOCK_SIZE] for table, p0 in zip(TABLES, PROMPT_LENS,
-                      strict=True) for p in (p0, p0 + 1)}  # fmt: skip
+    written_blocks = {
+        table[p // BLOCK_SIZE]
+        for table, p0 in zip(TABLES, PROMPT_LENS, strict=True)
+        for p in (p0, p0 + 1)
+    }
     allowed = written_blocks | set(SLOTS) | {pad_block, pad_slot}
     scratch_written = False
-    for old, new, eager in zip(before, _tensors(graph_cache), _tensors(eager_cache),
-                               strict=True):  # fmt: skip
+    for old, new, eager in zip(before, _tensors(graph_cache), _tensors(eager_cache), strict=True):
         changed = _changed(old, new)
         assert changed <= allowed, f"rows {sorted(changed - allowed)} of a {list(old.shape)} pool"
         assert 0 not in changed and 1 not in changed  # the bystander's block 0/1 and slot 0
@@ -191,8 +201,9 @@ def test_padded_decode_matches_eager_on_cpu(cpu_model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)],
-                         ids=["fp32", "bf16"])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
 def test_padded_decode_matches_eager_gpu(tiny_checkpoint, dtype, tol):
     model = load_checkpoint(tiny_checkpoint, "cuda", dtype, progress=False)
     check_padded_decode(model, tol)
@@ -226,15 +237,17 @@ def test_prefill_sizes_end_at_the_step_budget(cpu_model):
     assert list(PREFILL_TOKENS) == sorted(set(PREFILL_TOKENS))
 
 
-def check_padded_prefill(model, prompt_len: int, tol: float,
-                         cache_tol: float | None = None) -> None:  # fmt: skip
+def check_padded_prefill(
+    model, prompt_len: int, tol: float, cache_tol: float | None = None
+) -> None:
     """A prompt prefills through the graph of size 64 (rows past it: padding) beside a
     bystander, then decodes one token eagerly; the same on a copy of the cache, eagerly
     throughout. Same logits (within tol); the caches differ only in the scratch block and
     slot, elsewhere within cache_tol (default tol) of each tensor's largest entry."""
     device = model.device
-    graph_cache = ModelCache(model.cache_specs(), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, device,
-                             model.dtype)  # fmt: skip
+    graph_cache = ModelCache(
+        model.cache_specs(), NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, device, model.dtype
+    )
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     bystander = torch.randint(0, vocab, (BYSTANDER[0],), generator=gen).tolist()
@@ -261,8 +274,7 @@ def check_padded_prefill(model, prompt_len: int, tol: float,
 
     pad_block, pad_slot = graph_cache.pad_block, graph_cache.pad_slot
     allowed = set(table) | {slot, pad_block, pad_slot}
-    for old, new, eager in zip(before, _tensors(graph_cache), _tensors(eager_cache),
-                               strict=True):  # fmt: skip
+    for old, new, eager in zip(before, _tensors(graph_cache), _tensors(eager_cache), strict=True):
         assert _changed(old, new) <= allowed
         rows = [i for i in range(old.shape[0]) if i not in (pad_block, pad_slot)]
         scale = max(eager[rows].abs().max().item(), 1e-30)
@@ -280,9 +292,11 @@ def test_padded_prefill_matches_eager_on_cpu(cpu_model, kernel_backend, backend,
 @pytest.mark.parametrize("prompt_len", [1, 37, 64])
 # bf16 caches: the two paths' roundings compound through the random tiny model's layers
 # (measured on the H200: the third GDN layer's state 2.2-4.1% of its largest entry apart)
-@pytest.mark.parametrize("dtype, tol, cache_tol",
-                         [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 3e-2, 6e-2)],
-                         ids=["fp32", "bf16"])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, tol, cache_tol",
+    [(torch.float32, 1e-4, 1e-4), (torch.bfloat16, 3e-2, 6e-2)],
+    ids=["fp32", "bf16"],
+)
 def test_padded_prefill_matches_eager_gpu(tiny_checkpoint, dtype, tol, cache_tol, prompt_len):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = load_checkpoint(tiny_checkpoint, "cuda", dtype, progress=False)
@@ -293,8 +307,12 @@ def test_prefill_graphs_only_where_gdn_takes_the_kernels(cpu_model, kernel_backe
     """The reference GDN path splits a step by lengths read on the host: no prefill graph."""
     kernel_backend("triton")
     assert cpu_model.prefill_graphs
-    odd = random_model(PRESETS["qwen3.6-tiny"].replace(linear_key_head_dim=24), seed=0,
-                       device="cpu", dtype=torch.float32)  # fmt: skip
+    odd = random_model(
+        PRESETS["qwen3.6-tiny"].replace(linear_key_head_dim=24),
+        seed=0,
+        device="cpu",
+        dtype=torch.float32,
+    )
     assert not odd.prefill_graphs
     kernel_backend("reference")
     assert not cpu_model.prefill_graphs

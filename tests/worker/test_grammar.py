@@ -37,16 +37,24 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
         elif kind == "boolean":
             props[f"b{i}"] = {"type": "boolean"}
         elif kind == "enum":
-            props[f"e{i}"] = {"enum": rng.sample(["red", "green", "blue", "a b", "x\"y"], 3)}
+            props[f"e{i}"] = {"enum": rng.sample(["red", "green", "blue", "a b", 'x"y'], 3)}
         elif kind == "array":
-            item = rng.choice([{"type": "integer", "minimum": 0, "maximum": 9},
-                               {"type": "string", "maxLength": 3}])  # fmt: skip
+            item = rng.choice(
+                [
+                    {"type": "integer", "minimum": 0, "maximum": 9},
+                    {"type": "string", "maxLength": 3},
+                ]
+            )
             props[f"a{i}"] = {"type": "array", "items": item, "maxItems": 3}
         else:
             props[f"o{i}"] = random_schema(rng, depth + 1)
     required = rng.sample(sorted(props), rng.randint(len(props) - 1, len(props)))
-    return {"type": "object", "properties": props, "required": required,
-            "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": props,
+        "required": required,
+        "additionalProperties": False,
+    }
 
 
 def validate(value, schema: dict) -> None:
@@ -90,12 +98,19 @@ def test_schemas_are_followed_in_a_batch(llm):
 
 def test_sampled_outputs_follow_the_schema(llm):
     """Temperature sampling with a seed per request, after a long prompt."""
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
-              "n": {"type": "integer", "minimum": 1, "maximum": 50}},
-              "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 1, "maximum": 50},
+        },
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
     spec = GrammarSpec.json_schema(schema)
-    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, grammar=spec)
-              for s in range(4)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=s, grammar=spec) for s in range(4)
+    ]
     for out in llm.generate(["word " * 300] * 4, params):
         validate(json.loads(out.text), schema)
 
@@ -103,11 +118,14 @@ def test_sampled_outputs_follow_the_schema(llm):
 def test_json_object_regex_and_choice(llm):
     close = [llm.tokenizer.encode(t)[0] for t in ("{}", "}")]
     bias = tuple((t, 50.0) for t in close)  # the random model takes a while to end a string
-    outs = llm.generate(["a", "b", "c"], [
-        SamplingParams(max_tokens=20, grammar=GrammarSpec("json_object"), logit_bias=bias),
-        SamplingParams(max_tokens=20, grammar=GrammarSpec("regex", r"[a-z]{3}-\d{2}")),
-        SamplingParams(max_tokens=20, grammar=GrammarSpec.choice(["yes", "no", "maybe so"])),
-    ])  # fmt: skip
+    outs = llm.generate(
+        ["a", "b", "c"],
+        [
+            SamplingParams(max_tokens=20, grammar=GrammarSpec("json_object"), logit_bias=bias),
+            SamplingParams(max_tokens=20, grammar=GrammarSpec("regex", r"[a-z]{3}-\d{2}")),
+            SamplingParams(max_tokens=20, grammar=GrammarSpec.choice(["yes", "no", "maybe so"])),
+        ],
+    )
     assert isinstance(json.loads(outs[0].text), dict)
     assert re.fullmatch(r"[a-z]{3}-\d{2}", outs[1].text), outs[1].text
     assert outs[2].text in ("yes", "no", "maybe so")
@@ -115,8 +133,9 @@ def test_json_object_regex_and_choice(llm):
 
 
 def test_ignoring_eos_goes_on_with_end_tokens_only(llm):
-    [out] = llm.generate(["a"], SamplingParams(max_tokens=6, ignore_eos=True,
-                                               grammar=GrammarSpec.choice(["ok"])))  # fmt: skip
+    [out] = llm.generate(
+        ["a"], SamplingParams(max_tokens=6, ignore_eos=True, grammar=GrammarSpec.choice(["ok"]))
+    )
     # "ok" in whatever tokens the model picks ("ok" or "o" + "k"), then end tokens only
     end = next(i for i, t in enumerate(out.token_ids) if t in llm.default_stop_ids)
     assert llm.tokenizer.decode(out.token_ids[:end]) == "ok" and len(out.token_ids) == 6
@@ -124,8 +143,10 @@ def test_ignoring_eos_goes_on_with_end_tokens_only(llm):
 
 
 def test_a_bad_schema_is_refused_at_admission(llm):
-    for spec, needle in [(GrammarSpec("json", '{"type": "foo"}'), 'Unsupported type "foo"'),
-                         (GrammarSpec("regex", "(("), "parenthesis is not closed")]:  # fmt: skip
+    for spec, needle in [
+        (GrammarSpec("json", '{"type": "foo"}'), 'Unsupported type "foo"'),
+        (GrammarSpec("regex", "(("), "parenthesis is not closed"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             llm.add_request("x", SamplingParams(grammar=spec))
     assert not llm.has_unfinished()
@@ -181,8 +202,12 @@ def test_a_grammar_that_starts_after_the_think_block(llm):
     end = llm.tokenizer.token_id("</think>")
     bias = ((end, 40.0),)
     spec = GrammarSpec.choice(["yes", "no"])
-    gated, plain = llm.generate(["a", "a"], [
-        SamplingParams(max_tokens=8, logit_bias=bias, grammar=replace(spec, after=end)),
-        SamplingParams(max_tokens=8, logit_bias=bias, grammar=spec)])  # fmt: skip
+    gated, plain = llm.generate(
+        ["a", "a"],
+        [
+            SamplingParams(max_tokens=8, logit_bias=bias, grammar=replace(spec, after=end)),
+            SamplingParams(max_tokens=8, logit_bias=bias, grammar=spec),
+        ],
+    )
     assert gated.token_ids[0] == end and gated.text in ("</think>yes", "</think>no")
     assert end not in plain.token_ids and plain.text in ("yes", "no")

@@ -18,11 +18,23 @@ from sparrow.multimodal.items import MediaItem
 pytestmark = pytest.mark.usefixtures("hf_gdn_in_pytorch")
 
 CFG = ModelArgs(
-    vocab_size=300, hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2,
-    head_dim=32, mrope_section=(2, 1, 1), linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32, initializer_range=0.1,
-)  # fmt: skip
+    vocab_size=300,
+    hidden_size=64,
+    num_layers=4,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mrope_section=(2, 1, 1),
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    initializer_range=0.1,
+)
 PAD = 7
 STEPS = 6
 
@@ -63,15 +75,16 @@ def hf_greedy(hf, prompt, items, steps):
         out = fake_tower(item.pixel_values, item.grid_thw)
         per_run = out.shape[0] // len(item.runs)
         for r, start in enumerate(item.runs):
-            embeds[0, start:start + per_run] = out[r * per_run:(r + 1) * per_run]
+            embeds[0, start : start + per_run] = out[r * per_run : (r + 1) * per_run]
     runs = [r for item in items for r in item.run_grids()]
     positions, delta = mrope_positions(len(prompt), runs, 2)
     out = hf(inputs_embeds=embeds, position_ids=positions[:, None], use_cache=True)
     tokens, cache = [int(out.logits[0, -1].argmax())], out.past_key_values
     for i in range(steps - 1):
         pos = torch.full((3, 1, 1), len(prompt) + i + delta)
-        out = hf(torch.tensor([[tokens[-1]]]), position_ids=pos, past_key_values=cache,
-                 use_cache=True)  # fmt: skip
+        out = hf(
+            torch.tensor([[tokens[-1]]]), position_ids=pos, past_key_values=cache, use_cache=True
+        )
         tokens.append(int(out.logits[0, -1].argmax()))
         cache = out.past_key_values
     return tokens
@@ -87,8 +100,14 @@ def test_media_embeddings_and_positions_match_hf(device):
     model.visual = FakeTower()
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     for chunk in (64, 8):  # whole prompt; chunks that split the image and the video
-        llm = LLM(model, max_model_len=128, block_size=16, num_blocks=32,
-                  max_num_batched_tokens=chunk, enable_prefix_caching=False)  # fmt: skip
+        llm = LLM(
+            model,
+            max_model_len=128,
+            block_size=16,
+            num_blocks=32,
+            max_num_batched_tokens=chunk,
+            enable_prefix_caching=False,
+        )
         request = llm.add_request(prompt, params, media=items)
         assert [s.length for s in request.media] == [6, 11]
         out = {}
@@ -100,8 +119,9 @@ def test_media_embeddings_and_positions_match_hf(device):
 
 
 def test_text_only_models_refuse_media():
-    llm = LLM(random_model(CFG, 0, "cpu", torch.float32), max_model_len=64, block_size=16,
-              num_blocks=8)  # fmt: skip
+    llm = LLM(
+        random_model(CFG, 0, "cpu", torch.float32), max_model_len=64, block_size=16, num_blocks=8
+    )
     prompt, items = media_prompt()
     with pytest.raises(ValueError, match="no vision tower"):
         llm.add_request(prompt, SamplingParams(max_tokens=2), media=items)

@@ -47,9 +47,12 @@ class Driver:
         self.logprobs[rid] = []
 
     def launch(self, plan: dict[str, int], new: tuple[str, ...] = ()):
-        out = SchedulerOutput(dict(plan), new_request_ids=list(new),
-                              block_tables={r: self.tables[r] for r in plan},
-                              state_slots={r: self.slots[r] for r in plan})  # fmt: skip
+        out = SchedulerOutput(
+            dict(plan),
+            new_request_ids=list(new),
+            block_tables={r: self.tables[r] for r in plan},
+            state_slots={r: self.slots[r] for r in plan},
+        )
         launched = self.runner.execute(out, self.requests)
         for rid, n in plan.items():
             request = self.requests[rid]
@@ -131,8 +134,10 @@ def test_chunked_prompt_mixed_with_a_decode(engine):
     nothing."""
     runner, vocab = engine.runner, engine.model.config.vocab_size
     long, short = _prompt(90, 3, vocab), _prompt(12, 4, vocab)
-    expected = {"long": reference(engine.model, long, 3)[0],
-                "short": reference(engine.model, short, 5)[0]}  # fmt: skip
+    expected = {
+        "long": reference(engine.model, long, 3)[0],
+        "short": reference(engine.model, short, 5)[0],
+    }
     drive = Driver(runner, {"long": [10], "short": [11]}, {"long": 5, "short": 0})
     drive.add("long", long)
     drive.add("short", short)
@@ -170,11 +175,16 @@ def test_seeded_sampling_reproduces_per_request(engine):
     runner, vocab = engine.runner, engine.model.config.vocab_size
     prompt = _prompt(20, 7, vocab)
     seeded = SamplingParams(max_tokens=64, temperature=1.5, seed=123)
-    params = {"s1": seeded, "s2": seeded, "g": SamplingParams(max_tokens=64),
-              "other": SamplingParams(max_tokens=64, temperature=1.5, seed=321)}  # fmt: skip
+    params = {
+        "s1": seeded,
+        "s2": seeded,
+        "g": SamplingParams(max_tokens=64),
+        "other": SamplingParams(max_tokens=64, temperature=1.5, seed=321),
+    }
     rids = list(params)
-    drive = Driver(runner, {r: [20 + i] for i, r in enumerate(rids)},
-                   {r: 6 + i for i, r in enumerate(rids)})  # fmt: skip
+    drive = Driver(
+        runner, {r: [20 + i] for i, r in enumerate(rids)}, {r: 6 + i for i, r in enumerate(rids)}
+    )
     for rid, p in params.items():
         drive.add(rid, prompt, p)
     drive.step(dict.fromkeys(rids, len(prompt)), new=tuple(rids))

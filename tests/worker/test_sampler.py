@@ -31,15 +31,25 @@ def test_greedy_is_argmax():
     assert torch.equal(picked, logits.argmax(-1))
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7, top_k=1),
-    SamplingParams(temperature=1.3, top_p=1e-6),
-    SamplingParams(temperature=2.0, top_k=1, top_p=0.5),
-    SamplingParams(temperature=1e-4),  # all the mass on the argmax
-    SamplingParams(temperature=1.0, top_p=5e-324),  # 0 in fp32
-    SamplingParams(temperature=1.0, top_p=1e-40),  # an fp32 subnormal
-], ids=["top_k=1", "top_p tiny", "top_k=1 + top_p", "temperature tiny", "top_p 5e-324",
-        "top_p subnormal"])  # fmt: skip
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=1),
+        SamplingParams(temperature=1.3, top_p=1e-6),
+        SamplingParams(temperature=2.0, top_k=1, top_p=0.5),
+        SamplingParams(temperature=1e-4),  # all the mass on the argmax
+        SamplingParams(temperature=1.0, top_p=5e-324),  # 0 in fp32
+        SamplingParams(temperature=1.0, top_p=1e-40),  # an fp32 subnormal
+    ],
+    ids=[
+        "top_k=1",
+        "top_p tiny",
+        "top_k=1 + top_p",
+        "temperature tiny",
+        "top_p 5e-324",
+        "top_p subnormal",
+    ],
+)
 def test_filters_that_keep_one_token_are_greedy(params):
     logits = _logits(7, seed=1)
     for seed in range(3):
@@ -80,8 +90,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, kept):
     order = torch.tensor([2, 0, 3, 1])  # vocabulary id of the i-th most likely token
     probs = torch.zeros(4, dtype=torch.float64)
     probs[order] = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
-    freq = _frequencies(probs.log().float(), SamplingParams(temperature=1.0, top_p=top_p),
-                        40_000)  # fmt: skip
+    freq = _frequencies(probs.log().float(), SamplingParams(temperature=1.0, top_p=top_p), 40_000)
     expected = torch.zeros(4, dtype=torch.float64)
     expected[order[kept]] = probs[order[kept]] / probs[order[kept]].sum()
     assert (freq - expected).abs().max() < 0.012
@@ -91,8 +100,13 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, kept):
 def test_sample_rows_mixes_greedy_and_sampled_rows():
     logits = _logits(5, seed=5)
     sampled = SamplingParams(temperature=1.5, top_p=0.95, seed=9)
-    params = [SamplingParams(), sampled, SamplingParams(),
-              SamplingParams(temperature=0.8, top_k=1), sampled]  # fmt: skip
+    params = [
+        SamplingParams(),
+        sampled,
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=1),
+        sampled,
+    ]
     gens = [None, _gen(9), None, None, _gen(10)]
     picked = sample_rows(logits, params, gens)
     assert picked.dtype == torch.long and picked.shape == (5,)
@@ -126,12 +140,14 @@ def test_a_seeded_row_does_not_depend_on_the_other_rows():
     """Rows with different filters are sampled together; each seeded row draws what it draws
     alone with its generator."""
     logits = _logits(6, seed=8)
-    params = [SamplingParams(temperature=0.9, top_k=20, seed=1),
-              SamplingParams(temperature=1.2, top_p=0.8, seed=2),
-              SamplingParams(),
-              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
-              SamplingParams(temperature=1.0),
-              SamplingParams(temperature=1.1, top_p=0.6, seed=4)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=1),
+        SamplingParams(temperature=1.2, top_p=0.8, seed=2),
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.1, top_p=0.6, seed=4),
+    ]
     for draw in range(3):
         gens = [_gen(100 * draw + b) for b in range(6)]
         picked = sample_rows(logits, params, gens)
@@ -164,8 +180,9 @@ def test_bucketed_top_p_within_rounding_of_one_keeps_the_whole_nucleus(top_p):
     summing in another order, may drop a tail of tiny ones)."""
     from sparrow.worker.sampler import _bucketed_cut, _sorted_cut
 
-    probs = torch.softmax(torch.randn(3, 70_000, generator=torch.Generator().manual_seed(13))
-                          * 6.0, -1)  # fmt: skip
+    probs = torch.softmax(
+        torch.randn(3, 70_000, generator=torch.Generator().manual_seed(13)) * 6.0, -1
+    )
     column = torch.full((3, 1), top_p)
     bucketed = _bucketed_cut(probs, column)
     assert ((_sorted_cut(probs, column) > 0) <= (bucketed > 0)).all()
@@ -228,8 +245,9 @@ def test_sampling_controls_are_validated():
     assert SamplingParams(logit_bias=((3, 1.0), (1, -2.0))).logit_bias == ((1, -2.0), (3, 1.0))
 
 
-def _penalized_reference(row: torch.Tensor, p: SamplingParams, output: list[int],
-                         prompt: list[int]) -> torch.Tensor:  # fmt: skip
+def _penalized_reference(
+    row: torch.Tensor, p: SamplingParams, output: list[int], prompt: list[int]
+) -> torch.Tensor:
     out = row.clone()
     for t in set(output) | set(prompt):
         out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
@@ -242,9 +260,11 @@ def test_penalties_equal_their_definitions():
     from sparrow.worker.sampler import penalize
 
     logits = _logits(3)
-    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.3),
-              SamplingParams(),
-              SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.0)]  # fmt: skip
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.3),
+        SamplingParams(),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.0),
+    ]
     outputs, prompts = [[5, 5, 9, 1000], [3], [7, 7, 7]], [[1, 2, 5], [4], [9]]
     pending = {2: torch.tensor(11)}
     out = penalize(logits, params, outputs, prompts, pending)
@@ -264,8 +284,13 @@ def test_penalties_through_the_engine_equal_a_plain_loop():
 
     cfg = PRESETS["qwen3.6-tiny"].replace(vocab_size=300)
     model = random_model(cfg, 0, "cpu", torch.float32)
-    p = SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=1.5,
-                       frequency_penalty=0.5, repetition_penalty=1.5)  # fmt: skip
+    p = SamplingParams(
+        max_tokens=8,
+        ignore_eos=True,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.5,
+    )
     prompt = [5, 17, 17, 42, 99, 5]
     llm = LLM(model, max_model_len=64, block_size=16, num_blocks=8)
     ours = llm.generate([prompt], p)[0].token_ids

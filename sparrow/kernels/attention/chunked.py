@@ -34,20 +34,25 @@ def flash_fits(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-            backend: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k, v: [1, H, L, D] (causal: Lq == Lk). Returns (out [1, H, Lq, D] in q's dtype,
     lse [1, H, Lq] fp32). "math" is the plain PyTorch definition (any device)."""
     aten = torch.ops.aten
     if backend != "math" and not flash_fits(q):
-        raise ValueError(f"backend {backend!r} takes fp16/bf16 CUDA tensors with a head dim "
-                         f"that is a multiple of 8 up to 256, not {q.dtype} x {q.shape[-1]}")
+        raise ValueError(
+            f"backend {backend!r} takes fp16/bf16 CUDA tensors with a head dim "
+            f"that is a multiple of 8 up to 256, not {q.dtype} x {q.shape[-1]}"
+        )
     if backend == "cudnn":
-        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal,
-                                                            False, scale=scale)[:2]  # fmt: skip
+        out, lse = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
     elif backend == "flash":
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
-                                                            scale=scale)[:2]  # fmt: skip
+        out, lse = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )[:2]
     elif backend == "math":
         s = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
         if causal:
@@ -68,8 +73,9 @@ def gather_prefix(cache: torch.Tensor, table: torch.Tensor, length: int) -> torc
     return rows.transpose(0, 1).contiguous()
 
 
-def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
-          lse2: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
     """Two softmax partials over disjoint keys ([T, H, D] normalised, lse [T, H]) as one
     (fp32)."""
     peak = torch.maximum(lse1, lse2)
@@ -78,9 +84,17 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
     return o1.float() * (w1 / total)[..., None] + o2.float() * (w2 / total)[..., None]
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, table: torch.Tensor, prefix: int, scale: float,
-                    backend: str | None = None) -> torch.Tensor:  # fmt: skip
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    prefix: int,
+    scale: float,
+    backend: str | None = None,
+) -> torch.Tensor:
     """One sequence's chunk. q: [T, Hq, D]; k, v: the chunk's own [T, Hkv, D] (in the cache
     too); k_cache, v_cache: [num_blocks, block_size, Hkv, D]; table: the sequence's block
     table; prefix: tokens cached before the chunk (host). backend: one of BACKENDS (default
@@ -104,4 +118,3 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out_pre = out_pre[0].view(hkv, t, g, d).transpose(0, 1).reshape(t, hq, d)
     lse_pre = lse_pre[0].view(hkv, t, g).transpose(0, 1).reshape(t, hq)
     return merge(out_pre, lse_pre, out_self, lse_self).to(q.dtype)
-

@@ -18,9 +18,13 @@ def causal_attention(
     q_pos = torch.arange(lk - lq, lk, device=q.device)
     mask = torch.arange(lk, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=True,
-    )  # fmt: skip
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
     return out.transpose(0, 1)
 
 

@@ -41,12 +41,30 @@ def _gated(b_o, b_g, DT: tl.constexpr):
 
 @triton.jit
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, gate_ptr, o_ptr, tables_ptr, cu_q_ptr, ctx_ptr,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
-    G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, HAS_GATE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    gate_ptr,
+    o_ptr,
+    tables_ptr,
+    cu_q_ptr,
+    ctx_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_tb,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     i_m, i_kvh, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + i_b)
     q_len = tl.load(cu_q_ptr + i_b + 1) - q_start
@@ -71,8 +89,12 @@ def _paged_attn_kernel(
         n = n0 + o_n
         m_n = n < last
         block = tl.load(tables_ptr + i_b * stride_tb + n // CACHE_BLOCK, mask=m_n, other=0)
-        p_kv = block.to(tl.int64)[:, None] * stride_kb + (n % CACHE_BLOCK)[:, None] * stride_kt \
-            + i_kvh * stride_kh + o_d[None, :]  # fmt: skip
+        p_kv = (
+            block.to(tl.int64)[:, None] * stride_kb
+            + (n % CACHE_BLOCK)[:, None] * stride_kt
+            + i_kvh * stride_kh
+            + o_d[None, :]
+        )
         b_k = tl.load(k_ptr + p_kv, mask=m_n[:, None], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale  # [ROWS, BLOCK_N]
         keep = m_n[None, :] & (n[None, :] <= pos[:, None])
@@ -148,24 +170,59 @@ def paged_attention(
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_q_len, block_m), hkv, cu_seqlens_q.numel() - 1)
     fast(_paged_attn_kernel)[grid](
-        q, k_cache, v_cache, gate if gate is not None else q, out, block_tables, cu_seqlens_q,
-        context_lens, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), scale,
-        G=g, D=d, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, CACHE_BLOCK=cache_block,
-        HAS_GATE=gate is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        q,
+        k_cache,
+        v_cache,
+        gate if gate is not None else q,
+        out,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        scale,
+        G=g,
+        D=d,
+        ROWS=rows,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CACHE_BLOCK=cache_block,
+        HAS_GATE=gate is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
-    )  # fmt: skip
+    )
     return out
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, acc_ptr, ml_ptr, tables_ptr, ctx_ptr,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, scale,
-    S: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    acc_ptr,
+    ml_ptr,
+    tables_ptr,
+    ctx_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_tb,
+    scale,
+    S: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     wait_for_previous(USE_PDL)
     i_s, i_kvh, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + i_b)
@@ -176,8 +233,11 @@ def _decode_split_kernel(
     m_r = o_r < G
     head = i_kvh * G + o_r
     o_d = tl.arange(0, D)
-    b_q = tl.load(q_ptr + i_b * stride_qb + head[:, None] * stride_qh + o_d[None, :],
-                  mask=m_r[:, None], other=0.0)  # fmt: skip
+    b_q = tl.load(
+        q_ptr + i_b * stride_qb + head[:, None] * stride_qh + o_d[None, :],
+        mask=m_r[:, None],
+        other=0.0,
+    )
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     b_acc = tl.zeros([ROWS, D], dtype=tl.float32)
@@ -186,8 +246,12 @@ def _decode_split_kernel(
         n = n0 + o_n
         m_n = n < hi
         block = tl.load(tables_ptr + i_b * stride_tb + n // CACHE_BLOCK, mask=m_n, other=0)
-        p_kv = block.to(tl.int64)[:, None] * stride_kb + (n % CACHE_BLOCK)[:, None] * stride_kt \
-            + i_kvh * stride_kh + o_d[None, :]  # fmt: skip
+        p_kv = (
+            block.to(tl.int64)[:, None] * stride_kb
+            + (n % CACHE_BLOCK)[:, None] * stride_kt
+            + i_kvh * stride_kh
+            + o_d[None, :]
+        )
         b_k = tl.load(k_ptr + p_kv, mask=m_n[:, None], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
@@ -207,10 +271,21 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr, ml_ptr, gate_ptr, o_ptr, stride_ob, stride_oh, stride_gb, stride_gh, HQ,
-    S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr,
+    acc_ptr,
+    ml_ptr,
+    gate_ptr,
+    o_ptr,
+    stride_ob,
+    stride_oh,
+    stride_gb,
+    stride_gh,
+    HQ,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    D: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     wait_for_previous(USE_PDL)
     i_h, i_b = tl.program_id(0), tl.program_id(1)
     o_s = tl.arange(0, SP)
@@ -239,8 +314,9 @@ class DecodeTiles:
     block_n: int
 
     @classmethod
-    def for_shape(cls, batch: int, num_kv_heads: int, head_dim: int,
-                  target_programs: int = 256) -> DecodeTiles:  # fmt: skip
+    def for_shape(
+        cls, batch: int, num_kv_heads: int, head_dim: int, target_programs: int = 256
+    ) -> DecodeTiles:
         """Splits: enough programs to fill the GPU at small batch, one split once the batch
         alone fills it (a power of two, at most 64). Keys per step: 8192 / D, at most 64 (D
         = 256: 32 keys, no spills)."""
@@ -278,19 +354,44 @@ def paged_decode_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (splits, hkv, bsz)
     fast(_decode_split_kernel)[grid](
-        q, k_cache, v_cache, acc, ml, block_tables, context_lens,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), scale,
-        S=splits, G=g, D=d, ROWS=max(16, triton.next_power_of_2(g)),
+        q,
+        k_cache,
+        v_cache,
+        acc,
+        ml,
+        block_tables,
+        context_lens,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        scale,
+        S=splits,
+        G=g,
+        D=d,
+        ROWS=max(16, triton.next_power_of_2(g)),
         BLOCK_N=max(MIN_KEYS, min(tiles.block_n, cache_block)),
-        CACHE_BLOCK=cache_block, PRECISION=precision, **launch_args(acc, grid),
-    )  # fmt: skip
+        CACHE_BLOCK=cache_block,
+        PRECISION=precision,
+        **launch_args(acc, grid),
+    )
     out = torch.empty(bsz, hq, d, device=q.device, dtype=q.dtype)
     gate_strides = (gate.stride(0), gate.stride(1)) if gate is not None else (0, 0)
     fast(_decode_merge_kernel)[(hq, bsz)](
-        acc, ml, gate if gate is not None else q, out, out.stride(0), out.stride(1),
-        *gate_strides, hq,
-        S=splits, SP=max(2, splits), D=d, HAS_GATE=gate is not None,
+        acc,
+        ml,
+        gate if gate is not None else q,
+        out,
+        out.stride(0),
+        out.stride(1),
+        *gate_strides,
+        hq,
+        S=splits,
+        SP=max(2, splits),
+        D=d,
+        HAS_GATE=gate is not None,
         **launch_args(out, (hq, bsz)),
-    )  # fmt: skip
+    )
     return out

@@ -29,11 +29,23 @@ from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous,
 
 @triton.jit
 def _conv_kernel(
-    x_ptr, y_ptr, w_ptr, state_ptr, cu_ptr, slot_ptr,
-    C, stride_xt, stride_yt, stride_ss, stride_sc, stride_sp,
-    KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    state_ptr,
+    cu_ptr,
+    slot_ptr,
+    C,
+    stride_xt,
+    stride_yt,
+    stride_ss,
+    stride_sc,
+    stride_sp,
+    KW: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     wait_for_previous(USE_PDL)
     i_c, i_b, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(cu_ptr + i_b)
@@ -51,12 +63,14 @@ def _conv_kernel(
         # [1, BLOCK_C]: loaded in the tile's layout (a 1-D load is converted via shared memory)
         b_w = tl.load(w_ptr + (o_c * KW + j)[None, :], mask=m_c[None, :], other=0.0)
         m_x = ((src >= 0) & (t < length))[:, None] & m_c[None, :]
-        b_x = tl.load(x_ptr + (start + src)[:, None] * stride_xt + o_c[None, :], mask=m_x,
-                      other=0.0).to(tl.float32)  # fmt: skip
+        b_x = tl.load(
+            x_ptr + (start + src)[:, None] * stride_xt + o_c[None, :], mask=m_x, other=0.0
+        ).to(tl.float32)
         if i_t * BLOCK_T < KW - 1:  # only the first tokens reach back into the state
             m_s = ((src < 0) & (t < length))[:, None] & m_c[None, :]
-            b_x += tl.load(p_state[None, :] + (src + KW - 1)[:, None] * stride_sp, mask=m_s,
-                           other=0.0).to(tl.float32)  # fmt: skip
+            b_x += tl.load(
+                p_state[None, :] + (src + KW - 1)[:, None] * stride_sp, mask=m_s, other=0.0
+            ).to(tl.float32)
         b_y += b_x * b_w.to(tl.float32)
     b_y = silu(b_y.to(y_ptr.dtype.element_ty).to(tl.float32))  # rounded as torch's conv1d
     m_y = (t < length)[:, None] & m_c[None, :]
@@ -68,21 +82,32 @@ def _conv_kernel(
         tl.debug_barrier()
         for j in tl.static_range(KW - 1):
             pos = length - (KW - 1) + j + tl.zeros([BLOCK_C], dtype=tl.int32)  # per channel
-            b_in = tl.load(x_ptr + (start + pos) * stride_xt + o_c, mask=m_c & (pos >= 0),
-                           other=0.0)  # fmt: skip
+            b_in = tl.load(
+                x_ptr + (start + pos) * stride_xt + o_c, mask=m_c & (pos >= 0), other=0.0
+            )
             # reads old index length + j > j: never one this loop has already overwritten
-            b_old = tl.load(p_state + (pos + KW - 1) * stride_sp, mask=m_c & (pos < 0),
-                            other=0.0)  # fmt: skip
+            b_old = tl.load(p_state + (pos + KW - 1) * stride_sp, mask=m_c & (pos < 0), other=0.0)
             b_new = tl.where(pos >= 0, b_in.to(tl.float32), b_old.to(tl.float32))
             tl.store(p_state + j * stride_sp, b_new.to(state_ptr.dtype.element_ty), mask=m_c)
 
 
 @triton.jit
 def _conv_step_kernel(
-    x_ptr, y_ptr, w_ptr, state_ptr, slot_ptr,
-    C, stride_xt, stride_yt, stride_ss, stride_sc, stride_sp,
-    KW: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    state_ptr,
+    slot_ptr,
+    C,
+    stride_xt,
+    stride_yt,
+    stride_ss,
+    stride_sc,
+    stride_sp,
+    KW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """One token per sequence: row i_b of x belongs to sequence i_b. The state's last writer
     is this kernel a step earlier (a graph replay or a kernel without PDL in between), so
     the state, weights and slot are read before the wait for the previous kernel."""
@@ -159,14 +184,34 @@ def causal_conv1d_varlen(
     strides = (x.stride(0), y.stride(0), *conv_states.stride())
     if max_len == 1:
         grid = (triton.cdiv(c, tiles.block_c), b)
-        fast(_conv_step_kernel)[grid](x, y, weight, conv_states, slots, c, *strides, KW=kw,
-                                      BLOCK_C=tiles.block_c, num_warps=tiles.num_warps,
-                                      **launch_args(y, grid))  # fmt: skip
+        fast(_conv_step_kernel)[grid](
+            x,
+            y,
+            weight,
+            conv_states,
+            slots,
+            c,
+            *strides,
+            KW=kw,
+            BLOCK_C=tiles.block_c,
+            num_warps=tiles.num_warps,
+            **launch_args(y, grid),
+        )
         return y
     grid = (triton.cdiv(c, tiles.block_c), b, triton.cdiv(max_len or t, tiles.block_t))
     fast(_conv_kernel)[grid](
-        x, y, weight, conv_states, cu_seqlens, slots, c, *strides, KW=kw,
-        BLOCK_T=tiles.block_t, BLOCK_C=tiles.block_c, num_warps=tiles.num_warps,
+        x,
+        y,
+        weight,
+        conv_states,
+        cu_seqlens,
+        slots,
+        c,
+        *strides,
+        KW=kw,
+        BLOCK_T=tiles.block_t,
+        BLOCK_C=tiles.block_c,
+        num_warps=tiles.num_warps,
         **launch_args(y, grid),
-    )  # fmt: skip
+    )
     return y

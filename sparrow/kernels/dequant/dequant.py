@@ -18,9 +18,21 @@ from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, stride_sn, stride_yn,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
+def _dequant_kernel(
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    stride_wn,
+    stride_sn,
+    stride_yn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+):
     """Rows BLOCK_N x columns BLOCK_K (a power-of-two number of groups) of the float matrix.
     Words are loaded [BLOCK_N, GROUPS, words per group] with scales [BLOCK_N, GROUPS, 1]."""
     WPG: tl.constexpr = GROUP * BITS // 32
@@ -62,14 +74,26 @@ def dequantize(
     n, words = packed.shape
     k = words * spec.per_word
     if scales.shape != (n, k // spec.group_size) or biases.shape != scales.shape:
-        raise ValueError(f"packed {list(packed.shape)} does not fit scales "
-                         f"{list(scales.shape)} / biases {list(biases.shape)}")  # fmt: skip
+        raise ValueError(
+            f"packed {list(packed.shape)} does not fit scales "
+            f"{list(scales.shape)} / biases {list(biases.shape)}"
+        )
     packed, scales, biases = (t.contiguous() for t in (packed.view(torch.int32), scales, biases))
     y = torch.empty(n, k, device=packed.device, dtype=dtype)
     block_n, block_k = tiles.block_n, fit_block_k(k, tiles.block_k, spec.group_size)
     fast(_dequant_kernel)[(triton.cdiv(n, block_n), k // block_k)](
-        packed, scales, biases, y, n, packed.stride(0), scales.stride(0), y.stride(0),
-        BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=block_n, BLOCK_K=block_k,
+        packed,
+        scales,
+        biases,
+        y,
+        n,
+        packed.stride(0),
+        scales.stride(0),
+        y.stride(0),
+        BITS=spec.bits,
+        GROUP=spec.group_size,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         PACKED=packed_unpack(scales.dtype, spec.bits, packed.device) and scales.dtype == dtype,
-    )  # fmt: skip
+    )
     return y

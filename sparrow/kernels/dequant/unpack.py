@@ -77,12 +77,22 @@ def unpack_codes(words, scales, biases, BITS: tl.constexpr, PACKED: tl.constexpr
     if PACKED:  # 4-bit, bf16/fp16 scales, compiled for a GPU
         if scales.dtype == tl.bfloat16:
             c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                _BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, scales, biases],
-                (tl.bfloat16,) * 8, True, 1)  # fmt: skip
+                _BF16_ASM,
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+                [words, scales, biases],
+                (tl.bfloat16,) * 8,
+                True,
+                1,
+            )
         else:
             c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                _FP16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, scales, biases],
-                (tl.float16,) * 8, True, 1)  # fmt: skip
+                _FP16_ASM,
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
+                [words, scales, biases],
+                (tl.float16,) * 8,
+                True,
+                1,
+            )
     else:
         s = scales.to(tl.float32)
         b = biases.to(tl.float32)
@@ -99,6 +109,7 @@ def unpack_codes(words, scales, biases, BITS: tl.constexpr, PACKED: tl.constexpr
     if BITS == 8:
         values = tl.join(tl.join(c0, c2), tl.join(c1, c3))
     else:
-        values = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
-                         tl.join(tl.join(c1, c5), tl.join(c3, c7)))  # fmt: skip
+        values = tl.join(
+            tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))
+        )
     return values

@@ -154,38 +154,73 @@ def _chunk_inverse(a, INV_PRECISION: tl.constexpr, PRECISION: tl.constexpr):
     """(I + a)^-1 for a strictly lower triangular [64, 64]: the four 16x16 diagonal blocks
     inverted as one batch (`_inverse_unit_lower`, INV_PRECISION), then block forward
     substitution on the identity's row blocks (PRECISION)."""
-    t0, t1, t2, t3 = _split4(tl.permute(_inverse_unit_lower(_diagonal_blocks(a), INV_PRECISION),
-                                        (1, 2, 0)))  # fmt: skip
+    t0, t1, t2, t3 = _split4(
+        tl.permute(_inverse_unit_lower(_diagonal_blocks(a), INV_PRECISION), (1, 2, 0))
+    )
     a10, a20, a30, a21, a31, a32 = _blocks_below(a)
     x0 = _mm(t0, _eye_rows(0), PRECISION)
     x1 = _mm(t1, _eye_rows(1) - _mm(a10, x0, PRECISION), PRECISION)
     x2 = _mm(t2, _eye_rows(2) - _mm(a20, x0, PRECISION) - _mm(a21, x1, PRECISION), PRECISION)
-    x3 = _mm(t3, _eye_rows(3) - _mm(a30, x0, PRECISION) - _mm(a31, x1, PRECISION)
-             - _mm(a32, x2, PRECISION), PRECISION)  # fmt: skip
+    x3 = _mm(
+        t3,
+        _eye_rows(3) - _mm(a30, x0, PRECISION) - _mm(a31, x1, PRECISION) - _mm(a32, x2, PRECISION),
+        PRECISION,
+    )
     return _stack4(x0, x1, x2, x3)
 
 
 @triton.jit
-def _times_rows(t, x_ptr, stride_xt, y_ptr, stride_yt, rows, m_t, D: tl.constexpr,
-                BC: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+def _times_rows(
+    t,
+    x_ptr,
+    stride_xt,
+    y_ptr,
+    stride_yt,
+    rows,
+    m_t,
+    D: tl.constexpr,
+    BC: tl.constexpr,
+    DT: tl.constexpr,
+):
     """y[rows] = t x[rows] for one chunk's 64 rows of D columns, BC columns at a time, the
     dot in DT (`_mm_as`)."""
     o_c = tl.arange(0, BC)
     for col in range(0, D, BC):
-        b_x = tl.load(x_ptr + rows[:, None] * stride_xt + col + o_c[None, :],
-                      mask=m_t[:, None], other=0.0)  # fmt: skip
+        b_x = tl.load(
+            x_ptr + rows[:, None] * stride_xt + col + o_c[None, :], mask=m_t[:, None], other=0.0
+        )
         b_y = _mm_as(t, b_x, DT)
-        tl.store(y_ptr + rows[:, None] * stride_yt + col + o_c[None, :],
-                 b_y.to(y_ptr.dtype.element_ty), mask=m_t[:, None])  # fmt: skip
+        tl.store(
+            y_ptr + rows[:, None] * stride_yt + col + o_c[None, :],
+            b_y.to(y_ptr.dtype.element_ty),
+            mask=m_t[:, None],
+        )
 
 
 @triton.jit
 def _wy_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, gc_ptr, kinv_ptr, w_ptr, u_ptr, cu_ptr,
-    stride_kt, stride_vt, stride_gt, stride_nt, stride_wt, stride_ut,
-    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr,
-    INV_PRECISION: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    b_ptr,
+    gc_ptr,
+    kinv_ptr,
+    w_ptr,
+    u_ptr,
+    cu_ptr,
+    stride_kt,
+    stride_vt,
+    stride_gt,
+    stride_nt,
+    stride_wt,
+    stride_ut,
+    RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BC: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Per (chunk, v-head): k k^T as one dot, the inverse k row norms from its diagonal
     (stored by the first of the RATIO v-heads that read them), G, A, T = (I + A)^-1, then
     W = T diag(beta exp(G) / |k|) k and U = T diag(beta) v, BC columns at a time, as dots in
@@ -199,8 +234,11 @@ def _wy_kernel(
     o_t = tl.arange(0, 64)
     rows = start + c0 + o_t
     m_t = (c0 + o_t) < length
-    b_k = tl.load(k_ptr + rows[:, None] * stride_kt + i_k * DK + tl.arange(0, DK)[None, :],
-                  mask=m_t[:, None], other=0.0)  # fmt: skip
+    b_k = tl.load(
+        k_ptr + rows[:, None] * stride_kt + i_k * DK + tl.arange(0, DK)[None, :],
+        mask=m_t[:, None],
+        other=0.0,
+    )
     kk = _mm_as(b_k, tl.trans(b_k), DT)
     squares = tl.where(o_t[:, None] == o_t[None, :], kk, 0.0)
     n_row = tl.rsqrt(tl.sum(squares, axis=1) + 1e-6)
@@ -211,31 +249,71 @@ def _wy_kernel(
     b_gc = tl.cumsum(tl.load(g_ptr + rows * stride_gt + i_h, mask=m_t, other=0.0), axis=0)
     tl.store(gc_ptr + rows * stride_gt + i_h, b_gc, mask=m_t)
     decay = tl.exp(tl.minimum(b_gc[:, None] - b_gc[None, :], 0.0))
-    a = tl.where(o_t[:, None] > o_t[None, :],
-                 kk * (b_beta * n_row)[:, None] * n_col[None, :] * decay, 0.0)  # fmt: skip
+    a = tl.where(
+        o_t[:, None] > o_t[None, :], kk * (b_beta * n_row)[:, None] * n_col[None, :] * decay, 0.0
+    )
     t = _chunk_inverse(a, INV_PRECISION, PRECISION)
-    _times_rows(t * (b_beta * tl.exp(b_gc) * n_row)[None, :], k_ptr + i_k * DK, stride_kt,
-                w_ptr + i_h * DK, stride_wt, rows, m_t, DK, BC, DT)  # W  # fmt: skip
-    _times_rows(t * b_beta[None, :], v_ptr + i_h * DV, stride_vt, u_ptr + i_h * DV, stride_ut,
-                rows, m_t, DV, BC, DT)  # U  # fmt: skip
+    _times_rows(
+        t * (b_beta * tl.exp(b_gc) * n_row)[None, :],
+        k_ptr + i_k * DK,
+        stride_kt,
+        w_ptr + i_h * DK,
+        stride_wt,
+        rows,
+        m_t,
+        DK,
+        BC,
+        DT,
+    )  # W
+    _times_rows(
+        t * b_beta[None, :],
+        v_ptr + i_h * DV,
+        stride_vt,
+        u_ptr + i_h * DV,
+        stride_ut,
+        rows,
+        m_t,
+        DV,
+        BC,
+        DT,
+    )  # U
 
 
 @triton.jit
 def _norm_rows(ptr, rows, m_t, col, stride_t, scale, DK: tl.constexpr):
     """Rows of q or k [64, DK] at column offset col, L2-normalised, times scale."""
     o_dk = tl.arange(0, DK)
-    b_x = tl.load(ptr + rows[:, None] * stride_t + col + o_dk[None, :], mask=m_t[:, None],
-                  other=0.0).to(tl.float32)  # fmt: skip
+    b_x = tl.load(
+        ptr + rows[:, None] * stride_t + col + o_dk[None, :], mask=m_t[:, None], other=0.0
+    ).to(tl.float32)
     return b_x * (tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6) * scale)[:, None]
 
 
 @triton.jit
 def _state_kernel(
-    k_ptr, w_ptr, u_ptr, gc_ptr, kinv_ptr, h_ptr, state_ptr, slot_ptr, cu_ptr,
-    stride_kt, stride_wt, stride_ut, stride_gt, stride_nt, stride_hc, stride_ss, stride_sh,
-    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    gc_ptr,
+    kinv_ptr,
+    h_ptr,
+    state_ptr,
+    slot_ptr,
+    cu_ptr,
+    stride_kt,
+    stride_wt,
+    stride_ut,
+    stride_gt,
+    stride_nt,
+    stride_hc,
+    stride_ss,
+    stride_sh,
+    RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
     STAGES: tl.constexpr,
-):  # fmt: skip
+):
     """The sequential scan of one sequence's chunks. Program (BV columns, v-head, sequence);
     the state S [DK, BV] stays in registers the whole way."""
     DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
@@ -245,11 +323,21 @@ def _state_kernel(
     o_dk = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, 64)
-    p_s = (state_ptr + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss + i_h * stride_sh
-           + o_dk[:, None] * DV + o_v[None, :])  # fmt: skip
+    p_s = (
+        state_ptr
+        + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss
+        + i_h * stride_sh
+        + o_dk[:, None] * DV
+        + o_v[None, :]
+    )
     b_s = tl.load(p_s)  # [DK, BV] fp32, carried in registers across all chunks
-    p_h = (h_ptr + _first_chunk(cu_ptr, i_b) * stride_hc + i_h * DK * DV + o_dk[:, None] * DV
-           + o_v[None, :])  # fmt: skip
+    p_h = (
+        h_ptr
+        + _first_chunk(cu_ptr, i_b) * stride_hc
+        + i_h * DK * DV
+        + o_dk[:, None] * DV
+        + o_v[None, :]
+    )
     w_seq = w_ptr + start * stride_wt + i_h * DK + o_dk[None, :]
     k_seq = k_ptr + start * stride_kt + i_k * DK + o_dk[None, :]
     u_seq = u_ptr + start * stride_ut + i_h * DV + o_v[None, :]
@@ -275,10 +363,25 @@ def _state_kernel(
 
 @triton.jit
 def _output_kernel(
-    q_ptr, k_ptr, u_ptr, gc_ptr, kinv_ptr, h_ptr, o_ptr, cu_ptr,
-    stride_qt, stride_ut, stride_gt, stride_nt, stride_hc, stride_ot,
-    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    u_ptr,
+    gc_ptr,
+    kinv_ptr,
+    h_ptr,
+    o_ptr,
+    cu_ptr,
+    stride_qt,
+    stride_ut,
+    stride_gt,
+    stride_nt,
+    stride_hc,
+    stride_ot,
+    RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+):
     """Per (chunk, q/k head): q k^T once, then for each of the RATIO v-heads that read them
     its decayed causal part once and the output BV columns at a time."""
     DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
@@ -295,8 +398,9 @@ def _output_kernel(
     rows = start + c0 + o_t
     m_t = (c0 + o_t) < length
     b_q = _norm_rows(q_ptr, rows, m_t, i_k * DK, stride_qt, 1.0 / tl.sqrt(DK * 1.0), DK)
-    b_k = tl.load(k_ptr + rows[:, None] * stride_qt + i_k * DK + o_dk[None, :],
-                  mask=m_t[:, None], other=0.0).to(tl.float32)  # k is laid out like q
+    b_k = tl.load(
+        k_ptr + rows[:, None] * stride_qt + i_k * DK + o_dk[None, :], mask=m_t[:, None], other=0.0
+    ).to(tl.float32)  # k is laid out like q
     b_k *= tl.load(kinv_ptr + rows * stride_nt + i_k, mask=m_t, other=0.0)[:, None]
     b_qk = _mm_as(b_q, tl.trans(b_k), DT)
     b_q = b_q.to(DT)
@@ -437,25 +541,77 @@ def chunk_gated_delta_rule_varlen(
     kinv = torch.empty(t, hk, device=q.device, dtype=torch.float32)  # inverse k norms
     chunk_slots, chunks = t // 64 + bsz, triton.cdiv(max_len or t, 64)  # see `_first_chunk`
     fast(_wy_kernel)[(chunks, hv, bsz)](
-        k, v, g, beta, gc, kinv, w, u, cu_seqlens,
-        k.stride(0), v.stride(0), g.stride(0), kinv.stride(0), w.stride(0), u.stride(0),
-        RATIO=hv // hk, DK=dk, DV=dv, BC=min(tiles.wy_bc, dk, dv),
-        INV_PRECISION="ieee" if q.dtype == torch.float32 else tiles.inverse, PRECISION=precision,
+        k,
+        v,
+        g,
+        beta,
+        gc,
+        kinv,
+        w,
+        u,
+        cu_seqlens,
+        k.stride(0),
+        v.stride(0),
+        g.stride(0),
+        kinv.stride(0),
+        w.stride(0),
+        u.stride(0),
+        RATIO=hv // hk,
+        DK=dk,
+        DV=dv,
+        BC=min(tiles.wy_bc, dk, dv),
+        INV_PRECISION="ieee" if q.dtype == torch.float32 else tiles.inverse,
+        PRECISION=precision,
         num_warps=tiles.wy_warps,
-    )  # fmt: skip
+    )
     h = torch.empty(chunk_slots, hv, dk, dv, device=q.device, dtype=v.dtype)
     block_v = min(tiles.state_bv, dv)
     fast(_state_kernel)[(dv // block_v, hv, bsz)](
-        k, w, u, gc, kinv, h, states, slots, cu_seqlens,
-        k.stride(0), w.stride(0), u.stride(0), gc.stride(0), kinv.stride(0), h.stride(0),
-        states.stride(0), states.stride(1), RATIO=hv // hk, DK=dk, DV=dv, BV=block_v,
-        STAGES=tiles.state_stages, num_warps=tiles.state_warps,
-    )  # fmt: skip
+        k,
+        w,
+        u,
+        gc,
+        kinv,
+        h,
+        states,
+        slots,
+        cu_seqlens,
+        k.stride(0),
+        w.stride(0),
+        u.stride(0),
+        gc.stride(0),
+        kinv.stride(0),
+        h.stride(0),
+        states.stride(0),
+        states.stride(1),
+        RATIO=hv // hk,
+        DK=dk,
+        DV=dv,
+        BV=block_v,
+        STAGES=tiles.state_stages,
+        num_warps=tiles.state_warps,
+    )
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)
     out_v = min(tiles.output_bv, dv)
     fast(_output_kernel)[(chunks, hk, bsz)](
-        q, k, u, gc, kinv, h, o, cu_seqlens,
-        q.stride(0), u.stride(0), gc.stride(0), kinv.stride(0), h.stride(0), o.stride(0),
-        RATIO=hv // hk, DK=dk, DV=dv, BV=out_v, num_warps=tiles.output_warps,
-    )  # fmt: skip
+        q,
+        k,
+        u,
+        gc,
+        kinv,
+        h,
+        o,
+        cu_seqlens,
+        q.stride(0),
+        u.stride(0),
+        gc.stride(0),
+        kinv.stride(0),
+        h.stride(0),
+        o.stride(0),
+        RATIO=hv // hk,
+        DK=dk,
+        DV=dv,
+        BV=out_v,
+        num_warps=tiles.output_warps,
+    )
     return o

@@ -82,11 +82,33 @@ def _gated_norm(b_o, b_z, b_w, eps, D: tl.constexpr, DT: tl.constexpr, AXIS: tl.
 
 @triton.jit
 def _recurrent_step_kernel(
-    qkv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, z_ptr, w_ptr, y_ptr,
-    sq_ptr, stride_qkv, stride_ab, stride_ss, stride_sh, stride_zt, stride_y, eps,
-    KEY_DIM, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, COLS: tl.constexpr,
-    BV: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
+    qkv_ptr,
+    a_ptr,
+    b_ptr,
+    alog_ptr,
+    dtb_ptr,
+    state_ptr,
+    slot_ptr,
+    z_ptr,
+    w_ptr,
+    y_ptr,
+    sq_ptr,
+    stride_qkv,
+    stride_ab,
+    stride_ss,
+    stride_sh,
+    stride_zt,
+    stride_y,
+    eps,
+    KEY_DIM,
+    RATIO: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    COLS: tl.constexpr,
+    BV: tl.constexpr,
+    NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """Program (column block, v-head, sequence): COLS columns of the state [DK, DV], held as
     a tile [COLS // BV, DK, BV]: stored rows are read whole by a warp's threads (BV columns
     each). NORM (COLS = DV, a whole head): the output gets the layer's gated norm. Else the
@@ -101,11 +123,17 @@ def _recurrent_step_kernel(
     i_c, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_k = i_h // RATIO  # the q/k head this v-head reads
     o_dk = tl.arange(0, DK)
-    o_col = (i_c * COLS + tl.arange(0, COLS // BV)[:, None] * BV
-             + tl.arange(0, BV)[None, :])  # [COLS // BV, BV] fmt: skip
+    o_col = (
+        i_c * COLS + tl.arange(0, COLS // BV)[:, None] * BV + tl.arange(0, BV)[None, :]
+    )  # [COLS // BV, BV]
     slot = tl.load(slot_ptr + i_b).to(tl.int64)
-    p_s = (state_ptr + slot * stride_ss + i_h * stride_sh + o_dk[None, :, None] * DV
-           + o_col[:, None, :])  # fmt: skip
+    p_s = (
+        state_ptr
+        + slot * stride_ss
+        + i_h * stride_sh
+        + o_dk[None, :, None] * DV
+        + o_col[:, None, :]
+    )
     b_s = tl.load(p_s)
     a_log, dt_bias = tl.load(alog_ptr + i_h), tl.load(dtb_ptr + i_h)
     b_w = tl.load(w_ptr + o_col)
@@ -114,8 +142,12 @@ def _recurrent_step_kernel(
     b_q = tl.load(p_row + i_k * DK + o_dk).to(tl.float32)
     b_k = tl.load(p_row + KEY_DIM + i_k * DK + o_dk).to(tl.float32)
     b_v = tl.load(p_row + 2 * KEY_DIM + i_h * DV + o_col).to(tl.float32)
-    g, beta = decay_and_beta(tl.load(a_ptr + i_b * stride_ab + i_h),
-                             tl.load(b_ptr + i_b * stride_ab + i_h), a_log, dt_bias)  # fmt: skip
+    g, beta = decay_and_beta(
+        tl.load(a_ptr + i_b * stride_ab + i_h),
+        tl.load(b_ptr + i_b * stride_ab + i_h),
+        a_log,
+        dt_bias,
+    )
     b_z = tl.load(z_ptr + i_b * stride_zt + i_h * DV + o_col)
     b_s, b_o = _delta_step(b_q[None, :, None], b_k[None, :, None], b_v, b_s, g, beta, DK)
     tl.store(p_s, b_s)
@@ -123,8 +155,7 @@ def _recurrent_step_kernel(
         b_y = _gated_norm(b_o, b_z, b_w, eps, DV, y_ptr.dtype.element_ty, None)
     else:
         b_y = b_o * b_w.to(tl.float32) * silu(b_z.to(tl.float32))
-        tl.store(sq_ptr + (i_b * tl.num_programs(1) + i_h) * (DV // COLS) + i_c,
-                 tl.sum(b_o * b_o))  # fmt: skip
+        tl.store(sq_ptr + (i_b * tl.num_programs(1) + i_h) * (DV // COLS) + i_c, tl.sum(b_o * b_o))
     tl.store(y_ptr + i_b * stride_y + i_h * DV + o_col, b_y.to(y_ptr.dtype.element_ty))
 
 
@@ -174,8 +205,12 @@ def fused_recurrent_step(
     bsz = qkv.shape[0]
     _, hv, dk, dv = states.shape
     key_dim = num_k_heads * dk
-    if (qkv.shape[1] != 2 * key_dim + hv * dv or a.shape != (bsz, hv) or b.shape != (bsz, hv)
-            or z.shape != (bsz, hv, dv)):  # fmt: skip
+    if (
+        qkv.shape[1] != 2 * key_dim + hv * dv
+        or a.shape != (bsz, hv)
+        or b.shape != (bsz, hv)
+        or z.shape != (bsz, hv, dv)
+    ):
         raise ValueError(
             f"qkv {list(qkv.shape)}, a {list(a.shape)}, b {list(b.shape)}, z {list(z.shape)} "
             f"do not fit states {list(states.shape)} with {num_k_heads} q/k heads"
@@ -189,15 +224,37 @@ def fused_recurrent_step(
     tiles = tiles or RecurrentTiles.for_shape(normed)
     block_v = min(tiles.block_v, dv)
     cols = dv if normed else block_v
-    sq = None if normed else torch.empty(bsz, hv, dv // cols, device=y.device,
-                                         dtype=torch.float32)  # fmt: skip
+    sq = None if normed else torch.empty(bsz, hv, dv // cols, device=y.device, dtype=torch.float32)
     grid = (dv // cols, hv, bsz)
     fast(_recurrent_step_kernel)[grid](
-        qkv, a, b, a_log, dt_bias, states, slots, z, norm_weight, y, sq,
-        qkv.stride(0), a.stride(0), states.stride(0), states.stride(1), z.stride(0), y.stride(0),
-        eps, key_dim, RATIO=hv // num_k_heads, DK=dk, DV=dv, COLS=cols, BV=block_v,
-        NORM=normed, num_warps=tiles.num_warps, **launch_args(y, grid),
-    )  # fmt: skip
+        qkv,
+        a,
+        b,
+        a_log,
+        dt_bias,
+        states,
+        slots,
+        z,
+        norm_weight,
+        y,
+        sq,
+        qkv.stride(0),
+        a.stride(0),
+        states.stride(0),
+        states.stride(1),
+        z.stride(0),
+        y.stride(0),
+        eps,
+        key_dim,
+        RATIO=hv // num_k_heads,
+        DK=dk,
+        DV=dv,
+        COLS=cols,
+        BV=block_v,
+        NORM=normed,
+        num_warps=tiles.num_warps,
+        **launch_args(y, grid),
+    )
     return y if normed else (y, sq)
 
 
@@ -217,16 +274,19 @@ def _one_row_stride(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 @triton.jit(do_not_specialize=["T"])  # see kernels/launch.py
-def _gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, H, stride_ab,
-                  BLOCK: tl.constexpr):  # fmt: skip
+def _gates_kernel(
+    a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, T, H, stride_ab, BLOCK: tl.constexpr
+):
     """g and beta [T, H] fp32 for a prefill chunk (the decode step computes its own)."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < T * H
     i_t, i_h = o // H, o % H
-    g, beta = decay_and_beta(tl.load(a_ptr + i_t * stride_ab + i_h, mask=m, other=0.0),
-                             tl.load(b_ptr + i_t * stride_ab + i_h, mask=m, other=0.0),
-                             tl.load(alog_ptr + i_h, mask=m, other=0.0),
-                             tl.load(dtb_ptr + i_h, mask=m, other=0.0))  # fmt: skip
+    g, beta = decay_and_beta(
+        tl.load(a_ptr + i_t * stride_ab + i_h, mask=m, other=0.0),
+        tl.load(b_ptr + i_t * stride_ab + i_h, mask=m, other=0.0),
+        tl.load(alog_ptr + i_h, mask=m, other=0.0),
+        tl.load(dtb_ptr + i_h, mask=m, other=0.0),
+    )
     tl.store(g_ptr + o, g, mask=m)
     tl.store(beta_ptr + o, beta, mask=m)
 
@@ -239,14 +299,26 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
     g = torch.empty(t, h, device=a.device, dtype=torch.float32)
     beta = torch.empty_like(g)
     if t:
-        fast(_gates_kernel)[(triton.cdiv(t * h, 1024),)](a, b, a_log, dt_bias, g, beta, t, h,
-                                                         a.stride(0), BLOCK=1024)  # fmt: skip
+        fast(_gates_kernel)[(triton.cdiv(t * h, 1024),)](
+            a, b, a_log, dt_bias, g, beta, t, h, a.stride(0), BLOCK=1024
+        )
     return g, beta
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, N, stride_zt, D: tl.constexpr,
-                       ROWS: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _gated_norm_kernel(
+    o_ptr,
+    z_ptr,
+    w_ptr,
+    y_ptr,
+    eps,
+    H,
+    N,
+    stride_zt,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """ROWS of the N rows (row i: token i // H, head i % H) of D values: y = w * rms_norm(o)
     * silu(z), rounding like the layer. z's heads are packed, its tokens stride_zt apart."""
     wait_for_previous(USE_PDL)
@@ -254,8 +326,9 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, H, N, stride_zt, D: tl.c
     m = (i < N)[:, None]
     o_d = tl.arange(0, D)[None, :]
     b_o = tl.load(o_ptr + i[:, None] * D + o_d, mask=m, other=0.0)
-    b_z = tl.load(z_ptr + (i // H)[:, None] * stride_zt + (i % H)[:, None] * D + o_d, mask=m,
-                  other=0.0)  # fmt: skip
+    b_z = tl.load(
+        z_ptr + (i // H)[:, None] * stride_zt + (i % H)[:, None] * D + o_d, mask=m, other=0.0
+    )
     b_w = tl.load(w_ptr + tl.arange(0, D))[None, :]  # 1-D, then broadcast: no shared memory
     b_y = _gated_norm(b_o, b_z, b_w, eps, D, y_ptr.dtype.element_ty, 1)
     tl.store(y_ptr + i[:, None] * D + o_d, b_y, mask=m)
@@ -271,7 +344,18 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     o, z = o.contiguous(), _heads_packed(z)
     y = torch.empty(z.shape, device=z.device, dtype=z.dtype)
     grid = (triton.cdiv(t * h, GATED_NORM_ROWS),)
-    fast(_gated_norm_kernel)[grid](o, z, weight, y, eps, h, t * h, z.stride(0), D=d,
-                                   ROWS=GATED_NORM_ROWS, num_warps=4,
-                                   **launch_args(y, grid))  # fmt: skip
+    fast(_gated_norm_kernel)[grid](
+        o,
+        z,
+        weight,
+        y,
+        eps,
+        h,
+        t * h,
+        z.stride(0),
+        D=d,
+        ROWS=GATED_NORM_ROWS,
+        num_warps=4,
+        **launch_args(y, grid),
+    )
     return y

@@ -21,10 +21,20 @@ from sparrow.kernels.pdl import launch_args, wait_for_previous
 
 
 @triton.jit
-def _combine_kernel(p_ptr, s_ptr, g_ptr, o_ptr, D, stride_g, TOP_K: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                    SHARED_GATE: tl.constexpr = True,
-                    SCALE: tl.constexpr = 1.0):  # fmt: skip
+def _combine_kernel(
+    p_ptr,
+    s_ptr,
+    g_ptr,
+    o_ptr,
+    D,
+    stride_g,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    SHARED_GATE: tl.constexpr = True,
+    SCALE: tl.constexpr = 1.0,
+):
     """out[t] = SCALE * sum_j partial[t, j] (+ sigmoid(gate[t]) * shared[t], or + shared[t]
     without SHARED_GATE) (see naive.combine); gate rows stride_g apart (a column of the fused
     router output)."""
@@ -46,10 +56,14 @@ def _combine_kernel(p_ptr, s_ptr, g_ptr, o_ptr, D, stride_g, TOP_K: tl.constexpr
     tl.store(o_ptr + i_t * D + o_d, b_acc.to(o_ptr.dtype.element_ty), mask=m_d)
 
 
-def combine(partial: torch.Tensor, top_k: int, out_dtype: torch.dtype,
-            shared_output: torch.Tensor | None = None,
-            shared_gate: torch.Tensor | None = None,
-            scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+def combine(
+    partial: torch.Tensor,
+    top_k: int,
+    out_dtype: torch.dtype,
+    shared_output: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
     """partial [T * top_k, D] (the weighted expert rows, token-major) -> out [T, D] in
     out_dtype: each token's rows summed and times scale, plus a shared expert's output [T, D]
     if given: sigmoid(shared_gate) * shared_output with its gate logit [T, 1] (any row
@@ -60,7 +74,18 @@ def combine(partial: torch.Tensor, top_k: int, out_dtype: torch.dtype,
     s = shared_output.contiguous() if shared else partial
     g = shared_gate if shared_gate is not None else partial
     grid = (t, triton.cdiv(d, 1024))
-    fast(_combine_kernel)[grid](partial, s, g, out, d, g.stride(0), TOP_K=top_k,
-                                HAS_SHARED=shared, BLOCK=1024, SHARED_GATE=shared_gate is not None,
-                                SCALE=float(scale), **launch_args(out, grid))  # fmt: skip
+    fast(_combine_kernel)[grid](
+        partial,
+        s,
+        g,
+        out,
+        d,
+        g.stride(0),
+        TOP_K=top_k,
+        HAS_SHARED=shared,
+        BLOCK=1024,
+        SHARED_GATE=shared_gate is not None,
+        SCALE=float(scale),
+        **launch_args(out, grid),
+    )
     return out

@@ -25,15 +25,43 @@ from sparrow.quant.affine import QuantSpec
 
 @triton.jit
 def _expert_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, rw_ptr, ids_ptr, sw_ptr, ss_ptr, sb_ptr, N, K,
-    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_ym,
-    TOP_K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
-    APPLY_WEIGHT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, F16_DOT: tl.constexpr,
-    LATE_TRIGGER: tl.constexpr, X_IN_PLACE: tl.constexpr, ONE_STEP: tl.constexpr,
-    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    rw_ptr,
+    ids_ptr,
+    sw_ptr,
+    ss_ptr,
+    sb_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ym,
+    TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
+    GATED: tl.constexpr,
+    APPLY_WEIGHT: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
+    X_IN_PLACE: tl.constexpr,
+    ONE_STEP: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+):
     """One program: BLOCK_N outputs of assignment row i_m = t * TOP_K + slot, over the
     weights of expert ids[i_m] (W a stack of experts [E, ...]). SHARED: the last slot of
     each token reads the shared expert's weights (sw, ss, sb: one expert's shape) instead.
@@ -55,14 +83,53 @@ def _expert_gemv_kernel(
             w_ptr, s_ptr, b_ptr = sw_ptr, ss_ptr, sb_ptr
     if GATED:
         p_x = x_ptr + (i_m // TOP_K) * stride_xm
-        b_y = gated_rows(p_x, w_ptr, s_ptr, b_ptr, i_n, N, K, stride_wn, stride_sn, BITS, GROUP,
-                         BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT, X_IN_PLACE,
-                         ONE_STEP, ACT, ALPHA, LIMIT)  # fmt: skip
+        b_y = gated_rows(
+            p_x,
+            w_ptr,
+            s_ptr,
+            b_ptr,
+            i_n,
+            N,
+            K,
+            stride_wn,
+            stride_sn,
+            BITS,
+            GROUP,
+            BLOCK_N,
+            BLOCK_K,
+            PACKED,
+            PREFETCH,
+            USE_PDL,
+            F16_DOT,
+            X_IN_PLACE,
+            ONE_STEP,
+            ACT,
+            ALPHA,
+            LIMIT,
+        )
     else:
         p_x = x_ptr + i_m * stride_xm
-        b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
-                        GROUP, BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT,
-                        X_IN_PLACE=X_IN_PLACE, ONE_STEP=ONE_STEP)  # fmt: skip
+        b_y = gemv_rows(
+            p_x,
+            w_ptr,
+            s_ptr,
+            b_ptr,
+            o_n,
+            m_n,
+            K,
+            stride_wn,
+            stride_sn,
+            BITS,
+            GROUP,
+            BLOCK_N,
+            BLOCK_K,
+            PACKED,
+            PREFETCH,
+            USE_PDL,
+            F16_DOT,
+            X_IN_PLACE=X_IN_PLACE,
+            ONE_STEP=ONE_STEP,
+        )
     if APPLY_WEIGHT:
         b_y *= tl.load(rw_ptr + i_m)
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
@@ -114,9 +181,20 @@ class ExpertGemvTiles:
         return cls()
 
 
-def expert_gemv(x: torch.Tensor, w: tuple, y: torch.Tensor, spec: QuantSpec, tiles: GemvTiles,
-                ids: torch.Tensor, top_k: int, gated: bool = False, rw=None, shared_w=None,
-                chained: bool = False, act: Glu = SILU) -> torch.Tensor:  # fmt: skip
+def expert_gemv(
+    x: torch.Tensor,
+    w: tuple,
+    y: torch.Tensor,
+    spec: QuantSpec,
+    tiles: GemvTiles,
+    ids: torch.Tensor,
+    top_k: int,
+    gated: bool = False,
+    rw=None,
+    shared_w=None,
+    chained: bool = False,
+    act: Glu = SILU,
+) -> torch.Tensor:
     """Rows of y [R, N] (R = T * top_k assignments) from x ([T, K] if gated else [R, K]) and
     w = (packed [E, N (2N if gated), K * bits / 32], scales, biases [E, N (2N), K / group]),
     row a over expert ids[a] (ids [R], int32 or int64). gated: y = act(gate, up). rw [R]:
@@ -125,28 +203,73 @@ def expert_gemv(x: torch.Tensor, w: tuple, y: torch.Tensor, spec: QuantSpec, til
     packed, scales, biases = w
     grid = (triton.cdiv(y.shape[1], tiles.block_n), y.shape[0])
     fast(_expert_gemv_kernel)[grid](
-        x, packed.view(torch.int32), scales, biases, y, rw, ids,
-        *shared_expert_args(shared_w, packed, scales), y.shape[1], x.shape[1], x.stride(0),
-        packed.stride(0), packed.stride(-2), scales.stride(0), scales.stride(-2), y.stride(0),
-        TOP_K=top_k, SHARED=shared_w is not None, GATED=gated, APPLY_WEIGHT=rw is not None,
-        LATE_TRIGGER=chained and gated, **act.meta(),
+        x,
+        packed.view(torch.int32),
+        scales,
+        biases,
+        y,
+        rw,
+        ids,
+        *shared_expert_args(shared_w, packed, scales),
+        y.shape[1],
+        x.shape[1],
+        x.stride(0),
+        packed.stride(0),
+        packed.stride(-2),
+        scales.stride(0),
+        scales.stride(-2),
+        y.stride(0),
+        TOP_K=top_k,
+        SHARED=shared_w is not None,
+        GATED=gated,
+        APPLY_WEIGHT=rw is not None,
+        LATE_TRIGGER=chained and gated,
+        **act.meta(),
         **row_meta(x, y, spec, tiles, grid, chained),
-    )  # fmt: skip
+    )
     return y
 
 
-def expert_gemvs(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.Tensor,
-                 ids: torch.Tensor, spec: QuantSpec, tiles: ExpertGemvTiles,
-                 shared_w: tuple = (None, None), act: Glu = SILU) -> torch.Tensor:  # fmt: skip
+def expert_gemvs(
+    x: torch.Tensor,
+    gate_up: tuple,
+    down: tuple,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    spec: QuantSpec,
+    tiles: ExpertGemvTiles,
+    shared_w: tuple = (None, None),
+    act: Glu = SILU,
+) -> torch.Tensor:
     """The experts' weighted rows partial [T * k, D] fp32 for x [T, D] and the assignments'
     weights, ids [T, k] (k slots per token, the last one the shared expert's if shared_w =
     (gate_up, down) is given); act: the gated activation between the two GEMVs."""
     slots = ids.shape[1]
-    h = torch.empty(x.shape[0] * slots, gate_up[0].shape[1] // 2, device=x.device,
-                    dtype=x.dtype)  # fmt: skip
+    h = torch.empty(x.shape[0] * slots, gate_up[0].shape[1] // 2, device=x.device, dtype=x.dtype)
     partial = torch.empty(x.shape[0] * slots, x.shape[1], device=x.device, dtype=torch.float32)
-    expert_gemv(x, gate_up, h, spec, tiles.gate_up, ids, slots, gated=True,
-                shared_w=shared_w[0], chained=tiles.chained, act=act)  # fmt: skip
-    expert_gemv(h, down, partial, spec, tiles.down, ids, slots, rw=weights, shared_w=shared_w[1],
-                chained=tiles.chained)  # fmt: skip
+    expert_gemv(
+        x,
+        gate_up,
+        h,
+        spec,
+        tiles.gate_up,
+        ids,
+        slots,
+        gated=True,
+        shared_w=shared_w[0],
+        chained=tiles.chained,
+        act=act,
+    )
+    expert_gemv(
+        h,
+        down,
+        partial,
+        spec,
+        tiles.down,
+        ids,
+        slots,
+        rw=weights,
+        shared_w=shared_w[1],
+        chained=tiles.chained,
+    )
     return partial

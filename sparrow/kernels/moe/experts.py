@@ -28,8 +28,9 @@ from sparrow.quant.affine import QuantSpec
 GEMV_TOKENS = 64
 
 
-def default_tiles(tokens: int, top_k: int, num_experts: int,
-                  device: torch.device) -> ExpertGemvTiles | GemmTiles:  # fmt: skip
+def default_tiles(
+    tokens: int, top_k: int, num_experts: int, device: torch.device
+) -> ExpertGemvTiles | GemmTiles:
     """The path and its tiles for a layer of this many tokens: the expert GEMVs up to
     GEMV_TOKENS (`ExpertGemvTiles.for_shape`), else the grouped GEMMs (`GemmTiles.for_shape`)."""
     if tokens <= GEMV_TOKENS:
@@ -64,12 +65,12 @@ def moe_experts(
     shared_w = shared.weights if fold else (None, None)
     # the folded shared expert: one more slot per token, id 0 for the GEMVs (which tell it by
     # its slot), E for the grouped GEMM's routing (its own group of rows)
-    weights, ids = topk_route(router_logits, top_k, shared.gate if fold else None,
-                              shared_id=0 if gemv else e)  # fmt: skip
+    weights, ids = topk_route(
+        router_logits, top_k, shared.gate if fold else None, shared_id=0 if gemv else e
+    )
     partial = _weighted_rows(x, weights, ids, gate_up, down, spec, tiles, e + fold, shared_w)
     apart = shared is not None and not fold
-    return combine(partial, top_k + fold, x.dtype, *((shared.output, shared.gate) if apart
-                                                     else ()))  # fmt: skip
+    return combine(partial, top_k + fold, x.dtype, *((shared.output, shared.gate) if apart else ()))
 
 
 def moe_experts_routed(
@@ -94,21 +95,26 @@ def moe_experts_routed(
     such as MiniMax M3's routed_scaling_factor 2.0)."""
     t, k = ids.shape
     if weights.shape != ids.shape or x.shape[0] != t:
-        raise ValueError(f"routing weights {list(weights.shape)} and ids {list(ids.shape)} "
-                         f"do not fit x {list(x.shape)}")  # fmt: skip
+        raise ValueError(
+            f"routing weights {list(weights.shape)} and ids {list(ids.shape)} "
+            f"do not fit x {list(x.shape)}"
+        )
     if weights.dtype != torch.float32 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"routing weights must be fp32 and ids int32/int64, got "
-                         f"{weights.dtype} and {ids.dtype}")  # fmt: skip
+        raise ValueError(
+            f"routing weights must be fp32 and ids int32/int64, got {weights.dtype} and {ids.dtype}"
+        )
     e = gate_up[0].shape[0]
     x = x.contiguous()
     tiles = tiles or default_tiles(t, k, e, x.device)
-    partial = _weighted_rows(x, weights.contiguous(), ids.contiguous(), gate_up, down, spec,
-                             tiles, e, (None, None), act)  # fmt: skip
+    partial = _weighted_rows(
+        x, weights.contiguous(), ids.contiguous(), gate_up, down, spec, tiles, e, (None, None), act
+    )
     return combine(partial, k, x.dtype, shared_output, scale=scale)
 
 
-def _weighted_rows(x, weights, ids, gate_up, down, spec, tiles, num_groups, shared_w,
-                   act: Glu = SILU) -> torch.Tensor:  # fmt: skip
+def _weighted_rows(
+    x, weights, ids, gate_up, down, spec, tiles, num_groups, shared_w, act: Glu = SILU
+) -> torch.Tensor:
     """The assignments' weighted rows [T * k, D]: the expert GEMVs (fp32 rows, for a few
     decode tokens) or the grouped GEMMs (rows in x's dtype), as tiles say."""
     if isinstance(tiles, ExpertGemvTiles):

@@ -32,8 +32,18 @@ from sparrow.quant.affine import QuantSpec
 
 
 @triton.jit
-def _dequant_tile(w_ptr, b_s, b_b, o_n, m_n, k0, stride_wn,
-                  BITS: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
+def _dequant_tile(
+    w_ptr,
+    b_s,
+    b_b,
+    o_n,
+    m_n,
+    k0,
+    stride_wn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PACKED: tl.constexpr,
+):
     """Weight rows o_n, columns k0..k0+GROUP (one quantisation group, scales b_s and biases
     b_b [N]), as [GROUP, N] in the scales' dtype: K-major for `tl.dot`. Loads GROUP*BITS/32
     words per row (`unpack_codes`: two 4-bit codes per instruction on the GPU)."""
@@ -45,8 +55,15 @@ def _dequant_tile(w_ptr, b_s, b_b, o_n, m_n, k0, stride_wn,
 
 
 @triton.jit
-def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):  # fmt: skip
+def _gate(
+    b_acc,
+    HALVES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+):
     """[BLOCK_M, HALVES * BLOCK_N] -> [BLOCK_M, BLOCK_N]: glu(gate, up) of the two halves
     (HALVES = 2; `activations.glu`), or the tile as it is."""
     if HALVES == 2:
@@ -59,15 +76,42 @@ def _gate(b_acc, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 @triton.jit(do_not_specialize=["num_valid"])  # see kernels/launch.py
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, sw_ptr, ss_ptr, sb_ptr,
-    sorted_ptr, block_start_ptr, block_expert_ptr,
-    N, K, num_valid, num_experts,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
-    TOP_K: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr, SHARED: tl.constexpr,
-    BITS: tl.constexpr, GROUP: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
-    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    c_ptr,
+    rw_ptr,
+    sw_ptr,
+    ss_ptr,
+    sb_ptr,
+    sorted_ptr,
+    block_start_ptr,
+    block_expert_ptr,
+    N,
+    K,
+    num_valid,
+    num_experts,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    APPLY_WEIGHT: tl.constexpr,
+    SHARED: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PACKED: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+):
     """K advances one quantisation group (BLOCK_K = GROUP) per step; K % GROUP == 0. GATED:
     the gated activation ACT (ALPHA, LIMIT) of the two halves, `activations.glu`.
     SHARED: blocks of expert id num_experts read the shared expert's weights (sw, ss, sb: one
@@ -178,9 +222,20 @@ class GemmTiles:
         return cls(block_m=128, num_warps=8, down_block_n=128, small=small)
 
 
-def grouped_gemm(a: torch.Tensor, w: tuple, c: torch.Tensor, rw, routing: Routing, n: int,
-                 top_k: int, gated: bool, spec: QuantSpec, tiles: GemmTiles,
-                 shared_w=None, act: Glu = SILU) -> None:  # fmt: skip
+def grouped_gemm(
+    a: torch.Tensor,
+    w: tuple,
+    c: torch.Tensor,
+    rw,
+    routing: Routing,
+    n: int,
+    top_k: int,
+    gated: bool,
+    spec: QuantSpec,
+    tiles: GemmTiles,
+    shared_w=None,
+    act: Glu = SILU,
+) -> None:
     """c [T * top_k, n] from a ([T, K] if gated else [T * top_k, K]) and w = (packed [E, n
     (2n if gated), K * bits / 32], scales, biases), rows grouped by `routing`; gated: c =
     act(gate, up); rw [T * top_k]: routing weights to apply. One launch over the blocks of
@@ -196,23 +251,54 @@ def grouped_gemm(a: torch.Tensor, w: tuple, c: torch.Tensor, rw, routing: Routin
     for blocks, t in launches:
         grid = (blocks.start.numel() * triton.cdiv(n, t.block_n),)
         fast(_moe_gemm_kernel)[grid](
-            a, packed.view(torch.int32), scales, biases, c, rw,
+            a,
+            packed.view(torch.int32),
+            scales,
+            biases,
+            c,
+            rw,
             *shared_expert_args(shared_w, packed, scales),
-            routing.sorted_ids, blocks.start, blocks.expert,
-            n, k, c.shape[0], packed.shape[0],
-            a.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
+            routing.sorted_ids,
+            blocks.start,
+            blocks.expert,
+            n,
+            k,
+            c.shape[0],
+            packed.shape[0],
+            a.stride(0),
+            packed.stride(0),
+            packed.stride(1),
+            scales.stride(0),
+            scales.stride(1),
             c.stride(0),
-            TOP_K=top_k, GATED=gated, APPLY_WEIGHT=rw is not None, SHARED=shared_w is not None,
-            BITS=spec.bits, GROUP=spec.group_size, PRECISION=precision,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            TOP_K=top_k,
+            GATED=gated,
+            APPLY_WEIGHT=rw is not None,
+            SHARED=shared_w is not None,
+            BITS=spec.bits,
+            GROUP=spec.group_size,
+            PRECISION=precision,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
             PACKED=packed_unpack(scales.dtype, spec.bits, a.device) and scales.dtype == a.dtype,
-            **act.meta(), num_warps=t.num_warps, num_stages=t.num_stages,
-        )  # fmt: skip
+            **act.meta(),
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
+        )
 
 
-def grouped_gemms(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.Tensor,
-                  ids: torch.Tensor, num_groups: int, spec: QuantSpec, tiles: GemmTiles,
-                  shared_w: tuple = (None, None), act: Glu = SILU) -> torch.Tensor:  # fmt: skip
+def grouped_gemms(
+    x: torch.Tensor,
+    gate_up: tuple,
+    down: tuple,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_groups: int,
+    spec: QuantSpec,
+    tiles: GemmTiles,
+    shared_w: tuple = (None, None),
+    act: Glu = SILU,
+) -> torch.Tensor:
     """The experts' weighted rows [T * k, D] in x's dtype for x [T, D] and the assignments'
     weights, ids [T, k] (ids < num_groups; the shared expert's rows, if shared_w = (gate_up,
     down) is given, are the group of id E = gate_up's expert count): align, then gate_up
@@ -224,8 +310,18 @@ def grouped_gemms(x: torch.Tensor, gate_up: tuple, down: tuple, weights: torch.T
     # the activation dtype (t * k rows of D: at 4K tokens 268 MB each way in fp32)
     partial = torch.empty(t * slots, d, device=x.device, dtype=x.dtype)
     routing = align(ids, num_groups, tiles.block_m, tiles.small and tiles.small.block_m or 0)
-    grouped_gemm(x, gate_up, h, None, routing, inter, slots, True, spec, tiles, shared_w[0],
-                 act)  # fmt: skip
-    grouped_gemm(h, down, partial, weights.reshape(-1), routing, d, slots, False, spec,
-                 tiles.down(), shared_w[1])  # fmt: skip
+    grouped_gemm(x, gate_up, h, None, routing, inter, slots, True, spec, tiles, shared_w[0], act)
+    grouped_gemm(
+        h,
+        down,
+        partial,
+        weights.reshape(-1),
+        routing,
+        d,
+        slots,
+        False,
+        spec,
+        tiles.down(),
+        shared_w[1],
+    )
     return partial

@@ -81,8 +81,11 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, small_m: int = 0) -
         if n_small:
             small.start[num_small], small.expert[num_small] = row, e
             row, num_small = row + small_m, num_small + 1
-    return Routing(sorted_ids.to(ids.device), Blocks(*(t.to(ids.device) for t in big)),
-                   small and Blocks(*(t.to(ids.device) for t in small)))  # fmt: skip
+    return Routing(
+        sorted_ids.to(ids.device),
+        Blocks(*(t.to(ids.device) for t in big)),
+        small and Blocks(*(t.to(ids.device) for t in small)),
+    )
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -135,8 +138,12 @@ def moe_experts(
     return out.to(x.dtype)
 
 
-def combine(partial: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor | None = None,
-            scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+def combine(
+    partial: torch.Tensor,
+    shared: torch.Tensor,
+    shared_gate: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
     """The MoE layer's output: partial [T, k, D] fp32 (weighted expert outputs), shared
     [T, D] (the shared expert's output), shared_gate [T, 1] (its gate logit; None: ungated).
     scale * sum_j partial[:, j] + sigmoid(shared_gate) * shared (or + shared), in shared's

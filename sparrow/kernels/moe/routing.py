@@ -70,9 +70,21 @@ def route_row(p_logits, E, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, w_ptr, ids_ptr, gate_ptr, E, stride_t, stride_g, shared_id,
-                 K: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _topk_kernel(
+    logits_ptr,
+    w_ptr,
+    ids_ptr,
+    gate_ptr,
+    E,
+    stride_t,
+    stride_g,
+    shared_id,
+    K: tl.constexpr,
+    SHARED: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """One token per program (`route_row`; one warp, so every reduction stays in shuffles).
     SHARED: a (K + 1)-th column, weight sigmoid(gate[t]) and id shared_id, for a shared
     expert run as one more assignment."""
@@ -114,9 +126,20 @@ def _block_map(i_b, ends, values, start_step):
 
 
 @triton.jit(do_not_specialize=["max_blocks"])  # see kernels/launch.py
-def _scan_kernel(counts_ptr, offsets_ptr, start_ptr, expert_ptr, small_start_ptr,
-                 small_expert_ptr, E, max_blocks, BLOCK_M: tl.constexpr, SMALL_M: tl.constexpr,
-                 BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+def _scan_kernel(
+    counts_ptr,
+    offsets_ptr,
+    start_ptr,
+    expert_ptr,
+    small_start_ptr,
+    small_expert_ptr,
+    E,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    SMALL_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
     """Group sizes -> exclusive offsets of the experts' rows (program 0); the block maps,
     BLOCK_B blocks of each size per program (each program scans the E counts again: one
     program walking all blocks takes 28 us at 8K tokens). An expert's rows: full blocks of
@@ -178,10 +201,21 @@ def topk_route(
     if t:
         gate = shared_gate if shared_gate is not None else logits
         fast(_topk_kernel)[(t,)](
-            logits, weights, ids, gate, e, logits.stride(0), gate.stride(0), shared_id, K=k,
-            SHARED=shared_gate is not None, BLOCK_E=triton.next_power_of_2(e),
-            BLOCK_K=triton.next_power_of_2(k), num_warps=1, **launch_args(logits, (t,)),
-        )  # fmt: skip
+            logits,
+            weights,
+            ids,
+            gate,
+            e,
+            logits.stride(0),
+            gate.stride(0),
+            shared_id,
+            K=k,
+            SHARED=shared_gate is not None,
+            BLOCK_E=triton.next_power_of_2(e),
+            BLOCK_K=triton.next_power_of_2(k),
+            num_warps=1,
+            **launch_args(logits, (t,)),
+        )
     return weights, ids
 
 
@@ -202,8 +236,17 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, small_m: int = 0) -
     block_e = triton.next_power_of_2(num_experts)
     fast(_count_kernel)[grid](flat, counts, n, BLOCK=block, BLOCK_E=block_e)
     scan_grid = (triton.cdiv(max(num_blocks, num_experts), 64),)
-    fast(_scan_kernel)[scan_grid](counts, offsets, *big, *(small or big), num_experts,
-                                  num_blocks, BLOCK_M=block_m, SMALL_M=small_m,
-                                  BLOCK_E=block_e, BLOCK_B=64)  # fmt: skip
+    fast(_scan_kernel)[scan_grid](
+        counts,
+        offsets,
+        *big,
+        *(small or big),
+        num_experts,
+        num_blocks,
+        BLOCK_M=block_m,
+        SMALL_M=small_m,
+        BLOCK_E=block_e,
+        BLOCK_B=64,
+    )
     fast(_scatter_kernel)[grid](flat, offsets, cursor, sorted_ids, n, BLOCK=block)
     return Routing(sorted_ids, big, small)

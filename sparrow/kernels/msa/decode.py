@@ -37,8 +37,10 @@ def per_head_pages(cache: torch.Tensor) -> torch.Tensor:
     pages, bs, hkv, d = cache.shape
     s0, s1, s2, s3 = cache.stride()
     if s3 != 1 or s2 < d or s0 % s2:
-        raise ValueError(f"cache strides {cache.stride()}: expected unit stride on D and a "
-                         "page stride that is a multiple of the head stride")  # fmt: skip
+        raise ValueError(
+            f"cache strides {cache.stride()}: expected unit stride on D and a "
+            "page stride that is a multiple of the head stride"
+        )
     if pages * (s0 // s2) >= 2**31:
         raise ValueError(f"{pages} pages of {s0 // s2} heads overflow int32 page ids")
     n_virtual = (pages - 1) * (s0 // s2) + hkv
@@ -47,10 +49,20 @@ def per_head_pages(cache: torch.Tensor) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["n_rows"])  # see kernels/launch.py
 def _head_tables_kernel(
-    blocks_ptr, tables_ptr, pos_ptr, virtual_ptr, ctx_ptr, n_rows, stride_tt, heads_per_page,
-    HKV: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BS: tl.constexpr,
+    blocks_ptr,
+    tables_ptr,
+    pos_ptr,
+    virtual_ptr,
+    ctx_ptr,
+    n_rows,
+    stride_tt,
+    heads_per_page,
+    HKV: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BS: tl.constexpr,
     ROWS: tl.constexpr,
-):  # fmt: skip
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # a row is (query t, KV group h)
     m_r = rows < n_rows
     t, h = rows // HKV, rows % HKV
@@ -60,10 +72,14 @@ def _head_tables_kernel(
     ids = tl.sort(tl.where(ids < 0, _UNUSED, ids).to(tl.int64), dim=1)
     valid = ids != _UNUSED
     logical = tl.where(valid, ids, 0)
-    pages = tl.load(tables_ptr + t[:, None].to(tl.int64) * stride_tt + logical,
-                    mask=m_r[:, None], other=0).to(tl.int64)  # fmt: skip
-    tl.store(virtual_ptr + rows[:, None] * K + o_k[None, :],
-             (pages * heads_per_page + h[:, None]).to(tl.int32), mask=m_k)  # fmt: skip
+    pages = tl.load(
+        tables_ptr + t[:, None].to(tl.int64) * stride_tt + logical, mask=m_r[:, None], other=0
+    ).to(tl.int64)
+    tl.store(
+        virtual_ptr + rows[:, None] * K + o_k[None, :],
+        (pages * heads_per_page + h[:, None]).to(tl.int32),
+        mask=m_k,
+    )
     last = tl.max(tl.where(valid, ids, -1), axis=1)
     pos = tl.load(pos_ptr + t, mask=m_r, other=0).to(tl.int64)
     tail = tl.where(last == pos // BS, BS - 1 - pos % BS, 0)
@@ -71,8 +87,9 @@ def _head_tables_kernel(
     tl.store(ctx_ptr + rows, (n_valid * BS - tail).to(tl.int32), mask=m_r)
 
 
-def per_head_tables(tables: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
-                    cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def per_head_tables(
+    tables: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor, cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """tables: [T, W] each query's block table; positions: [T]; blocks: [T, Hkv, K] logical
     ids <= position // bs, -1 unused. Returns the virtual page tables
     [T * Hkv, K] int32 of `per_head_pages(cache)` (each row's valid blocks in ascending
@@ -82,17 +99,33 @@ def per_head_tables(tables: torch.Tensor, positions: torch.Tensor, blocks: torch
     ctx = torch.empty(t * hkv, device=blocks.device, dtype=torch.int32)
     rows = 16
     fast(_head_tables_kernel)[(triton.cdiv(t * hkv, rows),)](
-        blocks.contiguous(), tables, positions, virtual, ctx, t * hkv, tables.stride(0),
-        cache.stride(0) // cache.stride(2), HKV=hkv, K=k, K_PAD=triton.next_power_of_2(k),
-        BS=cache.shape[1], ROWS=rows,
-    )  # fmt: skip
+        blocks.contiguous(),
+        tables,
+        positions,
+        virtual,
+        ctx,
+        t * hkv,
+        tables.stride(0),
+        cache.stride(0) // cache.stride(2),
+        HKV=hkv,
+        K=k,
+        K_PAD=triton.next_power_of_2(k),
+        BS=cache.shape[1],
+        ROWS=rows,
+    )
     return virtual, ctx
 
 
-def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            tables: torch.Tensor, positions: torch.Tensor,
-                            blocks: torch.Tensor, scale: float,
-                            tiles: DecodeTiles | None = None) -> torch.Tensor:  # fmt: skip
+def sparse_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    blocks: torch.Tensor,
+    scale: float,
+    tiles: DecodeTiles | None = None,
+) -> torch.Tensor:
     """`naive.sparse_attention` through `paged_decode_attention`. q: [T, Hq, D] (D a power
     of two); k_cache, v_cache: [pages, bs, Hkv, D] with equal strides; tables: [T, W] each
     query's block table; positions: [T]; blocks: [T, Hkv, K] (each row holds the ids of
@@ -104,10 +137,18 @@ def sparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if hq % hkv or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"q {list(q.shape)} does not fit caches {list(k_cache.shape)}")
     if blocks.shape[:2] != (t, hkv) or tables.shape[0] != t or positions.shape != (t,):
-        raise ValueError(f"blocks {list(blocks.shape)}, tables {list(tables.shape)}, positions "
-                         f"{list(positions.shape)} do not fit q {list(q.shape)}")  # fmt: skip
+        raise ValueError(
+            f"blocks {list(blocks.shape)}, tables {list(tables.shape)}, positions "
+            f"{list(positions.shape)} do not fit q {list(q.shape)}"
+        )
     virtual, ctx = per_head_tables(tables, positions, blocks, k_cache)
-    out = paged_decode_attention(q.reshape(t * hkv, hq // hkv, d), per_head_pages(k_cache),
-                                 per_head_pages(v_cache), virtual, ctx, scale,
-                                 tiles=tiles)  # fmt: skip
+    out = paged_decode_attention(
+        q.reshape(t * hkv, hq // hkv, d),
+        per_head_pages(k_cache),
+        per_head_pages(v_cache),
+        virtual,
+        ctx,
+        scale,
+        tiles=tiles,
+    )
     return out.view(t, hq, d)

@@ -33,20 +33,45 @@ SPLITS = 128  # most splits per sequence
 
 @triton.jit(do_not_specialize=["n_splits"])  # see kernels/launch.py
 def _select_topk_kernel(
-    iq_ptr, ik_ptr, scale_ptr, tables_ptr, pos_ptr, cand_s_ptr, cand_i_ptr, count_ptr, out_ptr,
-    n_splits, stride_qb, stride_qh, stride_kb, stride_kt, stride_sb, stride_tb,
-    HI: tl.constexpr, ROWS: tl.constexpr, DI: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr, NB: tl.constexpr, TOPK: tl.constexpr, CW: tl.constexpr,
-    LOCAL: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    iq_ptr,
+    ik_ptr,
+    scale_ptr,
+    tables_ptr,
+    pos_ptr,
+    cand_s_ptr,
+    cand_i_ptr,
+    count_ptr,
+    out_ptr,
+    n_splits,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_sb,
+    stride_tb,
+    HI: tl.constexpr,
+    ROWS: tl.constexpr,
+    DI: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    TOPK: tl.constexpr,
+    CW: tl.constexpr,
+    LOCAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     i_b, i_s = tl.program_id(0), tl.program_id(1)
     pos = tl.load(pos_ptr + i_b)
     q_block = pos // BS
     o_h = tl.arange(0, ROWS)
     m_h = o_h < HI
     o_d = tl.arange(0, DI)
-    b_q = tl.load(iq_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
-                  mask=m_h[:, None], other=0.0)  # fmt: skip
+    b_q = tl.load(
+        iq_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :],
+        mask=m_h[:, None],
+        other=0.0,
+    )
     o_j = tl.arange(0, NB)
     o_n = tl.arange(0, BLOCK_N)
     j_lo = i_s * NB
@@ -81,22 +106,30 @@ def _select_topk_kernel(
         m_c = o_c < n_splits * TOPK
         for h in tl.static_range(HI):
             base = (i_b * HI + h) * (n_splits * TOPK)
-            c_s = tl.load(cand_s_ptr + base + o_c, mask=m_c, other=float("-inf"),
-                          cache_modifier=".cg")  # from L2: other programs wrote them
+            c_s = tl.load(
+                cand_s_ptr + base + o_c, mask=m_c, other=float("-inf"), cache_modifier=".cg"
+            )  # from L2: other programs wrote them
             c_i = tl.load(cand_i_ptr + base + o_c, mask=m_c, other=2**30, cache_modifier=".cg")
             for r in tl.static_range(TOPK):
                 c_top = tl.max(c_s, axis=0)
                 c_id = tl.min(tl.where(c_s == c_top, c_i, 2**30), axis=0)
-                tl.store(out_ptr + (i_b * HI + h) * TOPK + r,
-                         tl.where(c_top == float("-inf"), -1, c_id).to(tl.int64))  # fmt: skip
+                tl.store(
+                    out_ptr + (i_b * HI + h) * TOPK + r,
+                    tl.where(c_top == float("-inf"), -1, c_id).to(tl.int64),
+                )
                 c_s = tl.where((c_i == c_id) & (c_s == c_top), float("-inf"), c_s)
 
 
-def fused_decode_select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor,
-                               block_tables: torch.Tensor, positions: torch.Tensor, topk: int,
-                               local_blocks: int,
-                               kv_blocks: int | None = None,
-                               ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def fused_decode_select_blocks(
+    iq: torch.Tensor,
+    ik_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    local_blocks: int,
+    kv_blocks: int | None = None,
+    ik_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`naive.decode_select_blocks` in one launch. iq: [B, Hi, Di]; ik_cache: [pages, bs,
     Di] (fp8 codes if ik_scale [pages, bs] is given); block_tables: [B, W]; positions: [B].
     Returns int64 [B, Hi, topk], best first. kv_blocks: blocks per split (default: the power
@@ -114,11 +147,32 @@ def fused_decode_select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor,
     out = torch.empty(bsz, hi, topk, device=iq.device, dtype=torch.int64)
     scale = ik_cache if ik_scale is None else ik_scale  # not read unless SCALED
     fast(_select_topk_kernel)[(bsz, n_splits)](
-        iq, ik_cache, scale, block_tables, positions, cand_s, cand_i, count, out, n_splits,
-        iq.stride(0), iq.stride(1), ik_cache.stride(0), ik_cache.stride(1), scale.stride(0),
+        iq,
+        ik_cache,
+        scale,
+        block_tables,
+        positions,
+        cand_s,
+        cand_i,
+        count,
+        out,
+        n_splits,
+        iq.stride(0),
+        iq.stride(1),
+        ik_cache.stride(0),
+        ik_cache.stride(1),
+        scale.stride(0),
         block_tables.stride(0),
-        HI=hi, ROWS=max(16, triton.next_power_of_2(hi)), DI=di, BS=bs, BLOCK_N=min(bs, 64),
-        NB=nb, TOPK=topk, CW=triton.next_power_of_2(n_splits * topk), LOCAL=local_blocks,
-        SCALED=ik_scale is not None, PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+        HI=hi,
+        ROWS=max(16, triton.next_power_of_2(hi)),
+        DI=di,
+        BS=bs,
+        BLOCK_N=min(bs, 64),
+        NB=nb,
+        TOPK=topk,
+        CW=triton.next_power_of_2(n_splits * topk),
+        LOCAL=local_blocks,
+        SCALED=ik_scale is not None,
+        PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
+    )
     return out

@@ -32,13 +32,21 @@ __all__ = ["decode_select_blocks", "select_blocks", "sparse_attention", "token_t
 DECODE_ROWS = 64
 
 
-def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     tables: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
-                     scale: float, q_chunk: int = Q_CHUNK) -> torch.Tensor:  # fmt: skip
+def sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    blocks: torch.Tensor,
+    scale: float,
+    q_chunk: int = Q_CHUNK,
+) -> torch.Tensor:
     """`naive.sparse_attention` (same contract). q: [T, Hq, D]; k_cache, v_cache: [pages,
     bs, Hkv, D]; tables: [T, W]; positions: [T]; blocks: [T, Hkv, K] as selection gives
     them (ids at or before the query's block, -1 unused). No host reads."""
     if q.shape[0] <= DECODE_ROWS:
         return sparse_decode_attention(q, k_cache, v_cache, tables, positions, blocks, scale)
-    return sparse_prefill_attention(q, k_cache, v_cache, tables, positions, blocks, scale,
-                                    q_chunk=q_chunk)  # fmt: skip
+    return sparse_prefill_attention(
+        q, k_cache, v_cache, tables, positions, blocks, scale, q_chunk=q_chunk
+    )

@@ -62,8 +62,9 @@ def token_tables(block_tables: torch.Tensor, cu_seqlens: torch.Tensor, num_token
     return block_tables[seq]
 
 
-def _block_max(iq: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k0: int,
-               bs: int) -> torch.Tensor:  # fmt: skip
+def _block_max(
+    iq: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k0: int, bs: int
+) -> torch.Tensor:
     """iq: [B, Q, Hi, Di]; keys: [B, L, Di] at positions k0 .. k0 + L - 1 (L a multiple of
     bs); q_pos: [B, Q]. Returns each key block's max causal score, [B, Q, Hi, L / bs] fp32."""
     scores = torch.einsum("bqhd,bld->bqhl", iq.float(), keys.float())
@@ -73,8 +74,9 @@ def _block_max(iq: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k0: in
     return scores.unflatten(-1, (-1, bs)).amax(-1)
 
 
-def _top_blocks(scores: torch.Tensor, q_pos: torch.Tensor, bs: int, topk: int,
-                local_blocks: int) -> torch.Tensor:  # fmt: skip
+def _top_blocks(
+    scores: torch.Tensor, q_pos: torch.Tensor, bs: int, topk: int, local_blocks: int
+) -> torch.Tensor:
     """scores: [B, Q, Hi, W] block scores (-inf: no causal key), W covering every query's
     own block; q_pos: [B, Q]. Returns int64 block ids [B, Q, Hi, topk], -1 past the valid."""
     q_block = (q_pos // bs)[:, :, None, None].expand(*scores.shape[:3], 1)
@@ -86,10 +88,17 @@ def _top_blocks(scores: torch.Tensor, q_pos: torch.Tensor, bs: int, topk: int,
     return ids.masked_fill(values == -torch.inf, -1)
 
 
-def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
-                  q_pos: list[int] | range, topk: int, local_blocks: int,
-                  q_chunk: int = Q_CHUNK, kv_blocks: int = KV_BLOCKS,
-                  ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def select_blocks(
+    iq: torch.Tensor,
+    ik_cache: torch.Tensor,
+    table: torch.Tensor,
+    q_pos: list[int] | range,
+    topk: int,
+    local_blocks: int,
+    q_chunk: int = Q_CHUNK,
+    kv_blocks: int = KV_BLOCKS,
+    ik_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One sequence's queries (a prompt, a prompt chunk or one decode token). iq: [Q, Hi, Di]
     index queries at host positions q_pos [Q]; ik_cache: [pages, bs, Di] holding the
     sequence's index keys up to its last query (fp8 codes if ik_scale [pages, bs] is given);
@@ -110,10 +119,16 @@ def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
     return torch.cat(out)
 
 
-def decode_select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, block_tables: torch.Tensor,
-                         positions: torch.Tensor, topk: int, local_blocks: int,
-                         kv_blocks: int = KV_BLOCKS,
-                         ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def decode_select_blocks(
+    iq: torch.Tensor,
+    ik_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    local_blocks: int,
+    kv_blocks: int = KV_BLOCKS,
+    ik_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query per sequence, all sequences at once, with no host reads (capturable).
     iq: [B, Hi, Di]; block_tables: [B, W]; positions: [B]; ik_scale: as `select_blocks`.
     Table columns past a sequence's last block score -inf whatever their pages hold.
@@ -128,9 +143,16 @@ def decode_select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, block_tables:
     return _top_blocks(torch.cat(scores, -1), p, bs, topk, local_blocks)[:, 0]
 
 
-def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     tables: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
-                     scale: float, q_chunk: int = Q_CHUNK) -> torch.Tensor:  # fmt: skip
+def sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    blocks: torch.Tensor,
+    scale: float,
+    q_chunk: int = Q_CHUNK,
+) -> torch.Tensor:
     """Attention of each query over its KV group's selected blocks, no host reads.
     q: [T, Hq, D]; k_cache, v_cache: [pages, bs, Hkv, D]; tables: [T, W] the block table of
     each query's sequence (`token_tables`); positions: [T]; blocks: [T, Hkv, K] logical block
@@ -139,8 +161,9 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out, tables = torch.empty_like(q), tables.long()
     for c0 in range(0, q.shape[0], q_chunk):
         rows = slice(c0, c0 + q_chunk)
-        out[rows] = _attend(q[rows], k_cache, v_cache, tables[rows], positions[rows],
-                            blocks[rows], scale)  # fmt: skip
+        out[rows] = _attend(
+            q[rows], k_cache, v_cache, tables[rows], positions[rows], blocks[rows], scale
+        )
     return out
 
 

@@ -46,13 +46,35 @@ Q_CHUNK = 8192  # queries per block-list build and partial buffer
 
 @triton.jit
 def _block_major_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, pos_ptr, blocks_ptr, pairs_ptr, rows_ptr,
-    row_ptr_ptr, tile_start_ptr, n_tiles_ptr,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, scale,
-    HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    pos_ptr,
+    blocks_ptr,
+    pairs_ptr,
+    rows_ptr,
+    row_ptr_ptr,
+    tile_start_ptr,
+    n_tiles_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    scale,
+    HKV: tl.constexpr,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     n_tiles = tl.load(n_tiles_ptr)
     o_r = tl.arange(0, ROWS)
     o_d = tl.arange(0, D)
@@ -74,8 +96,7 @@ def _block_major_kernel(
             t = pair // (HKV * K)
             k0 = tl.load(blocks_ptr + pair, mask=m_r, other=0) * BS  # the block's 1st position
             pos = tl.load(pos_ptr + t, mask=m_r, other=-1)
-            p_q = q_ptr + t[:, None] * stride_qt + (i_h * G + g)[:, None] * stride_qh \
-                + o_d[None, :]  # fmt: skip
+            p_q = q_ptr + t[:, None] * stride_qt + (i_h * G + g)[:, None] * stride_qh + o_d[None, :]
             b_q = tl.load(p_q, mask=m_r[:, None], other=0.0)
             m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -97,24 +118,37 @@ def _block_major_kernel(
                     b_v = v_block
                 else:
                     b_v = tl.load(v_ptr + p_kv + n0 * stride_kt)
-                b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v,
-                                                        input_precision=PRECISION)  # fmt: skip
+                b_acc = b_acc * alpha[:, None] + tl.dot(
+                    b_p.to(b_v.dtype), b_v, input_precision=PRECISION
+                )
                 m_i = m_new
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no causal key: an unused row
             b_o = b_acc / l_safe[:, None]
             b_lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
             o_part = pair.to(tl.int64) * G + g
-            tl.store(o_ptr + o_part[:, None] * D + o_d[None, :], b_o.to(o_ptr.dtype.element_ty),
-                     mask=m_r[:, None])  # fmt: skip
+            tl.store(
+                o_ptr + o_part[:, None] * D + o_d[None, :],
+                b_o.to(o_ptr.dtype.element_ty),
+                mask=m_r[:, None],
+            )
             tl.store(lse_ptr + o_part, b_lse, mask=m_r)
 
 
 @triton.jit(do_not_specialize=["T"])  # see kernels/launch.py
 def _merge_kernel(
-    o_ptr, lse_ptr, out_ptr, T, stride_ot, stride_oh,
-    HKV: tl.constexpr, K: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_T: tl.constexpr, D: tl.constexpr,
-):  # fmt: skip
+    o_ptr,
+    lse_ptr,
+    out_ptr,
+    T,
+    stride_ot,
+    stride_oh,
+    HKV: tl.constexpr,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    D: tl.constexpr,
+):
     i_m, i_h = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, ROWS)
     t = i_m * BLOCK_T + o_r // G
@@ -130,8 +164,11 @@ def _merge_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.where(b_lse == float("-inf"), 0.0, tl.exp(b_lse - m_safe))
         alpha = tl.exp(m_i - m_safe)
-        b_o = tl.load(o_ptr + row[:, None] * D + o_d[None, :],
-                      mask=(b_lse > float("-inf"))[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        b_o = tl.load(
+            o_ptr + row[:, None] * D + o_d[None, :],
+            mask=(b_lse > float("-inf"))[:, None],
+            other=0.0,
+        ).to(tl.float32)
         b_acc = b_acc * alpha[:, None] + b_o * w[:, None]
         l_i = l_i * alpha + w
         m_i = m_new
@@ -178,8 +215,9 @@ class BlockLists:
     max_tiles: int  # host bound on n_tiles
 
 
-def block_lists(tables: torch.Tensor, blocks: torch.Tensor, num_pages: int,
-                tile: int) -> BlockLists:  # fmt: skip
+def block_lists(
+    tables: torch.Tensor, blocks: torch.Tensor, num_pages: int, tile: int
+) -> BlockLists:
     """tables: [T, W] each query's block table; blocks: [T, Hkv, K] logical block ids, -1
     unused. Torch ops only, no host reads."""
     t, hkv, k = blocks.shape
@@ -224,27 +262,66 @@ def _attend_chunk(q, k_cache, v_cache, tables, positions, blocks, scale, tiles, 
     lse = torch.full((t, hkv, k, g), -torch.inf, device=q.device, dtype=torch.float32)
     grid = (_programs(tiles, q.device, lists.max_tiles),)
     fast(_block_major_kernel)[grid](
-        q, k_cache, v_cache, o_part, lse, positions, blocks, lists.pairs, lists.rows,
-        lists.row_ptr, lists.tile_start, lists.n_tiles,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale,
-        HKV=hkv, K=k, G=g, D=d, BS=bs, ROWS=max(16, triton.next_power_of_2(tiles.block_m * g)),
-        BLOCK_M=tiles.block_m, TILE=tiles.tile, BLOCK_N=min(tiles.block_n, bs),
+        q,
+        k_cache,
+        v_cache,
+        o_part,
+        lse,
+        positions,
+        blocks,
+        lists.pairs,
+        lists.rows,
+        lists.row_ptr,
+        lists.tile_start,
+        lists.n_tiles,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        scale,
+        HKV=hkv,
+        K=k,
+        G=g,
+        D=d,
+        BS=bs,
+        ROWS=max(16, triton.next_power_of_2(tiles.block_m * g)),
+        BLOCK_M=tiles.block_m,
+        TILE=tiles.tile,
+        BLOCK_N=min(tiles.block_n, bs),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     block_t = max(1, 64 // g)
     fast(_merge_kernel)[(triton.cdiv(t, block_t), hkv)](
-        o_part, lse, out, t, out.stride(0), out.stride(1),
-        HKV=hkv, K=k, G=g, ROWS=max(16, triton.next_power_of_2(block_t * g)), BLOCK_T=block_t,
+        o_part,
+        lse,
+        out,
+        t,
+        out.stride(0),
+        out.stride(1),
+        HKV=hkv,
+        K=k,
+        G=g,
+        ROWS=max(16, triton.next_power_of_2(block_t * g)),
+        BLOCK_T=block_t,
         D=d,
-    )  # fmt: skip
+    )
     return out
 
 
-def sparse_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             tables: torch.Tensor, positions: torch.Tensor,
-                             blocks: torch.Tensor, scale: float, q_chunk: int = Q_CHUNK,
-                             tiles: BlockMajorTiles | None = None) -> torch.Tensor:  # fmt: skip
+def sparse_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    blocks: torch.Tensor,
+    scale: float,
+    q_chunk: int = Q_CHUNK,
+    tiles: BlockMajorTiles | None = None,
+) -> torch.Tensor:
     """`naive.sparse_attention`, KV-block major. q: [T, Hq, D] (D a power of two);
     k_cache, v_cache: [pages, bs, Hkv, D] with equal strides, unit stride on D; tables:
     [T, W] each query's block table (`naive.token_tables`); positions: [T]; blocks: [T, Hkv,
@@ -257,12 +334,23 @@ def sparse_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if k_cache.stride() != v_cache.stride() or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need equal strides, q and them unit stride on D")
     if blocks.shape[:2] != (t, hkv) or tables.shape[0] != t or positions.shape != (t,):
-        raise ValueError(f"blocks {list(blocks.shape)}, tables {list(tables.shape)}, positions "
-                         f"{list(positions.shape)} do not fit q {list(q.shape)}")  # fmt: skip
+        raise ValueError(
+            f"blocks {list(blocks.shape)}, tables {list(tables.shape)}, positions "
+            f"{list(positions.shape)} do not fit q {list(q.shape)}"
+        )
     tiles = tiles or BlockMajorTiles.for_shape(hq // hkv, d)
     out = torch.empty_like(q)
     for c0 in range(0, t, q_chunk):
         rows = slice(c0, c0 + q_chunk)
-        _attend_chunk(q[rows], k_cache, v_cache, tables[rows], positions[rows],
-                      blocks[rows].contiguous(), scale, tiles, out[rows])  # fmt: skip
+        _attend_chunk(
+            q[rows],
+            k_cache,
+            v_cache,
+            tables[rows],
+            positions[rows],
+            blocks[rows].contiguous(),
+            scale,
+            tiles,
+            out[rows],
+        )
     return out

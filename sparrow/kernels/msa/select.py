@@ -44,12 +44,32 @@ KV_BLOCKS = 16  # key blocks per program
 
 @triton.jit(do_not_specialize=["T"])  # see kernels/launch.py
 def _block_scores_kernel(
-    iq_ptr, ik_ptr, scale_ptr, tables_ptr, pos_ptr, out_ptr, T,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_sb, stride_tq, stride_ot, stride_oh,
-    HI: tl.constexpr, DI: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BS: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, LOCAL: tl.constexpr,
-    SCALED: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    iq_ptr,
+    ik_ptr,
+    scale_ptr,
+    tables_ptr,
+    pos_ptr,
+    out_ptr,
+    T,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_sb,
+    stride_tq,
+    stride_ot,
+    stride_oh,
+    HI: tl.constexpr,
+    DI: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    LOCAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     i_m, i_j = tl.program_id(0), tl.program_id(1)
     o_r = tl.arange(0, ROWS)
     i_q = i_m * BLOCK_M + o_r // HI
@@ -80,10 +100,17 @@ def _block_scores_kernel(
         tl.store(out_ptr + i_q * stride_ot + head * stride_oh + j, b_max, mask=m_r)
 
 
-def block_scores(iq: torch.Tensor, ik_cache: torch.Tensor, tables: torch.Tensor,
-                 positions: torch.Tensor, width: int, local_blocks: int,
-                 block_m: int, kv_blocks: int = KV_BLOCKS,
-                 ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def block_scores(
+    iq: torch.Tensor,
+    ik_cache: torch.Tensor,
+    tables: torch.Tensor,
+    positions: torch.Tensor,
+    width: int,
+    local_blocks: int,
+    block_m: int,
+    kv_blocks: int = KV_BLOCKS,
+    ik_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """iq: [Q, Hi, Di]; ik_cache: [pages, bs, Di] (fp8 codes if ik_scale [pages, bs] is
     given); tables: [W'] one sequence's pages (every query reads it) or [Q, W'] one row per
     query (then block_m must be 1); positions: [Q]. Returns fp32 block scores [Q, Hi, width],
@@ -92,8 +119,10 @@ def block_scores(iq: torch.Tensor, ik_cache: torch.Tensor, tables: torch.Tensor,
     nq, hi, di = iq.shape
     bs = ik_cache.shape[1]
     if ik_cache.shape[-1] != di or iq.stride(-1) != 1 or ik_cache.stride(-1) != 1:
-        raise ValueError(f"iq {list(iq.shape)}, ik_cache {list(ik_cache.shape)}: expected "
-                         "[Q, Hi, Di] and [pages, bs, Di] with unit stride on Di")  # fmt: skip
+        raise ValueError(
+            f"iq {list(iq.shape)}, ik_cache {list(ik_cache.shape)}: expected "
+            "[Q, Hi, Di] and [pages, bs, Di] with unit stride on Di"
+        )
     check_index_scales(ik_cache, ik_scale)
     if tables.dim() == 2 and block_m != 1:
         raise ValueError("per-query tables need one query per tile (block_m = 1)")
@@ -104,13 +133,32 @@ def block_scores(iq: torch.Tensor, ik_cache: torch.Tensor, tables: torch.Tensor,
     grid = (triton.cdiv(nq, block_m), triton.cdiv(width, kv_blocks))
     scale = ik_cache if ik_scale is None else ik_scale  # not read unless SCALED
     fast(_block_scores_kernel)[grid](
-        iq, ik_cache, scale, tables, positions, out, nq,
-        iq.stride(0), iq.stride(1), ik_cache.stride(0), ik_cache.stride(1), scale.stride(0),
-        stride_tq, out.stride(0), out.stride(1),
-        HI=hi, DI=di, ROWS=max(16, triton.next_power_of_2(block_m * hi)), BLOCK_M=block_m,
-        BS=bs, BLOCK_N=min(bs, 64), NB=kv_blocks, LOCAL=local_blocks,
-        SCALED=ik_scale is not None, PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+        iq,
+        ik_cache,
+        scale,
+        tables,
+        positions,
+        out,
+        nq,
+        iq.stride(0),
+        iq.stride(1),
+        ik_cache.stride(0),
+        ik_cache.stride(1),
+        scale.stride(0),
+        stride_tq,
+        out.stride(0),
+        out.stride(1),
+        HI=hi,
+        DI=di,
+        ROWS=max(16, triton.next_power_of_2(block_m * hi)),
+        BLOCK_M=block_m,
+        BS=bs,
+        BLOCK_N=min(bs, 64),
+        NB=kv_blocks,
+        LOCAL=local_blocks,
+        SCALED=ik_scale is not None,
+        PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
+    )
     return out
 
 
@@ -122,9 +170,11 @@ def check_index_scales(ik_cache: torch.Tensor, ik_scale: torch.Tensor | None) ->
     codes_ok = ik_cache.dtype == torch.float8_e4m3fn
     scale_ok = ik_scale.dtype == torch.float32 and ik_scale.shape == ik_cache.shape[:2]
     if not (codes_ok and scale_ok and ik_scale.stride(-1) == 1):
-        raise ValueError(f"ik_scale {ik_scale.dtype} {list(ik_scale.shape)}: expected float32 "
-                         f"{list(ik_cache.shape[:2])} with unit stride beside float8_e4m3fn "
-                         f"codes (ik_cache: {ik_cache.dtype})")  # fmt: skip
+        raise ValueError(
+            f"ik_scale {ik_scale.dtype} {list(ik_scale.shape)}: expected float32 "
+            f"{list(ik_cache.shape[:2])} with unit stride beside float8_e4m3fn "
+            f"codes (ik_cache: {ik_cache.dtype})"
+        )
 
 
 def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -139,10 +189,17 @@ def _device_positions(q_pos: list[int] | range, device: torch.device) -> torch.T
     return torch.as_tensor(list(q_pos), device=device)
 
 
-def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
-                  q_pos: list[int] | range, topk: int, local_blocks: int,
-                  q_chunk: int | None = None, kv_blocks: int = KV_BLOCKS,
-                  ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def select_blocks(
+    iq: torch.Tensor,
+    ik_cache: torch.Tensor,
+    table: torch.Tensor,
+    q_pos: list[int] | range,
+    topk: int,
+    local_blocks: int,
+    q_chunk: int | None = None,
+    kv_blocks: int = KV_BLOCKS,
+    ik_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`naive.select_blocks` in Triton. iq: [Q, Hi, Di] at host positions q_pos [Q];
     ik_cache: [pages, bs, Di] (fp8 codes if ik_scale [pages, bs] is given); table: [W] the
     sequence's pages. Returns int64 [Q, Hi, topk], -1 padded. q_chunk: queries per score
@@ -158,22 +215,38 @@ def select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, table: torch.Tensor,
     for c0 in range(0, nq, q_chunk):
         c1 = min(c0 + q_chunk, nq)
         width = max(max(q_pos[c0:c1]) // bs + 1, topk)
-        scores = block_scores(iq[c0:c1], ik_cache, table, pos[c0:c1], width, local_blocks,
-                              block_m, kv_blocks, ik_scale)  # fmt: skip
+        scores = block_scores(
+            iq[c0:c1],
+            ik_cache,
+            table,
+            pos[c0:c1],
+            width,
+            local_blocks,
+            block_m,
+            kv_blocks,
+            ik_scale,
+        )
         out.append(top_blocks(scores, topk))
     if not out:
         return torch.empty(0, hi, topk, device=iq.device, dtype=torch.int64)
     return torch.cat(out)
 
 
-def decode_select_blocks(iq: torch.Tensor, ik_cache: torch.Tensor, block_tables: torch.Tensor,
-                         positions: torch.Tensor, topk: int, local_blocks: int,
-                         kv_blocks: int = KV_BLOCKS,
-                         ik_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def decode_select_blocks(
+    iq: torch.Tensor,
+    ik_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    local_blocks: int,
+    kv_blocks: int = KV_BLOCKS,
+    ik_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`naive.decode_select_blocks` in Triton: one query per sequence, one scoring launch for
     the batch and a torch.topk, no host reads (capturable). iq: [B, Hi, Di]; block_tables:
     [B, W]; positions: [B]; ik_scale: as `select_blocks`. Returns int64 [B, Hi, topk]."""
     width = max(block_tables.shape[1], topk)
-    scores = block_scores(iq, ik_cache, block_tables, positions, width, local_blocks, 1,
-                          kv_blocks, ik_scale)  # fmt: skip
+    scores = block_scores(
+        iq, ik_cache, block_tables, positions, width, local_blocks, 1, kv_blocks, ik_scale
+    )
     return top_blocks(scores, topk)

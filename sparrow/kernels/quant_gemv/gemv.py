@@ -32,12 +32,29 @@ from sparrow.quant.affine import QuantSpec
 # every launched configuration compiles to the SASS of the measured kernels.
 @triton.jit
 def _gemv_kernel(
-    x_ptr, stride_xm, w_ptr, stride_wn, s_ptr, b_ptr, y_ptr, N, K, stride_sn, stride_ym,
-    GATED: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr, F16_DOT: tl.constexpr, X_IN_PLACE: tl.constexpr,
+    x_ptr,
+    stride_xm,
+    w_ptr,
+    stride_wn,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_sn,
+    stride_ym,
+    GATED: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    X_IN_PLACE: tl.constexpr,
     ONE_STEP: tl.constexpr,
-):  # fmt: skip
+):
     """One program: BLOCK_N outputs of output row i_m. y[i_m] = x[i_m] @ W^T, or GATED (W's
     rows N..2N the up projection of rows 0..N, a fused gate_up) silu(x W[:N]^T) *
     (x W[N:]^T). PREFETCH: see `gemv_rows`."""
@@ -49,13 +66,52 @@ def _gemv_kernel(
     if GATED:
         # the activation's arguments are passed: Triton 3.6 compiles a nested call's
         # constexpr defaults as plain Python values, which fails
-        b_y = gated_rows(p_x, w_ptr, s_ptr, b_ptr, i_n, N, K, stride_wn, stride_sn, BITS, GROUP,
-                         BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT, X_IN_PLACE,
-                         ONE_STEP, "silu", 0.0, 0.0)  # fmt: skip
+        b_y = gated_rows(
+            p_x,
+            w_ptr,
+            s_ptr,
+            b_ptr,
+            i_n,
+            N,
+            K,
+            stride_wn,
+            stride_sn,
+            BITS,
+            GROUP,
+            BLOCK_N,
+            BLOCK_K,
+            PACKED,
+            PREFETCH,
+            USE_PDL,
+            F16_DOT,
+            X_IN_PLACE,
+            ONE_STEP,
+            "silu",
+            0.0,
+            0.0,
+        )
     else:
-        b_y = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn, BITS,
-                        GROUP, BLOCK_N, BLOCK_K, PACKED, PREFETCH, USE_PDL, F16_DOT,
-                        X_IN_PLACE=X_IN_PLACE, ONE_STEP=ONE_STEP)  # fmt: skip
+        b_y = gemv_rows(
+            p_x,
+            w_ptr,
+            s_ptr,
+            b_ptr,
+            o_n,
+            m_n,
+            K,
+            stride_wn,
+            stride_sn,
+            BITS,
+            GROUP,
+            BLOCK_N,
+            BLOCK_K,
+            PACKED,
+            PREFETCH,
+            USE_PDL,
+            F16_DOT,
+            X_IN_PLACE=X_IN_PLACE,
+            ONE_STEP=ONE_STEP,
+        )
     tl.store(y_ptr + i_m * stride_ym + o_n, b_y.to(y_ptr.dtype.element_ty), mask=m_n)
 
 
@@ -127,8 +183,14 @@ def x_in_place_pays(block_k: int, spec: QuantSpec, num_warps: int) -> bool:
     return spec.bits == 4 and block_k // spec.group_size * (spec.group_size // 16) >= 32 * num_warps
 
 
-def row_meta(x: torch.Tensor, y: torch.Tensor, spec: QuantSpec, tiles: GemvTiles,
-             grid: tuple[int, int], prefetch: bool | None) -> dict:  # fmt: skip
+def row_meta(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    spec: QuantSpec,
+    tiles: GemvTiles,
+    grid: tuple[int, int],
+    prefetch: bool | None,
+) -> dict:
     """The constexprs and launch options every row-GEMV kernel takes, for x [R, K] and y on
     this grid: K steps fit to K (ONE_STEP: one step), the packed PTX paths on the GPU for
     4-bit codes, fp16-pair products and x in place as `GemvTiles` says (x in place only for
@@ -142,24 +204,49 @@ def row_meta(x: torch.Tensor, y: torch.Tensor, spec: QuantSpec, tiles: GemvTiles
     x_in_place = x_in_place and x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0
     ptx = x.is_cuda and spec.bits == 4  # the packed PTX paths
     f16_dot = ptx and x.dtype != torch.float32 and tiles.f16_dot
-    return dict(BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=tiles.block_n, BLOCK_K=bk,
-                PACKED=ptx, F16_DOT=f16_dot,
-                PREFETCH=pdl["USE_PDL"] if prefetch is None else prefetch,
-                X_IN_PLACE=f16_dot and x_in_place, ONE_STEP=bk == k,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl)  # fmt: skip
+    return dict(
+        BITS=spec.bits,
+        GROUP=spec.group_size,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=bk,
+        PACKED=ptx,
+        F16_DOT=f16_dot,
+        PREFETCH=pdl["USE_PDL"] if prefetch is None else prefetch,
+        X_IN_PLACE=f16_dot and x_in_place,
+        ONE_STEP=bk == k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        **pdl,
+    )
 
 
-def launch_gemv(x: torch.Tensor, w: tuple, y: torch.Tensor, spec: QuantSpec, tiles: GemvTiles,
-                gated: bool = False) -> torch.Tensor:  # fmt: skip
+def launch_gemv(
+    x: torch.Tensor,
+    w: tuple,
+    y: torch.Tensor,
+    spec: QuantSpec,
+    tiles: GemvTiles,
+    gated: bool = False,
+) -> torch.Tensor:
     """Rows of y [R, N] from x [R, K] and w = (packed [N (2N if gated), K * bits / 32],
     scales, biases [N (2N), K / group]), as `tiles` say; gated: y = silu(gate) * up."""
     packed, scales, biases = w
     grid = (triton.cdiv(y.shape[1], tiles.block_n), y.shape[0])
     fast(_gemv_kernel)[grid](
-        x, x.stride(0), packed.view(torch.int32), packed.stride(0), scales, biases, y,
-        y.shape[1], x.shape[1], scales.stride(0), y.stride(0), GATED=gated,
+        x,
+        x.stride(0),
+        packed.view(torch.int32),
+        packed.stride(0),
+        scales,
+        biases,
+        y,
+        y.shape[1],
+        x.shape[1],
+        scales.stride(0),
+        y.stride(0),
+        GATED=gated,
         **row_meta(x, y, spec, tiles, grid, tiles.prefetch),
-    )  # fmt: skip
+    )
     return y
 
 

@@ -36,8 +36,18 @@ MMA_MAX_ROWS = 64  # more rows: a dequantising GEMM
 
 
 @triton.jit
-def _tile(w_ptr, b_s, b_b, o_n, m_n, o_g, stride_wn,
-          BITS: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
+def _tile(
+    w_ptr,
+    b_s,
+    b_b,
+    o_n,
+    m_n,
+    o_g,
+    stride_wn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PACKED: tl.constexpr,
+):
     """Groups o_g of rows o_n as values [..., BLOCK_N, GROUPS, words per group, codes per
     word]. o_n, m_n: [..., BLOCK_N, 1, 1]; o_g: [..., 1, GROUPS, 1]. Words are loaded
     [..., BLOCK_N, GROUPS, words per group] and the scales b_s, b_b come as
@@ -53,13 +63,27 @@ def _tile(w_ptr, b_s, b_b, o_n, m_n, o_g, stride_wn,
 
 @triton.jit
 def _mma_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PACKED: tl.constexpr, PRECISION: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """One program: BLOCK_N outputs of all M <= ROWS rows. K % BLOCK_K == 0."""
     wait_for_previous(USE_PDL)
     GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -73,10 +97,12 @@ def _mma_kernel(
     b_s, b_b = group_scales(s_ptr, b_ptr, n3, m3, o_g[None, :, None], stride_sn)
     for g0 in range(0, K // GROUP, GROUPS):
         g_next = tl.minimum(g0 + GROUPS, last)  # the last step reloads its own
-        b_s_next, b_b_next = group_scales(s_ptr, b_ptr, n3, m3, (g_next + o_g)[None, :, None],
-                                          stride_sn)  # fmt: skip
-        b_a = _tile(w_ptr, b_s, b_b, n3, m3, (g0 + o_g)[None, :, None], stride_wn, BITS, GROUP,
-                    PACKED)  # fmt: skip
+        b_s_next, b_b_next = group_scales(
+            s_ptr, b_ptr, n3, m3, (g_next + o_g)[None, :, None], stride_sn
+        )
+        b_a = _tile(
+            w_ptr, b_s, b_b, n3, m3, (g0 + o_g)[None, :, None], stride_wn, BITS, GROUP, PACKED
+        )
         b_s, b_b = b_s_next, b_b_next
         b_a = tl.reshape(b_a, [BLOCK_N, BLOCK_K])
         p_x = x_ptr + o_m[:, None] * stride_xm + g0 * GROUP + o_k[None, :]
@@ -88,13 +114,28 @@ def _mma_kernel(
 
 @triton.jit
 def _mma_split_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr, ROWS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PACKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
-):  # fmt: skip
+):
     """`_mma_kernel` with K cut into SPLIT ranges, one batched-dot slice each
     (K % (SPLIT * BLOCK_K) == 0)."""
     wait_for_previous(USE_PDL)
@@ -108,8 +149,12 @@ def _mma_split_kernel(
     groups_split = K // GROUP // SPLIT
     b_acc = tl.zeros([SPLIT, BLOCK_N, ROWS], dtype=tl.float32)
     o_gs = (o_p[:, None] * groups_split + o_g[None, :])[:, None, :, None]  # [SPLIT, 1, G, 1]
-    p_x = (x_ptr + o_m[None, :, None] * stride_xm
-           + (o_p * groups_split * GROUP)[:, None, None] + o_k[None, None, :])  # fmt: skip
+    p_x = (
+        x_ptr
+        + o_m[None, :, None] * stride_xm
+        + (o_p * groups_split * GROUP)[:, None, None]
+        + o_k[None, None, :]
+    )
     m_x = (o_m < M)[None, :, None]
     n4, m4, last = o_n[None, :, None, None], m_n[None, :, None, None], groups_split - GROUPS
     b_s, b_b = group_scales(s_ptr, b_ptr, n4, m4, o_gs, stride_sn)
@@ -120,8 +165,9 @@ def _mma_split_kernel(
         b_s, b_b = b_s_next, b_b_next
         b_a = tl.reshape(b_a, [SPLIT, BLOCK_N, BLOCK_K])
         b_x = tl.load(p_x + g0 * GROUP, mask=m_x, other=0.0)
-        b_acc = tl.dot(b_a.to(b_x.dtype), tl.permute(b_x, (0, 2, 1)), b_acc,
-                       input_precision=PRECISION)
+        b_acc = tl.dot(
+            b_a.to(b_x.dtype), tl.permute(b_x, (0, 2, 1)), b_acc, input_precision=PRECISION
+        )
     b_y = tl.sum(b_acc, axis=0)
     p_y = y_ptr + o_m[None, :] * stride_ym + o_n[:, None]
     tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_n[:, None] & (o_m < M)[None, :])
@@ -180,14 +226,31 @@ def quant_mma(
         split //= 2
     x, packed, scales, biases = (t.contiguous() for t in (x, packed, scales, biases))
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    args = (x, packed.view(torch.int32), scales, biases, y, m, n, k,
-            x.stride(0), packed.stride(0), scales.stride(0), y.stride(0))  # fmt: skip
-    meta = dict(BITS=spec.bits, GROUP=spec.group_size, BLOCK_N=tiles.block_n,
-                BLOCK_K=fit_block_k(k // split, tiles.block_k, spec.group_size),
-                PACKED=packed_unpack(scales.dtype, spec.bits, x.device),
-                PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 means fp32
-                ROWS=max(MMA_ROWS, triton.next_power_of_2(m)),
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
+    args = (
+        x,
+        packed.view(torch.int32),
+        scales,
+        biases,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        packed.stride(0),
+        scales.stride(0),
+        y.stride(0),
+    )
+    meta = dict(
+        BITS=spec.bits,
+        GROUP=spec.group_size,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=fit_block_k(k // split, tiles.block_k, spec.group_size),
+        PACKED=packed_unpack(scales.dtype, spec.bits, x.device),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 means fp32
+        ROWS=max(MMA_ROWS, triton.next_power_of_2(m)),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     grid = (triton.cdiv(n, tiles.block_n),)
     if split == 1:
         fast(_mma_kernel)[grid](*args, **meta, **launch_args(y, grid))

@@ -17,9 +17,15 @@ import triton.language as tl
 
 # code j of a word to the top mantissa bits (19-22) of 1.0: shift by 19 - 4j, then one LOP3
 # (mask | exponent; Triton's own `(t & m) | e` compiles to two).
-_MANTISSA_ASM = tl.constexpr("{\n.reg .b32 t;\n" + "".join(
-    f"{'shl' if 19 - 4 * j >= 0 else 'shr'}.b32 t, $8, {abs(19 - 4 * j)};\n"
-    f"lop3.b32 ${j}, t, 0x00780000, 0x3F800000, 0xEA;\n" for j in range(8)) + "}")
+_MANTISSA_ASM = tl.constexpr(
+    "{\n.reg .b32 t;\n"
+    + "".join(
+        f"{'shl' if 19 - 4 * j >= 0 else 'shr'}.b32 t, $8, {abs(19 - 4 * j)};\n"
+        f"lop3.b32 ${j}, t, 0x00780000, 0x3F800000, 0xEA;\n"
+        for j in range(8)
+    )
+    + "}"
+)
 
 
 @triton.jit
@@ -70,21 +76,31 @@ def codes_dot_x(b_w, p_x, BITS: tl.constexpr, PACKED: tl.constexpr):
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_slots8(b_x)
         if PACKED:  # on the GPU: shift + LOP3 per code in PTX
             v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-                _MANTISSA_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b_w], (tl.float32,) * 8, True, 1)
+                _MANTISSA_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b_w], (tl.float32,) * 8, True, 1
+            )
         else:
             v0, v1 = _code_floats(b_w, 0, BITS), _code_floats(b_w, 1, BITS)
             v2, v3 = _code_floats(b_w, 2, BITS), _code_floats(b_w, 3, BITS)
             v4, v5 = _code_floats(b_w, 4, BITS), _code_floats(b_w, 5, BITS)
             v6, v7 = _code_floats(b_w, 6, BITS), _code_floats(b_w, 7, BITS)
-        b_qx = (v0 * x0[:, None, :] + v1 * x1[:, None, :] + v2 * x2[:, None, :]
-                + v3 * x3[:, None, :] + v4 * x4[:, None, :] + v5 * x5[:, None, :]
-                + v6 * x6[:, None, :] + v7 * x7[:, None, :])  # fmt: skip
+        b_qx = (
+            v0 * x0[:, None, :]
+            + v1 * x1[:, None, :]
+            + v2 * x2[:, None, :]
+            + v3 * x3[:, None, :]
+            + v4 * x4[:, None, :]
+            + v5 * x5[:, None, :]
+            + v6 * x6[:, None, :]
+            + v7 * x7[:, None, :]
+        )
     else:
         x0, x1, x2, x3 = _x_slots4(b_x)
-        b_qx = (_code_floats(b_w, 0, BITS) * x0[:, None, :]
-                + _code_floats(b_w, 1, BITS) * x1[:, None, :]
-                + _code_floats(b_w, 2, BITS) * x2[:, None, :]
-                + _code_floats(b_w, 3, BITS) * x3[:, None, :])  # fmt: skip
+        b_qx = (
+            _code_floats(b_w, 0, BITS) * x0[:, None, :]
+            + _code_floats(b_w, 1, BITS) * x1[:, None, :]
+            + _code_floats(b_w, 2, BITS) * x2[:, None, :]
+            + _code_floats(b_w, 3, BITS) * x3[:, None, :]
+        )
     return b_qx, b_xs
 
 
@@ -106,9 +122,13 @@ _F16_DOT_ASM = tl.constexpr(
     + "".join(
         (f"shr.u32 t, ${1 + wd}, 8;\n" if i == 2 else "")
         + f"and.b32 c, {'t' if i >= 2 else f'${1 + wd}'}, {_PAIR_MASKS[i % 2]};\n"
-        + ("mul.rn.f16x2 acc, c, $3;\n" if wd == 0 and i == 0
-           else f"fma.rn.f16x2 acc, c, ${3 + 4 * wd + i}, acc;\n")
-        for wd in range(2) for i in range(4)
+        + (
+            "mul.rn.f16x2 acc, c, $3;\n"
+            if wd == 0 and i == 0
+            else f"fma.rn.f16x2 acc, c, ${3 + 4 * wd + i}, acc;\n"
+        )
+        for wd in range(2)
+        for i in range(4)
     )
     + "mov.b32 {lo, hi}, acc;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}"
 )
@@ -125,17 +145,23 @@ def _pair_dots(b_w, a0, a1, a2, a3, b0, b1, b2, b3):
     """Each even-odd pair of words (b_w [GROUPS, BLOCK_N, WPG]) against its fp16 x pairs
     (a: the even word's, b: the odd word's): [GROUPS, BLOCK_N, WPG / 2] (`_F16_DOT_ASM`)."""
     w_even, w_odd = tl.split(tl.reshape(b_w, [b_w.shape[0], b_w.shape[1], b_w.shape[2] // 2, 2]))
-    return tl.inline_asm_elementwise(_F16_DOT_ASM, "=f,r,r,r,r,r,r,r,r,r,r",
-                                     [w_even, w_odd, a0, a1, a2, a3, b0, b1, b2, b3],
-                                     tl.float32, True, 1)  # fmt: skip
+    return tl.inline_asm_elementwise(
+        _F16_DOT_ASM,
+        "=f,r,r,r,r,r,r,r,r,r,r",
+        [w_even, w_odd, a0, a1, a2, a3, b0, b1, b2, b3],
+        tl.float32,
+        True,
+        1,
+    )
 
 
 # Two words' x (16 16-bit values, 32 bytes) as 8 registers of pairs. As inline PTX the load
 # takes the register layout of its use, where the compiler gives a `tl.load` a layout of its
 # own and moves the values to their use through shared memory. Pure, so that copies of it
 # merge: its pointers come through `after_wait`, which keeps it after the wait for x.
-_X_PAIRS_ASM = tl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$8];\n"
-                            "ld.global.v4.b32 {$4, $5, $6, $7}, [$8+16];")
+_X_PAIRS_ASM = tl.constexpr(
+    "ld.global.v4.b32 {$0, $1, $2, $3}, [$8];\nld.global.v4.b32 {$4, $5, $6, $7}, [$8+16];"
+)
 
 
 @triton.jit
@@ -160,10 +186,10 @@ def _word_x(r0, r1, r2, r3, dtype: tl.constexpr):
 
 @triton.jit
 def _abs_max8(x0, x1, x2, x3, x4, x5, x6, x7):
-    return tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
-                                 tl.maximum(tl.abs(x2), tl.abs(x3))),
-                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
-                                 tl.maximum(tl.abs(x6), tl.abs(x7))))  # fmt: skip
+    return tl.maximum(
+        tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+        tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))),
+    )
 
 
 @triton.jit
@@ -171,8 +197,12 @@ def _word_pairs(x0, x1, x2, x3, x4, x5, x6, x7, up):
     """A word's x scaled by up as the 4 fp16 pairs its codes meet: (x_i, x_(i+4)), the odd
     i 16 times smaller (they meet codes times 16)."""
     u16 = up * 0.0625
-    return (_f16_pair(x0 * up, x4 * up), _f16_pair(x1 * u16, x5 * u16),
-            _f16_pair(x2 * up, x6 * up), _f16_pair(x3 * u16, x7 * u16))  # fmt: skip
+    return (
+        _f16_pair(x0 * up, x4 * up),
+        _f16_pair(x1 * u16, x5 * u16),
+        _f16_pair(x2 * up, x6 * up),
+        _f16_pair(x3 * u16, x7 * u16),
+    )
 
 
 @triton.jit
@@ -200,13 +230,15 @@ def codes_dot_x_f16(b_w, x_ptr, GROUPS: tl.constexpr, WPG: tl.constexpr):
     the products (no shared memory, no barrier)."""
     o_p = tl.arange(0, GROUPS)[:, None, None] * WPG + 2 * tl.arange(0, WPG // 2)[None, None, :]
     r0, r1, r2, r3, r4, r5, r6, r7 = tl.inline_asm_elementwise(
-        _X_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l", [x_ptr + o_p * 8], (tl.int32,) * 8, True, 1)
+        _X_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l", [x_ptr + o_p * 8], (tl.int32,) * 8, True, 1
+    )
     dt: tl.constexpr = x_ptr.dtype.element_ty
     e0, e1, e2, e3, e4, e5, e6, e7 = _word_x(r0, r1, r2, r3, dt)
     o0, o1, o2, o3, o4, o5, o6, o7 = _word_x(r4, r5, r6, r7, dt)
     b_xs = e0 + e1 + e2 + e3 + e4 + e5 + e6 + e7 + o0 + o1 + o2 + o3 + o4 + o5 + o6 + o7
-    amax = tl.maximum(_abs_max8(e0, e1, e2, e3, e4, e5, e6, e7),
-                      _abs_max8(o0, o1, o2, o3, o4, o5, o6, o7))  # fmt: skip
+    amax = tl.maximum(
+        _abs_max8(e0, e1, e2, e3, e4, e5, e6, e7), _abs_max8(o0, o1, o2, o3, o4, o5, o6, o7)
+    )
     up, down = _pow2_scales(amax)
     a0, a1, a2, a3 = _word_pairs(e0, e1, e2, e3, e4, e5, e6, e7, up)
     b0, b1, b2, b3 = _word_pairs(o0, o1, o2, o3, o4, o5, o6, o7, up)

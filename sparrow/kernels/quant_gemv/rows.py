@@ -21,8 +21,11 @@ from sparrow.kernels.quant_gemv.products import (
 @triton.jit
 def _words(w_ptr, o_n, m_n, g0, o_gw, stride_wn, WPG: tl.constexpr):
     """Words [GROUPS, BLOCK_N, WPG] of groups g0.."""
-    return tl.load(w_ptr + o_n[None, :, None] * stride_wn + g0 * WPG + o_gw[:, None, :],
-                   mask=m_n[None, :, None], other=0)  # fmt: skip
+    return tl.load(
+        w_ptr + o_n[None, :, None] * stride_wn + g0 * WPG + o_gw[:, None, :],
+        mask=m_n[None, :, None],
+        other=0,
+    )
 
 
 @triton.jit
@@ -35,8 +38,17 @@ def _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn):
 
 
 @triton.jit
-def _block_dot(x_ptr, b_w, g0, o_gw, BITS: tl.constexpr, GROUP: tl.constexpr,
-               PACKED: tl.constexpr, F16_DOT: tl.constexpr, X_IN_PLACE: tl.constexpr):  # fmt: skip
+def _block_dot(
+    x_ptr,
+    b_w,
+    g0,
+    o_gw,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PACKED: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    X_IN_PLACE: tl.constexpr,
+):
     """The codes of one block (words b_w [GROUPS, BLOCK_N, WPG] of groups g0..) against x:
     F16_DOT (sum_k q_k x_k [GROUPS, BLOCK_N], sum_k x_k [GROUPS, 1]), else (sum_j v_j x
     per word [GROUPS, BLOCK_N, WPG], sum_j x [GROUPS, WPG]) (`codes_dot_x`)."""
@@ -55,9 +67,21 @@ def _block_dot(x_ptr, b_w, g0, o_gw, BITS: tl.constexpr, GROUP: tl.constexpr,
 
 
 @triton.jit
-def _block_sum(b_d, b_xs, b_s, b_b, g0, o_g, BITS: tl.constexpr, GROUP: tl.constexpr,
-               F16_DOT: tl.constexpr, sq_ptr, eps, HEAD: tl.constexpr,
-               PARTS: tl.constexpr):  # fmt: skip
+def _block_sum(
+    b_d,
+    b_xs,
+    b_s,
+    b_b,
+    g0,
+    o_g,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    sq_ptr,
+    eps,
+    HEAD: tl.constexpr,
+    PARTS: tl.constexpr,
+):
     """Each group's sum_k W x [GROUPS, BLOCK_N] from `_block_dot`'s sums and the groups'
     scales and biases b_s, b_b (HEAD > 0: times its head's 1 / rms, see `gemv_rows`)."""
     if F16_DOT:  # per group: sum (s q + b) x = s sum q x + b sum x
@@ -74,12 +98,31 @@ def _block_sum(b_d, b_xs, b_s, b_b, g0, o_g, BITS: tl.constexpr, GROUP: tl.const
 
 
 @triton.jit
-def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
-              BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
-              USE_PDL: tl.constexpr, F16_DOT: tl.constexpr = False, sq_ptr=None, eps=0.0,
-              HEAD: tl.constexpr = 0, PARTS: tl.constexpr = 1,
-              X_IN_PLACE: tl.constexpr = False, ONE_STEP: tl.constexpr = False):  # fmt: skip
+def gemv_rows(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    o_n,
+    m_n,
+    K,
+    stride_wn,
+    stride_sn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    F16_DOT: tl.constexpr = False,
+    sq_ptr=None,
+    eps=0.0,
+    HEAD: tl.constexpr = 0,
+    PARTS: tl.constexpr = 1,
+    X_IN_PLACE: tl.constexpr = False,
+    ONE_STEP: tl.constexpr = False,
+):
     """sum_k W[o_n, k] x[k] for one activation row x (K contiguous values): fp32 [BLOCK_N].
     K % BLOCK_K == 0. HEAD > 0: x's heads of HEAD values (whole groups) are scaled by their
     1 / rms, from the PARTS partial sums of squares per head at sq (`quant_gemv_rms_scaled`):
@@ -118,8 +161,9 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
         b_w = _words(w_ptr, o_n, m_n, 0, o_gw, stride_wn, WPG)
         b_d, b_xs = _block_dot(x_ptr, b_w, 0, o_gw, BITS, GROUP, PACKED, F16_DOT, X_IN_PLACE)
         b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_n, 0, o_g, stride_sn)
-        b_acc = _block_sum(b_d, b_xs, b_s, b_b, 0, o_g, BITS, GROUP, F16_DOT, sq_ptr, eps,
-                           HEAD, PARTS)  # fmt: skip
+        b_acc = _block_sum(
+            b_d, b_xs, b_s, b_b, 0, o_g, BITS, GROUP, F16_DOT, sq_ptr, eps, HEAD, PARTS
+        )
         return tl.sum(b_acc, axis=0)
     b_acc = tl.zeros([GROUPS, BLOCK_N], dtype=tl.float32)
     num_groups = K // GROUP
@@ -133,8 +177,9 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
         b_d, b_xs = _block_dot(x_ptr, b_w, g0, o_gw, BITS, GROUP, PACKED, F16_DOT, X_IN_PLACE)
         if not PREFETCH:  # loaded after the codes' use: fewer layout changes (SASS)
             b_s, b_b = _scales(s_ptr, b_ptr, o_n, m_n, g0, o_g, stride_sn)
-        b_acc += _block_sum(b_d, b_xs, b_s, b_b, g0, o_g, BITS, GROUP, F16_DOT, sq_ptr, eps,
-                            HEAD, PARTS)  # fmt: skip
+        b_acc += _block_sum(
+            b_d, b_xs, b_s, b_b, g0, o_g, BITS, GROUP, F16_DOT, sq_ptr, eps, HEAD, PARTS
+        )
         if PREFETCH and not (ONE_STEP and X_IN_PLACE):  # the next tile (none past the end)
             m_next = m_n & (o_n * 0 + g0 + GROUPS < num_groups)
             b_w = _words(w_ptr, o_n, m_next, g0 + GROUPS, o_gw, stride_wn, WPG)
@@ -143,12 +188,30 @@ def gemv_rows(x_ptr, w_ptr, s_ptr, b_ptr, o_n, m_n, K, stride_wn, stride_sn,
 
 
 @triton.jit
-def gated_rows(p_x, w_ptr, s_ptr, b_ptr, i_n, N, K, stride_wn, stride_sn,
-               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
-               USE_PDL: tl.constexpr, F16_DOT: tl.constexpr, X_IN_PLACE: tl.constexpr,
-               ONE_STEP: tl.constexpr, ACT: tl.constexpr = "silu", ALPHA: tl.constexpr = 0.0,
-               LIMIT: tl.constexpr = 0.0):  # fmt: skip
+def gated_rows(
+    p_x,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    i_n,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    X_IN_PLACE: tl.constexpr,
+    ONE_STEP: tl.constexpr,
+    ACT: tl.constexpr = "silu",
+    ALPHA: tl.constexpr = 0.0,
+    LIMIT: tl.constexpr = 0.0,
+):
     """glu(x W[n]^T, x W[N + n]^T) (`activations.glu`: silu(gate) * up by default) for the
     BLOCK_N outputs n of block i_n of a fused gate_up W [2N, K]: the gate rows and the up
     rows N below them in one walk over K, as one tile of 2 BLOCK_N rows (`gemv_rows`). fp32
@@ -156,9 +219,27 @@ def gated_rows(p_x, w_ptr, s_ptr, b_ptr, i_n, N, K, stride_wn, stride_sn,
     o_gu = tl.arange(0, 2 * BLOCK_N)
     o_rows = i_n * BLOCK_N + o_gu % BLOCK_N + (o_gu // BLOCK_N) * N
     m_rows = i_n * BLOCK_N + o_gu % BLOCK_N < N
-    b_gu = gemv_rows(p_x, w_ptr, s_ptr, b_ptr, o_rows, m_rows, K, stride_wn, stride_sn,
-                     BITS, GROUP, 2 * BLOCK_N, BLOCK_K, PACKED, PREFETCH,
-                     USE_PDL, F16_DOT, X_IN_PLACE=X_IN_PLACE, ONE_STEP=ONE_STEP)  # fmt: skip
+    b_gu = gemv_rows(
+        p_x,
+        w_ptr,
+        s_ptr,
+        b_ptr,
+        o_rows,
+        m_rows,
+        K,
+        stride_wn,
+        stride_sn,
+        BITS,
+        GROUP,
+        2 * BLOCK_N,
+        BLOCK_K,
+        PACKED,
+        PREFETCH,
+        USE_PDL,
+        F16_DOT,
+        X_IN_PLACE=X_IN_PLACE,
+        ONE_STEP=ONE_STEP,
+    )
     b_y, b_u = tl.split(tl.permute(tl.reshape(b_gu, [2, BLOCK_N]), [1, 0]))
     return glu(b_y, b_u, ACT, ALPHA, LIMIT)
 

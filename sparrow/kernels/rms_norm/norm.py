@@ -29,8 +29,18 @@ def _scaled(b_x, inv_rms, w_ptr, o_d, m_d):
 
 
 @triton.jit
-def _add_norm_kernel(x_ptr, r_ptr, s_ptr, y_ptr, w_ptr, eps, HAS_RESIDUAL: tl.constexpr,
-                     D: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _add_norm_kernel(
+    x_ptr,
+    r_ptr,
+    s_ptr,
+    y_ptr,
+    w_ptr,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     wait_for_previous(USE_PDL)
     row = tl.program_id(0).to(tl.int64) * D
     o_d = tl.arange(0, BLOCK)
@@ -61,18 +71,43 @@ def _launch(x, residual, weight, eps):
     s = torch.empty_like(x) if residual is not None else x
     r = residual.contiguous() if residual is not None else x
     fast(_add_norm_kernel)[(x.numel() // d,)](
-        x, r, s, y, weight, eps, HAS_RESIDUAL=residual is not None, D=d,
-        BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 1024 else 1,
+        x,
+        r,
+        s,
+        y,
+        weight,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        D=d,
+        BLOCK=triton.next_power_of_2(d),
+        num_warps=4 if d >= 1024 else 1,
         **launch_args(y, (x.numel() // d,)),
-    )  # fmt: skip
+    )
     return s, y
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, eps, stride_xt, stride_xh,
-                      stride_ct, v_ptr, kc_ptr, vc_ptr, rows_ptr, stride_vt,
-                      H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-                      TO_CACHE: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+def _norm_rope_kernel(
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    eps,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    rows_ptr,
+    stride_vt,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    TO_CACHE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     """One (token, head) row. TO_CACHE: also store it at cache row rows[token] and copy the
     token's v row there (the K/V cache write of an attention layer)."""
     wait_for_previous(USE_PDL)
@@ -123,9 +158,25 @@ def rms_norm_rope(
     if v.stride(2) != 1 or v.stride(1) != d:
         v = v.contiguous()  # the kernel takes a token stride only
     fast(_norm_rope_kernel)[(t, h)](
-        x, y, weight, cos, sin, eps, x.stride(0), x.stride(1), cos.stride(0),
-        v, k_cache, v_cache, rows, v.stride(0),
-        H=h, D=d, R=r, TO_CACHE=cache is not None, num_warps=1 if d <= 256 else 4,
+        x,
+        y,
+        weight,
+        cos,
+        sin,
+        eps,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        v,
+        k_cache,
+        v_cache,
+        rows,
+        v.stride(0),
+        H=h,
+        D=d,
+        R=r,
+        TO_CACHE=cache is not None,
+        num_warps=1 if d <= 256 else 4,
         **launch_args(y, (t, h)),
-    )  # fmt: skip
+    )
     return y

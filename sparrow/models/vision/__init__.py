@@ -25,6 +25,8 @@ def vision_architecture(config: dict[str, Any]) -> ModuleType:
     """The tower module for an HF config.json dict; ConfigError for a model_type without one."""
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in VISION_MODEL_TYPES:
-        raise ConfigError(f"no vision tower for model_type {model_type!r}; supported: "
-                          f"{sorted(VISION_MODEL_TYPES)}")
+        raise ConfigError(
+            f"no vision tower for model_type {model_type!r}; supported: "
+            f"{sorted(VISION_MODEL_TYPES)}"
+        )
     return VISION_MODEL_TYPES[model_type]

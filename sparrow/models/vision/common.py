@@ -30,8 +30,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation an HF `hidden_act` names; ConfigError for one not implemented."""
     if name not in ACTIVATIONS:
-        raise ConfigError(f"vision hidden_act {name!r} is not implemented; "
-                          f"supported: {sorted(ACTIVATIONS)}")  # fmt: skip
+        raise ConfigError(
+            f"vision hidden_act {name!r} is not implemented; supported: {sorted(ACTIVATIONS)}"
+        )
     return ACTIVATIONS[name]
 
 
@@ -39,8 +40,9 @@ def check_heads(hidden_size: int, num_heads: int) -> None:
     """ConfigError unless the width splits into heads whose size is a multiple of 4: HF's
     axial rotary gives head_dim / 4 frequencies to each of its two axes."""
     if min(hidden_size, num_heads) < 1 or hidden_size % num_heads:
-        raise ConfigError(f"vision hidden_size {hidden_size} is not a multiple of "
-                          f"num_heads {num_heads}")  # fmt: skip
+        raise ConfigError(
+            f"vision hidden_size {hidden_size} is not a multiple of num_heads {num_heads}"
+        )
     if (hidden_size // num_heads) % 4:
         raise ConfigError(f"vision head dim {hidden_size // num_heads} must be a multiple of 4")
 
@@ -57,8 +59,9 @@ class PatchEmbed(nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1),
-                        self.proj.bias)  # fmt: skip
+        return F.linear(
+            patches.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias
+        )
 
 
 def grids_of(grid_thw: torch.Tensor | Sequence[Sequence[int]], merge: int) -> list[Grid]:
@@ -68,8 +71,10 @@ def grids_of(grid_thw: torch.Tensor | Sequence[Sequence[int]], merge: int) -> li
     grids = [tuple(int(v) for v in row) for row in rows]
     for grid in grids:
         if len(grid) != 3 or min(grid) < 1 or grid[1] % merge or grid[2] % merge:
-            raise ValueError(f"grid_thw row {list(grid)}: need (t, h, w) >= 1 with h and w "
-                             f"multiples of the merge size {merge}")  # fmt: skip
+            raise ValueError(
+                f"grid_thw row {list(grid)}: need (t, h, w) >= 1 with h and w "
+                f"multiples of the merge size {merge}"
+            )
     if not grids:
         raise ValueError("grid_thw holds no images")
     return grids
@@ -79,8 +84,10 @@ def check_patches(patches: torch.Tensor, grids: list[Grid], patch_dim: int) -> N
     """ValueError unless `patches` is [sum of t * h * w, patch_dim]."""
     rows = sum(t * h * w for t, h, w in grids)
     if patches.dim() != 2 or tuple(patches.shape) != (rows, patch_dim):
-        raise ValueError(f"patches have shape {list(patches.shape)}, expected [{rows}, "
-                         f"{patch_dim}] for grids {grids}")  # fmt: skip
+        raise ValueError(
+            f"patches have shape {list(patches.shape)}, expected [{rows}, "
+            f"{patch_dim}] for grids {grids}"
+        )
 
 
 def merge_block_coords(h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,16 +116,19 @@ def frame_bounds(grids: list[Grid]) -> list[int]:
     return bounds
 
 
-def axial_rotary(first: torch.Tensor, second: torch.Tensor, head_dim: int,
-                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def axial_rotary(
+    first: torch.Tensor, second: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [N, head_dim] fp32 for HF's axial RoPE over two position axes [N]:
     head_dim / 4 frequencies `theta^(-2i / (head_dim / 2))` per axis; the angles are
     (first, second) concatenated, then repeated for the rotate-half layout."""
     half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32,
-                                             device=first.device) / half))
-    angles = torch.cat([first[:, None].float() * inv_freq, second[:, None].float() * inv_freq],
-                       dim=-1)  # fmt: skip
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, half, 2, dtype=torch.float32, device=first.device) / half)
+    )
+    angles = torch.cat(
+        [first[:, None].float() * inv_freq, second[:, None].float() * inv_freq], dim=-1
+    )
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -130,8 +140,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      bounds: list[int]) -> torch.Tensor:  # fmt: skip
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int]
+) -> torch.Tensor:
     """Bidirectional attention within each segment [bounds[i], bounds[i + 1]): q, k, v
     [N, H, Dh] -> [N, H * Dh]. One SDPA call per segment, so the scores of one segment at a
     time exist; scale Dh^-0.5."""

@@ -89,8 +89,11 @@ class MiniMaxM3VisionArgs:
         vision, text = raw.get("vision_config") or {}, raw.get("text_config") or {}
         if not isinstance(vision, dict) or not isinstance(text, dict):
             raise ConfigError("vision_config and text_config must be JSON objects")
-        values: dict[str, Any] = {field: vision[key] for field, key in _HF_VISION_KEYS.items()
-                                  if vision.get(key) is not None}  # fmt: skip
+        values: dict[str, Any] = {
+            field: vision[key]
+            for field, key in _HF_VISION_KEYS.items()
+            if vision.get(key) is not None
+        }
         for field in ("hidden_act", "layer_norm_eps"):
             if vision.get(field) is not None:
                 values[field] = vision[field]
@@ -124,8 +127,9 @@ class MiniMaxM3VisionAttention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.v_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                bounds: list[int]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
         shape = (x.shape[0], self.num_heads, -1)
         q = apply_rotary(self.q_proj(x).view(shape), cos, sin)  # in x's dtype, as HF
         k = apply_rotary(self.k_proj(x).view(shape), cos, sin)
@@ -151,8 +155,9 @@ class MiniMaxM3VisionLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.mlp = MiniMaxM3VisionMLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                bounds: list[int]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), cos, sin, bounds)
         return x + self.mlp(self.layer_norm2(x))
 
@@ -164,8 +169,13 @@ class MiniMaxM3VisionEncoder(nn.Module):
     def __init__(self, args: MiniMaxM3VisionArgs):
         super().__init__()
         self.args = args
-        self.embeddings = PatchEmbed(args.num_channels, args.temporal_patch_size,
-                                     args.patch_size, args.hidden_size, bias=False)  # fmt: skip
+        self.embeddings = PatchEmbed(
+            args.num_channels,
+            args.temporal_patch_size,
+            args.patch_size,
+            args.hidden_size,
+            bias=False,
+        )
         self.pre_layrnorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
         self.layers = nn.ModuleList(MiniMaxM3VisionLayer(args) for _ in range(args.num_layers))
 
@@ -175,8 +185,9 @@ class MiniMaxM3VisionEncoder(nn.Module):
         x = self.embeddings(patches)
         positions = patch_positions(grids, self.args.spatial_merge_size).to(x.device)
         # HF's rotary reads columns 0 and 1 of (frame, row, col): frame and row.
-        cos, sin = axial_rotary(positions[:, 0], positions[:, 1], self.args.head_dim,
-                                self.args.rope_theta)  # fmt: skip
+        cos, sin = axial_rotary(
+            positions[:, 0], positions[:, 1], self.args.head_dim, self.args.rope_theta
+        )
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x = self.pre_layrnorm(x)
         bounds = [0, x.shape[0]]  # one segment: the whole call, as HF
@@ -220,14 +231,16 @@ class MiniMaxM3VisionModel(nn.Module):
 _VISION = re.compile(r"^(model\.)?(vision_tower\.|multi_modal_projector\.|patch_merge_mlp\.)")
 # The original MiniMax names (what HF's save_pretrained writes) -> HF's in-memory names.
 _RENAMES = (
-    (re.compile(r"^vision_tower\.vision_model\.embeddings\.patch_embedding\."),
-     "vision_tower.embeddings.proj."),
+    (
+        re.compile(r"^vision_tower\.vision_model\.embeddings\.patch_embedding\."),
+        "vision_tower.embeddings.proj.",
+    ),
     (re.compile(r"^vision_tower\.vision_model\.encoder\.layers\."), "vision_tower.layers."),
     (re.compile(r"^vision_tower\.vision_model\."), "vision_tower."),
     (re.compile(r"^patch_merge_mlp\.linear_"), "multi_modal_projector.merge_linear_"),
     # save_pretrained's reversed `.block_sparse_moe.` -> `.mlp.` rename reaches these too.
     (re.compile(r"^(vision_tower\.layers\.\d+)\.block_sparse_moe\."), r"\1.mlp."),
-)  # fmt: skip
+)
 
 
 def checkpoint_name(name: str) -> str | None:

@@ -40,9 +40,18 @@ from sparrow.models.vision.common import (
 MODEL_TYPES = ("qwen3_5_moe",)
 # HF's Qwen3_5MoeVisionConfig defaults where they differ from the checkpoint's.
 _HF_MISSING = {"out_hidden_size": 3584}
-_INT_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
-             "patch_size", "temporal_patch_size", "spatial_merge_size", "out_hidden_size",
-             "num_position_embeddings")  # fmt: skip
+_INT_KEYS = (
+    "depth",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "in_channels",
+    "patch_size",
+    "temporal_patch_size",
+    "spatial_merge_size",
+    "out_hidden_size",
+    "num_position_embeddings",
+)
 LAYER_NORM_EPS = 1e-6  # fixed in HF's blocks and merger
 
 
@@ -71,8 +80,10 @@ class Qwen3_5VisionArgs:
         check_heads(self.hidden_size, self.num_heads)
         activation(self.hidden_act)
         if math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
-            raise ConfigError(f"vision_config num_position_embeddings "
-                              f"{self.num_position_embeddings} is not a square")  # fmt: skip
+            raise ConfigError(
+                f"vision_config num_position_embeddings "
+                f"{self.num_position_embeddings} is not a square"
+            )
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> Qwen3_5VisionArgs:
@@ -111,8 +122,9 @@ class Qwen3_5VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                bounds: list[int]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         q = apply_rotary(q.float(), cos, sin).to(x.dtype)  # HF rotates in fp32
         k = apply_rotary(k.float(), cos, sin).to(x.dtype)
@@ -138,8 +150,9 @@ class Qwen3_5VisionBlock(nn.Module):
         self.attn = Qwen3_5VisionAttention(args)
         self.mlp = Qwen3_5VisionMLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                bounds: list[int]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, bounds)
         return x + self.mlp(self.norm2(x))
 
@@ -167,8 +180,9 @@ class Qwen3_5VisionModel(nn.Module):
     def __init__(self, args: Qwen3_5VisionArgs):
         super().__init__()
         self.args = args
-        self.patch_embed = PatchEmbed(args.in_channels, args.temporal_patch_size,
-                                      args.patch_size, args.hidden_size, bias=True)  # fmt: skip
+        self.patch_embed = PatchEmbed(
+            args.in_channels, args.temporal_patch_size, args.patch_size, args.hidden_size, bias=True
+        )
         self.pos_embed = nn.Embedding(args.num_position_embeddings, args.hidden_size)
         self.blocks = nn.ModuleList(Qwen3_5VisionBlock(args) for _ in range(args.depth))
         self.merger = Qwen3_5PatchMerger(args)
@@ -193,10 +207,12 @@ class Qwen3_5VisionModel(nn.Module):
             rows, cols = merge_block_coords(h, w, self.args.spatial_merge_size)
             row_taps, row_weights = _bilinear_taps(rows, h, side)
             col_taps, col_weights = _bilinear_taps(cols, w, side)
-            indices.append((row_taps[:, :, None] * side + col_taps[:, None, :]).view(-1, 4)
-                           .repeat(t, 1))  # fmt: skip
-            weights.append((row_weights[:, :, None] * col_weights[:, None, :]).view(-1, 4)
-                           .repeat(t, 1))  # fmt: skip
+            indices.append(
+                (row_taps[:, :, None] * side + col_taps[:, None, :]).view(-1, 4).repeat(t, 1)
+            )
+            weights.append(
+                (row_weights[:, :, None] * col_weights[:, None, :]).view(-1, 4).repeat(t, 1)
+            )
         device = self.pos_embed.weight.device
         taps = self.pos_embed(torch.cat(indices).to(device))  # [N, 4, D]
         return (taps * torch.cat(weights).to(device)[:, :, None]).sum(1)
@@ -204,8 +220,9 @@ class Qwen3_5VisionModel(nn.Module):
     def rotary(self, grids: list[Grid], device: torch.device) -> tuple[torch.Tensor, ...]:
         """(cos, sin) [N, head_dim] fp32 over the patches' (row, col), every frame alike."""
         positions = patch_positions(grids, self.args.spatial_merge_size)
-        cos, sin = axial_rotary(positions[:, 1], positions[:, 2], self.args.head_dim,
-                                self.args.rope_theta)  # fmt: skip
+        cos, sin = axial_rotary(
+            positions[:, 1], positions[:, 2], self.args.head_dim, self.args.rope_theta
+        )
         return cos.to(device), sin.to(device)
 
 
@@ -226,7 +243,7 @@ def checkpoint_name(name: str) -> str | None:
     """`model.visual.blocks.0.attn.qkv.weight` -> `blocks.0.attn.qkv.weight`; None for a
     tensor outside the tower (text model, MTP head)."""
     m = _PREFIX.match(name)
-    return name[m.end():] if m else None
+    return name[m.end() :] if m else None
 
 
 VisionArgs = Qwen3_5VisionArgs

@@ -53,8 +53,12 @@ def test_round_trip(shape):
 
 
 # (context, queries at its end, block size, top-k, local blocks, index heads, index dim)
-SELECT = [(17, 17, 16, 4, 1, 3, 32), (257, 40, 16, 8, 1, 4, 32), (625, 20, 16, 16, 2, 4, 16),
-          (300, 4, 128, 2, 1, 4, 128)]  # fmt: skip
+SELECT = [
+    (17, 17, 16, 4, 1, 3, 32),
+    (257, 40, 16, 8, 1, 4, 32),
+    (625, 20, 16, 16, 2, 4, 16),
+    (300, 4, 128, 2, 1, 4, 128),
+]
 
 
 @pytest.mark.parametrize("case", SELECT, ids=[f"ctx{c[0]}-q{c[1]}-bs{c[2]}" for c in SELECT])
@@ -69,11 +73,22 @@ def test_select_blocks_fp8(case):
     assert torch.equal(sorted_blocks(ours, topk), sorted_blocks(ref, topk))
 
 
-@pytest.mark.parametrize("bs, lengths, hi, di, local, kv_blocks, dtype", [
-    (16, [1, 15, 16, 17, 257, 100], 2, 16, 1, None, torch.float32),
-    (16, [625, 2, 300], 4, 32, 2, 16, torch.float16),  # 40 blocks in 3 splits of the fused kernel
-    (128, [1, 129, 2049], 4, 128, 1, None, torch.float32),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bs, lengths, hi, di, local, kv_blocks, dtype",
+    [
+        (16, [1, 15, 16, 17, 257, 100], 2, 16, 1, None, torch.float32),
+        (
+            16,
+            [625, 2, 300],
+            4,
+            32,
+            2,
+            16,
+            torch.float16,
+        ),  # 40 blocks in 3 splits of the fused kernel
+        (128, [1, 129, 2049], 4, 128, 1, None, torch.float32),
+    ],
+)
 def test_decode_select_blocks_fp8(bs, lengths, hi, di, local, kv_blocks, dtype):
     """Unfused and fused decode selection on fp8 codes; fp16 queries take the codes
     converted to fp16 in registers."""
@@ -82,10 +97,10 @@ def test_decode_select_blocks_fp8(bs, lengths, hi, di, local, kv_blocks, dtype):
     iq = torch.randn(len(lengths), hi, di, generator=gen).to(device(), dtype)
     pos = torch.tensor(lengths, device=device()) - 1
     ref = naive.decode_select_blocks(iq, codes, tables, pos, 16, local, ik_scale=scale)
-    fused = fused_decode_select_blocks(iq, codes, tables, pos, 16, local, kv_blocks,
-                                       ik_scale=scale)  # fmt: skip
-    unfused = decode_select_blocks(iq, codes, tables, pos, 16, local, kv_blocks or 16,
-                                   ik_scale=scale)  # fmt: skip
+    fused = fused_decode_select_blocks(iq, codes, tables, pos, 16, local, kv_blocks, ik_scale=scale)
+    unfused = decode_select_blocks(
+        iq, codes, tables, pos, 16, local, kv_blocks or 16, ik_scale=scale
+    )
     for ours in (fused, unfused):
         assert torch.equal(sorted_blocks(ours, 16), sorted_blocks(ref, 16))
 
@@ -125,8 +140,9 @@ def test_real_sizes_fp8_gpu(ctx):
     """bf16 index queries on fp8 codes at the real shapes (4 x 128 index heads, 128-token
     blocks, top-16): prompt, unfused and fused decode selection against the reference."""
     gen = torch.Generator().manual_seed(ctx)
-    ik, codes, scale, tables = fp8_caches([ctx, ctx, max(1, ctx // 3)], 128, 128, gen,
-                                          torch.bfloat16)  # fmt: skip
+    ik, codes, scale, tables = fp8_caches(
+        [ctx, ctx, max(1, ctx // 3)], 128, 128, gen, torch.bfloat16
+    )
     iq = torch.randn(ctx, 4, 128, generator=gen).to(device(), torch.bfloat16)
     ref = naive.select_blocks(iq, codes, tables[0], range(ctx), 16, 1, ik_scale=scale)
     ours = select_blocks(iq, codes, tables[0], range(ctx), 16, 1, ik_scale=scale)
@@ -191,8 +207,14 @@ def test_llm_with_fp8_index_cache(m3):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     out = {}
     for dtype in ("auto", "fp8_e4m3"):
-        llm = LLM(m3, device="cpu", dtype=torch.float32, num_blocks=16, max_model_len=64,
-                  index_cache_dtype=dtype)  # fmt: skip
+        llm = LLM(
+            m3,
+            device="cpu",
+            dtype=torch.float32,
+            num_blocks=16,
+            max_model_len=64,
+            index_cache_dtype=dtype,
+        )
         out[dtype] = llm.generate([ids, ids[:17]], params)
     layers = [t for t in llm.runner.cache.layers if t is not None]
     assert any(len(t) == 4 and t[2].dtype == torch.float8_e4m3fn for t in layers)

@@ -60,9 +60,16 @@ def exact_block_scores(iq, ik_cache, table, q_pos, bs):
 
 
 # (context, queries at its end, block size, top-k, local blocks, index heads, index dim)
-SELECT = [(1, 1, 16, 4, 1, 2, 16), (15, 15, 16, 4, 1, 2, 16), (16, 16, 16, 4, 2, 2, 16),
-          (17, 17, 16, 4, 1, 3, 32), (257, 40, 16, 8, 1, 4, 32), (625, 20, 16, 16, 2, 4, 16),
-          (129, 3, 128, 16, 1, 4, 128), (300, 4, 128, 2, 1, 4, 128)]  # fmt: skip
+SELECT = [
+    (1, 1, 16, 4, 1, 2, 16),
+    (15, 15, 16, 4, 1, 2, 16),
+    (16, 16, 16, 4, 2, 2, 16),
+    (17, 17, 16, 4, 1, 3, 32),
+    (257, 40, 16, 8, 1, 4, 32),
+    (625, 20, 16, 16, 2, 4, 16),
+    (129, 3, 128, 16, 1, 4, 128),
+    (300, 4, 128, 2, 1, 4, 128),
+]
 
 
 @pytest.mark.parametrize("case", SELECT, ids=[f"ctx{c[0]}-q{c[1]}-bs{c[2]}" for c in SELECT])
@@ -111,19 +118,21 @@ def test_select_blocks_ties(local):
     for j in range(local):
         scores.scatter_(-1, (q_block - j).clamp(min=0)[:, None, None].expand(-1, 2, 1), torch.inf)
     scores = torch.nn.functional.pad(scores, (0, 1), value=-torch.inf)  # column -1: unused
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ours % scores.shape[-1],
-                                                                 True)  # fmt: skip
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ours % scores.shape[-1], True)
     low = scores.masked_fill(~chosen, torch.inf).amin(-1)
     high = scores.masked_fill(chosen, -torch.inf).amax(-1)
     assert (low >= high).all()
     assert ((ours >= 0).sum(-1) == (q_block[:, None] + 1).clamp(max=topk)).all()
 
 
-@pytest.mark.parametrize("bs, lengths, hi, di, local, kv_blocks", [
-    (16, [1, 15, 16, 17, 257, 100], 2, 16, 1, None),
-    (16, [625, 2, 300], 4, 32, 2, 16),  # 40 blocks in 3 splits of the fused kernel
-    (128, [1, 127, 128, 129, 2049], 4, 128, 1, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bs, lengths, hi, di, local, kv_blocks",
+    [
+        (16, [1, 15, 16, 17, 257, 100], 2, 16, 1, None),
+        (16, [625, 2, 300], 4, 32, 2, 16),  # 40 blocks in 3 splits of the fused kernel
+        (128, [1, 127, 128, 129, 2049], 4, 128, 1, None),
+    ],
+)
 @pytest.mark.parametrize("fused", [False, True])
 def test_decode_select_blocks(bs, lengths, hi, di, local, kv_blocks, fused):
     gen = torch.Generator().manual_seed(len(lengths))
@@ -164,12 +173,16 @@ def prompt_batch(chunks, bs, hq, hkv, d, topk, dtype, gen):
     iq = torch.randn(q.shape[0], hkv, d, generator=gen).to(device(), torch.float32)
     blocks, positions, start = [], [], 0
     for b, (ctx, n) in enumerate(chunks):
-        blocks.append(naive.select_blocks(iq[start : start + n], ik.float(), tables[b],
-                                          range(ctx - n, ctx), topk, 1))  # fmt: skip
+        blocks.append(
+            naive.select_blocks(
+                iq[start : start + n], ik.float(), tables[b], range(ctx - n, ctx), topk, 1
+            )
+        )
         positions.append(torch.arange(ctx - n, ctx, device=q.device))
         start += n
-    cu = torch.tensor([0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()],
-                      device=q.device)  # fmt: skip
+    cu = torch.tensor(
+        [0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()], device=q.device
+    )
     token_tables = naive.token_tables(tables, cu, q.shape[0])
     return q, k, v, token_tables, torch.cat(positions), torch.cat(blocks)
 
@@ -186,9 +199,12 @@ def random_blocks(positions, hkv, topk, bs, gen):
     return torch.stack(rows).view(len(positions), hkv, topk).to(positions.device)
 
 
-PREFILL = [([(1, 1)], torch.float32), ([(17, 17), (16, 5)], torch.float32),
-           ([(257, 24), (40, 9)], torch.float32),
-           ([(625, 12), (15, 15)], torch.float16)]  # fmt: skip
+PREFILL = [
+    ([(1, 1)], torch.float32),
+    ([(17, 17), (16, 5)], torch.float32),
+    ([(257, 24), (40, 9)], torch.float32),
+    ([(625, 12), (15, 15)], torch.float16),
+]
 
 
 @pytest.mark.parametrize("chunks, dtype", PREFILL, ids=[f"{c}-{str(t)[6:]}" for c, t in PREFILL])
@@ -198,8 +214,9 @@ def test_sparse_prefill(chunks, dtype):
     q, k, v, tables, positions, blocks = prompt_batch(chunks, bs, hq, hkv, d, topk, dtype, gen)
     ref = naive.sparse_attention(q, k, v, tables, positions, blocks, d**-0.5)
     tiles = BlockMajorTiles(tile=24, block_m=8, block_n=16)  # rows cut into several tiles
-    ours = sparse_prefill_attention(q, k, v, tables, positions, blocks, d**-0.5, q_chunk=16,
-                                    tiles=tiles)  # fmt: skip
+    ours = sparse_prefill_attention(
+        q, k, v, tables, positions, blocks, d**-0.5, q_chunk=16, tiles=tiles
+    )
     assert ours.dtype == dtype and rel_err(ours, ref) < TOL[dtype]
     blocks = random_blocks(positions, hkv, topk, bs, gen)
     ref = naive.sparse_attention(q, k, v, tables, positions, blocks, d**-0.5)
@@ -210,15 +227,19 @@ def test_sparse_prefill(chunks, dtype):
 def test_sparse_prefill_real_geometry():
     """128-token blocks, G = 16 query heads per group, D = 128: a chunk at 300 tokens."""
     gen = torch.Generator().manual_seed(5)
-    q, k, v, tables, positions, blocks = prompt_batch([(300, 3)], 128, 32, 2, 128, 16,
-                                                      torch.float32, gen)  # fmt: skip
+    q, k, v, tables, positions, blocks = prompt_batch(
+        [(300, 3)], 128, 32, 2, 128, 16, torch.float32, gen
+    )
     ref = naive.sparse_attention(q, k, v, tables, positions, blocks, 128**-0.5)
     ours = sparse_prefill_attention(q, k, v, tables, positions, blocks, 128**-0.5)
     assert rel_err(ours, ref) < 1e-4
 
 
-DECODE = [(16, [1, 15, 16, 17, 257, 100], torch.float32), (16, [625, 33], torch.float16),
-          (128, [1, 127, 128, 129], torch.float32)]  # fmt: skip
+DECODE = [
+    (16, [1, 15, 16, 17, 257, 100], torch.float32),
+    (16, [625, 33], torch.float16),
+    (128, [1, 127, 128, 129], torch.float32),
+]
 
 
 @pytest.mark.parametrize("bs, lengths, dtype", DECODE, ids=[f"bs{b}-{n}" for b, n, _ in DECODE])
@@ -232,8 +253,9 @@ def test_sparse_decode(bs, lengths, dtype):
     for local in (1, 0):  # without local blocks the own block may be left out
         blocks = naive.decode_select_blocks(iq.float(), ik.float(), tables, pos, topk, local)
         ref = naive.sparse_attention(q, k, v, tables, pos, blocks, d**-0.5)
-        ours = sparse_decode_attention(q, k, v, tables, pos, blocks, d**-0.5,
-                                       tiles=DecodeTiles(2, 16))  # fmt: skip
+        ours = sparse_decode_attention(
+            q, k, v, tables, pos, blocks, d**-0.5, tiles=DecodeTiles(2, 16)
+        )
         assert ours.dtype == dtype and rel_err(ours, ref) < TOL[dtype]
     blocks = random_blocks(pos, hkv, topk, bs, gen)
     ref = naive.sparse_attention(q, k, v, tables, pos, blocks, d**-0.5)
@@ -306,7 +328,8 @@ def test_kernels_sparse_attention_either_path(monkeypatch, decode_rows):
 
     monkeypatch.setattr(kernels, "DECODE_ROWS", decode_rows)
     gen = torch.Generator().manual_seed(21)
-    q, k, v, tables, positions, blocks = prompt_batch([(40, 3), (20, 2)], 16, 4, 2, 16, 3,
-                                                      torch.float32, gen)  # fmt: skip
+    q, k, v, tables, positions, blocks = prompt_batch(
+        [(40, 3), (20, 2)], 16, 4, 2, 16, 3, torch.float32, gen
+    )
     ref = naive.sparse_attention(q, k, v, tables, positions, blocks, 0.25)
     assert rel_err(kernels.sparse_attention(q, k, v, tables, positions, blocks, 0.25), ref) < 1e-4

@@ -13,8 +13,7 @@ from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 from tests.models.test_minimax_m3_parity import TEXT, build, hf_logits, prompt
 
-POW2 = TEXT | {"head_dim": 16, "index_head_dim": 16, "index_block_size": 16,
-               "index_topk_blocks": 2}  # fmt: skip
+POW2 = TEXT | {"head_dim": 16, "index_head_dim": 16, "index_block_size": 16, "index_topk_blocks": 2}
 
 
 @pytest.fixture

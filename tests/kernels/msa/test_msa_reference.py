@@ -14,8 +14,13 @@ from tests.conftest import rel_err
 
 # (sequence length, block size, top-k, local blocks, index heads, index dim); the last has
 # the real block geometry (128-token blocks, top-16) over 20 blocks, the last one partial.
-SHAPES = [(63, 8, 3, 1, 3, 20), (100, 4, 5, 2, 2, 12), (17, 16, 4, 1, 1, 36), (9, 2, 16, 3, 2, 8),
-          (2500, 128, 16, 1, 2, 32)]
+SHAPES = [
+    (63, 8, 3, 1, 3, 20),
+    (100, 4, 5, 2, 2, 12),
+    (17, 16, 4, 1, 1, 36),
+    (9, 2, 16, 3, 2, 8),
+    (2500, 128, 16, 1, 2, 32),
+]
 
 
 def paged(values: torch.Tensor, bs: int, gen: torch.Generator, spare: int = 3):
@@ -32,10 +37,18 @@ def paged(values: torch.Tensor, bs: int, gen: torch.Generator, spare: int = 3):
 
 
 def hf_indexer(s, bs, topk, local, hi, di, gen):
-    config = MiniMaxM3VLTextConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=hi,
-                                   num_key_value_heads=hi, index_n_heads=hi, index_head_dim=di,
-                                   index_block_size=bs, index_topk_blocks=topk,
-                                   index_local_blocks=local, layer_types=["minimax_m3_sparse"])
+    config = MiniMaxM3VLTextConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=hi,
+        num_key_value_heads=hi,
+        index_n_heads=hi,
+        index_head_dim=di,
+        index_block_size=bs,
+        index_topk_blocks=topk,
+        index_local_blocks=local,
+        layer_types=["minimax_m3_sparse"],
+    )
     indexer = hf_m3.MiniMaxM3VLIndexer(config, 0).eval()
     for p in indexer.parameters():
         p.data = torch.randn(p.shape, generator=gen) * 0.3
@@ -60,16 +73,17 @@ def test_selection_matches_hf_indexer(shape):
     hf = indexer(x, (cos, sin), None, torch.arange(s)[None])[0]  # [Hi, S, k']
     iq = indexer.q_norm(indexer.q_proj(x).view(s, hi, di))
     ik = indexer.k_norm(indexer.k_proj(x).view(s, 1, di))
-    iq, ik = hf_m3.apply_rotary_pos_emb(iq.transpose(0, 1), ik.transpose(0, 1), cos[0], sin[0],
-                                       unsqueeze_dim=0)
+    iq, ik = hf_m3.apply_rotary_pos_emb(
+        iq.transpose(0, 1), ik.transpose(0, 1), cos[0], sin[0], unsqueeze_dim=0
+    )
     ik_cache, table = paged(ik[0], bs, gen)
     chunks = ((256, 32), (5, 1), (7, 3)) if s < 1000 else ((256, 32), (700, 6))
     for q_chunk, kv_blocks in chunks:
-        ours = msa.select_blocks(iq.transpose(0, 1), ik_cache, table, range(s), topk, local,
-                                 q_chunk, kv_blocks)  # fmt: skip
+        ours = msa.select_blocks(
+            iq.transpose(0, 1), ik_cache, table, range(s), topk, local, q_chunk, kv_blocks
+        )
         assert ours.shape == (s, hi, topk)
-        assert torch.equal(sorted_blocks(ours, topk),
-                           sorted_blocks(hf.transpose(0, 1), topk))  # fmt: skip
+        assert torch.equal(sorted_blocks(ours, topk), sorted_blocks(hf.transpose(0, 1), topk))
 
 
 @torch.no_grad()
@@ -98,20 +112,25 @@ def test_decode_selection_equals_prompt_rows():
 def hf_sparse_attention(q, k, v, blocks, bs, scale):
     """HF's path: the indexer's dense block mask, then eager attention. q: [Hq, S, D];
     k, v: [Hkv, S, D]; blocks: [Hkv, S, K]."""
-    config = MiniMaxM3VLTextConfig(num_hidden_layers=1, num_attention_heads=q.shape[0],
-                                   num_key_value_heads=k.shape[0], index_n_heads=k.shape[0],
-                                   index_block_size=bs, layer_types=["minimax_m3_sparse"])
+    config = MiniMaxM3VLTextConfig(
+        num_hidden_layers=1,
+        num_attention_heads=q.shape[0],
+        num_key_value_heads=k.shape[0],
+        index_n_heads=k.shape[0],
+        index_block_size=bs,
+        layer_types=["minimax_m3_sparse"],
+    )
     indexer = hf_m3.MiniMaxM3VLIndexer(config, 0)
     s = q.shape[1]
-    mask = indexer.build_block_mask(blocks[None], None, s, q.dtype, q.device,
-                                    torch.arange(s)[None])  # fmt: skip
+    mask = indexer.build_block_mask(blocks[None], None, s, q.dtype, q.device, torch.arange(s)[None])
     module = type("M", (), {"num_key_value_groups": q.shape[0] // k.shape[0], "training": False})
     out, _ = hf_m3.eager_attention_forward(module, q[None], k[None], v[None], mask, scale)
     return out[0]  # [S, Hq, D]
 
 
-@pytest.mark.parametrize("s,bs,topk,hq,hkv,d", [(61, 4, 3, 6, 2, 20), (33, 8, 2, 3, 3, 12),
-                                                (10, 16, 4, 4, 1, 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    "s,bs,topk,hq,hkv,d", [(61, 4, 3, 6, 2, 20), (33, 8, 2, 3, 3, 12), (10, 16, 4, 4, 1, 8)]
+)
 @torch.no_grad()
 def test_sparse_attention_matches_hf_mask(s, bs, topk, hq, hkv, d):
     gen = torch.Generator().manual_seed(s)
@@ -124,11 +143,13 @@ def test_sparse_attention_matches_hf_mask(s, bs, topk, hq, hkv, d):
     kv_cache = kv_cache.view(*kv_cache.shape[:2], 2, hkv, d)
     k_cache, v_cache = kv_cache[:, :, 0].contiguous(), kv_cache[:, :, 1].contiguous()
     tables = kv_table[None].expand(s, -1)
-    expected = hf_sparse_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                   blocks.transpose(0, 1), bs, d**-0.5)  # fmt: skip
+    expected = hf_sparse_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), blocks.transpose(0, 1), bs, d**-0.5
+    )
     for q_chunk in (128, 7):
-        got = msa.sparse_attention(q, k_cache, v_cache, tables, torch.arange(s), blocks,
-                                   d**-0.5, q_chunk)  # fmt: skip
+        got = msa.sparse_attention(
+            q, k_cache, v_cache, tables, torch.arange(s), blocks, d**-0.5, q_chunk
+        )
         assert rel_err(got, expected) < 1e-5
 
 
