@@ -140,3 +140,6 @@ MINIMAX_TEMPLATE = """\
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- ']~b]ai\\n' -}}{%- endif -%}
 """
+
+# The built-in templates by name (`models.interface.TokenizerLayout.chat_template`).
+TEMPLATES = {"chatml": CHATML_TEMPLATE, "minimax": MINIMAX_TEMPLATE}

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import torch
 
 from sparrow.core.sampling_params import SamplingParams
-from sparrow.engine.resolve import model_context
 from sparrow.worker.sampler import sample
 from sparrow.worker.sequences import SequenceBatch
 
@@ -52,10 +51,10 @@ def generate(
     cfg, device = model.config, model.device
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if len(prompt_ids) + params.max_tokens > model_context(cfg):
+    if len(prompt_ids) + params.max_tokens > cfg.max_context:
         raise ValueError(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-            f"model's context of {model_context(cfg)} tokens"
+            f"model's context of {cfg.max_context} tokens"
         )
     if max(prompt_ids) >= cfg.vocab_size or min(prompt_ids) < 0:
         raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")

@@ -16,30 +16,19 @@ import json
 import re
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from sparrow.chat_templates import CHATML_TEMPLATE, MINIMAX_TEMPLATE
+if TYPE_CHECKING:
+    from sparrow.models.interface import TokenizerLayout
+
+from sparrow.chat_templates import CHATML_TEMPLATE, TEMPLATES
 
 EOS_TOKEN = "<|im_end|>"
 
-# MiniMax M3's special tokens at the checkpoint's ids (bos, eos, role marker, vision).
-M3_SPECIAL_TOKENS = {
-    "]~b]": 200019,
-    "[e~[": 200020,
-    "]<]image[>[": 200025,
-    "]<]video[>[": 200026,
-    "]<]start of image[>[": 200029,
-    "]<]end of image[>[": 200030,
-    "]<]start of video[>[": 200031,
-    "]<]end of video[>[": 200032,
-    "]<]vision pad[>[": 200033,
-    "]~!b[": 200034,
-}
-M3_FIRST_SPECIAL = 200000  # regular tokens take the ids below
 # The reasoning markers in an assistant turn are the model's own output, which the template
 # parses (it drops earlier reasoning); they stay tokens there. Everywhere else in message
 # content a special token's text is plain text.
@@ -277,11 +266,12 @@ def _bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def write_tokenizer_files(out_dir: str | Path, architecture: str = "qwen3_5_moe") -> None:
-    """Write tokenizer.json and tokenizer_config.json as a real checkpoint of `architecture`
-    carries them: the Qwen3.5/3.6 vocabulary (byte-level BPE, NFC, the Qwen pre-tokenizer
-    regex), or for `minimax_m3` its first 200,000 tokens with M3's special tokens at M3's ids
-    and a MiniMax chat template (random checkpoints: ids and markers, not M3's own merges)."""
+def write_tokenizer_files(out_dir: str | Path, layout: TokenizerLayout | None = None) -> None:
+    """Write tokenizer.json and tokenizer_config.json as a random checkpoint of a family
+    carries them (`layout`, its `SPEAKS.tokenizer`; None: Qwen3.5/3.6's): the packaged Qwen
+    vocabulary (byte-level BPE, NFC, the Qwen pre-tokenizer regex), cut below
+    `layout.vocab_limit` with the family's special tokens at their ids where it says so, and
+    its built-in chat template (ids and markers, not another family's own merges)."""
     ranks, pattern, specials = _packaged_vocab()
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
@@ -290,16 +280,12 @@ def write_tokenizer_files(out_dir: str | Path, architecture: str = "qwen3_5_moe"
         "model_max_length": 262144,
         "chat_template": CHATML_TEMPLATE,
     }
-    if architecture == "minimax_m3":
-        ranks = {t: r for t, r in ranks.items() if r < M3_FIRST_SPECIAL}
-        specials = sorted((i, t) for t, i in M3_SPECIAL_TOKENS.items())
-        config = {
-            "tokenizer_class": "GPT2Tokenizer",
-            "bos_token": "]~!b[",
-            "eos_token": "[e~[",
-            "model_max_length": 1048576,
-            "chat_template": MINIMAX_TEMPLATE,
-        }
+    if layout is not None:
+        config = layout.config | {"chat_template": TEMPLATES[layout.chat_template]}
+        if layout.vocab_limit is not None:
+            ranks = {t: r for t, r in ranks.items() if r < layout.vocab_limit}
+        if layout.special_tokens is not None:
+            specials = sorted((i, t) for t, i in layout.special_tokens.items())
     out = Path(out_dir)
     _bpe_tokenizer(ranks, pattern, specials).save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

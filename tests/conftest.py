@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from sparrow.eval.measure import rel_err  # noqa: F401 (tests import it from here)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -11,12 +13,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|."""
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).abs().max() / expected.abs().max()).item()
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sparrow.bench.report import write_report
+from sparrow.eval.report import write_report
 
 # Runs inside each checkout's process (its own `sparrow` on sys.path): builds the engine,
 # then answers one JSON request per stdin line with one JSON line on stdout.

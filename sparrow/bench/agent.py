@@ -288,7 +288,7 @@ def engine_turns(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from sparrow.bench.report import write_report
+    from sparrow.eval.report import write_report
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="qwen3.6-35b-a3b", help="'' for the built-in model")

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from sparrow.bench.report import write_report
-from sparrow.bench.timing import BF16_FLOP_PER_S, HBM_BYTES_PER_S, graph_time_us
+from sparrow.bench.timing import BF16_FLOP_PER_S, HBM_BYTES_PER_S, event_ms, graph_time_us
+from sparrow.eval.report import write_report
 from sparrow.kernels.attention.chunked import chunk_attention, gather_prefix
 from sparrow.kernels.attention.paged import paged_attention, paged_decode_attention
 
@@ -41,19 +40,6 @@ def _cache(ctx: int, hkv: int, d: int, gen: torch.Generator):
     v = torch.randn(blocks, BLOCK, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
     table = torch.randperm(blocks, generator=gen, device="cuda").to(torch.int32)
     return k, v, table
-
-
-def _event_ms(fn: Callable[[], object], reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def prefill_variants(q, k_cache, v_cache, table, ctx, scale, variants) -> dict:
@@ -107,7 +93,7 @@ def bench_prefill(shape: str, ctx: int, chunk: int, rounds: int, variants: list[
     times: dict[str, list[float]] = {n: [] for n in live}
     for _ in range(rounds):
         for name in live:
-            times[name].append(_event_ms(calls[name]))
+            times[name].append(event_ms(calls[name]))
     pairs = chunk * (ctx - chunk) + chunk * (chunk + 1) / 2
     flops = 4 * d * hq * pairs
     for name in live:

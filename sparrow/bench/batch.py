@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from sparrow.bench.e2e import VOCAB, engine_settings, run_engine
 from sparrow.bench.gemv import weight_copies
-from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
 from sparrow.config import QuantConfig
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
+from sparrow.eval.report import write_report
 from sparrow.kernels.dequant.dequant import dequantize
 from sparrow.kernels.moe.expert_gemv import ExpertGemvTiles
 from sparrow.kernels.moe.experts import moe_experts
@@ -37,9 +37,12 @@ from sparrow.kernels.moe.grouped_gemm import GemmTiles
 from sparrow.kernels.quant_gemv.gemv import GemvTiles
 from sparrow.kernels.quant_gemv.mma import MmaTiles, quant_mma
 from sparrow.loader.random_checkpoint import random_model
-from sparrow.models.qwen3_5_moe import ModelArgs
+from sparrow.models import PRESETS
+from sparrow.models.interface import ModelArgs
 from sparrow.quant.affine import QuantSpec, quantize
 from sparrow.worker.cache import build_metadata
+
+QWEN = PRESETS["qwen3.6-35b-a3b"]
 
 SIZES = (8, 32, 64)
 MOE_TOKENS = (2, 4, 8, 16, 32, 48, 64)
@@ -233,7 +236,7 @@ def profile_batch(llm: LLM, batch: int, context: int = 512) -> dict:
 def bench_engine(sizes: list[int], rounds: int) -> dict:
     """Output tok/s of C requests of 512 tokens decoding 64 tokens together (median of
     rounds), and one eager decode step at each size profiled."""
-    model = random_model(ModelArgs(), 0, "cuda", quantize=QuantConfig.from_name("4bit"))
+    model = random_model(QWEN, 0, "cuda", quantize=QuantConfig.from_name("4bit"))
     llm = LLM(model, **engine_settings(1024, max(sizes), 16384))
     gen = torch.Generator().manual_seed(0)
     tok_s, profiles = {}, {}
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     kernels = set(args.kernels.split(",")) - {""}
     report: dict = {"gpu": torch.cuda.get_device_name()}
     if "moe" in kernels:
-        report["moe"] = bench_moe(ModelArgs(), [int(s) for s in args.moe_tokens.split(",")])
+        report["moe"] = bench_moe(QWEN, [int(s) for s in args.moe_tokens.split(",")])
     if "dense" in kernels:
         report["dense"] = bench_dense(sorted({8, 16, *sizes}))
     if args.engine:

@@ -28,15 +28,17 @@ from collections import defaultdict
 
 import torch
 
-from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, kernel_profile
 from sparrow.config import QuantConfig, SchedulerConfig
 from sparrow.core.cache_spec import paged_bytes_per_block
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
+from sparrow.eval.measure import sync_time
+from sparrow.eval.report import write_report
 from sparrow.layers.rotary import YarnScaling
 from sparrow.loader.random_checkpoint import random_model
-from sparrow.models.qwen3_5_moe import ModelArgs
+from sparrow.models import PRESETS
+from sparrow.models.interface import ModelArgs
 from sparrow.worker.cache import build_metadata
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -44,12 +46,6 @@ LONG_LENGTHS = (262144, 524288, 1_010_000)  # opt-in (--long)
 YARN_FACTOR = 4.0  # Qwen3.6's model card: 1M tokens over the native 262,144
 VOCAB = 248000  # prompt token ids are drawn below this
 BLOCK_SIZE = 128
-
-
-def _sync_time() -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def model_for(cfg: ModelArgs, max_len: int) -> ModelArgs:
@@ -90,7 +86,7 @@ def run_engine(
     params = params or SamplingParams(max_tokens=decode, ignore_eos=True)
     for p in prompts:
         llm.add_request(p, params)
-    t0 = _sync_time()
+    t0 = sync_time()
     started: set[str] = set()
     while len(started) < len(prompts):
         started |= {o.request_id for o in llm.step() if o.new_token_ids}
@@ -100,7 +96,7 @@ def run_engine(
     generated = 0
     while llm.has_unfinished():
         generated += sum(len(o.new_token_ids) for o in llm.step())
-    return t1 - t0, _sync_time() - t1, generated
+    return t1 - t0, sync_time() - t1, generated
 
 
 def decode_bytes_per_token(model: torch.nn.Module, context: int) -> float:
@@ -135,10 +131,10 @@ def profile_step(llm: LLM, context: int, new_tokens: int) -> dict:
     report = kernel_profile(step)
     launch, wall = [], []
     for _ in range(3):
-        t0 = _sync_time()
+        t0 = sync_time()
         step()
         launch.append(time.perf_counter() - t0)
-        wall.append(_sync_time() - t0)
+        wall.append(sync_time() - t0)
     report["host_launch_ms"] = statistics.median(launch) * 1e3
     report["wall_ms"] = statistics.median(wall) * 1e3
     return report
@@ -233,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = plan_lengths(args)
     concurrency = [int(x) for x in args.concurrency.split(",") if x]
     max_len = max(lengths) + args.decode + 1
-    cfg = ModelArgs() if args.layers is None else ModelArgs().replace(num_layers=args.layers)
+    cfg = PRESETS["qwen3.6-35b-a3b"]
+    cfg = cfg if args.layers is None else cfg.replace(num_layers=args.layers)
     cfg = model_for(cfg, max_len)
     torch.manual_seed(0)
     engines = build_engines(cfg, args, max_len, max(concurrency + [1]))
@@ -259,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
                 _, t_dec, n = run_engine(engine, prompts, 64)
                 conc[name][c] = n / t_dec
     report = {
-        "model": f"qwen3_5_moe full width, {cfg.num_layers} layers, random weights",
+        "model": f"Qwen3.6-35B-A3B full width, {cfg.num_layers} layers, random weights",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "decode_tokens": args.decode,

@@ -38,8 +38,8 @@ import httpx
 
 from sparrow.assets import default_checkpoint
 from sparrow.bench.media import sample_media
-from sparrow.bench.report import write_report
 from sparrow.bench.serve import PROMPT_IDS, one_request, wait_healthy
+from sparrow.eval.report import write_report
 from sparrow.gateway.policies import POLICIES
 from sparrow.loader.random_checkpoint import PRESETS, preset_dir
 from sparrow.multimodal import QWEN3_5_MOE, MediaLimits

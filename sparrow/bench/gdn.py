@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
+from sparrow.eval.measure import rel_err
+from sparrow.eval.report import write_report
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen, state_pool
 from sparrow.kernels.gated_delta_rule.chunk import ChunkTiles, chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import fused_recurrent_step
@@ -52,10 +53,6 @@ def _inputs(batch: int, length: int, gen: torch.Generator):
     beta = randn(batch, length, HV, dtype=torch.float32).sigmoid()
     h0 = randn(batch, HV, D, D, dtype=torch.float32) * 0.1
     return q, k, v, g, beta, h0
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
 def bench_prefill(length: int, fla_chunk, gen) -> dict:
@@ -86,8 +83,8 @@ def bench_prefill(length: int, fla_chunk, gen) -> dict:
     o_ours, (o_fla, h_fla) = ours(), fla()
     row = {
         "tokens": length,
-        "o_rel_err_vs_fla": _rel(o_ours, o_fla[0]),
-        "state_rel_err_vs_fla": _rel(pool, h_fla),
+        "o_rel_err_vs_fla": rel_err(o_ours, o_fla[0]),
+        "state_rel_err_vs_fla": rel_err(pool, h_fla),
     }
     copy_ms = do_bench(lambda: pool.copy_(h0), return_mode="median")
     row["ours_ms"] = do_bench(ours, return_mode="median") - copy_ms
@@ -218,7 +215,7 @@ def bench_mixer(gen, rounds: int = 3) -> dict:
     row["rounds_us"] = times
     row["fused_step_us"] = row["fused_us"] - row["gemvs_only_us"]
     row["separate_step_us"] = row["separate_us"] - row["gemvs_only_us"]
-    row["fused_vs_separate_rel_err"] = _rel(outs["fused"], outs["separate"])
+    row["fused_vs_separate_rel_err"] = rel_err(outs["fused"], outs["separate"])
     return row
 
 

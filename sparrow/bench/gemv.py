@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from sparrow.bench.report import write_report
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us
+from sparrow.eval.report import write_report
 from sparrow.kernels.quant_gemv.gemv import GemvTiles, quant_gemv
 from sparrow.kernels.quant_gemv.naive import quant_matmul
 from sparrow.quant.affine import QuantSpec, quantize

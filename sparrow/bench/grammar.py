@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=128, help="tokens per request")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    from sparrow.bench.report import write_report
+    from sparrow.eval.report import write_report
 
     if args.engine:
         batches = [int(b) for b in args.batch.split(",")]

@@ -24,25 +24,19 @@ import statistics
 import torch
 
 from sparrow import kernels
-from sparrow.bench.e2e import _sync_time, engine_settings, run_engine
-from sparrow.bench.report import write_report
+from sparrow.bench.e2e import engine_settings, run_engine
 from sparrow.config import INDEX_CACHE_DTYPES, QuantConfig
 from sparrow.engine.llm import LLM
-from sparrow.engine.resolve import model_context
 from sparrow.eval.hf_compare import agreement
+from sparrow.eval.measure import timed
+from sparrow.eval.report import write_report
 from sparrow.loader.random_checkpoint import PRESETS, random_model
 from sparrow.loader.weights import load_tensors
-from sparrow.models.minimax_m3 import ModelArgs
+from sparrow.models.interface import ModelArgs
 from sparrow.worker.sequences import SequenceBatch
 
 FULL_LAYERS = 60
 KEEP = 512  # logits compared per prompt
-
-
-def timed(fn) -> tuple[float, object]:
-    t0 = _sync_time()
-    result = fn()
-    return _sync_time() - t0, result
 
 
 def speed(args: argparse.Namespace, lengths: list[int], base: ModelArgs, device: str) -> dict:
@@ -194,14 +188,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    base = ModelArgs() if args.preset == "minimax-m3" else PRESETS[args.preset]
+    base = PRESETS[args.preset]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    room = model_context(base) - args.decode - 1  # the prompt, then the decoded tokens
+    room = base.max_context - args.decode - 1  # the prompt, then the decoded tokens
     if any(n > room for n in lengths):
         p.error(
             f"prompts of up to {room} tokens leave room for --decode {args.decode} in the "
-            f"model's context of {model_context(base)}"
+            f"model's context of {base.max_context}"
         )
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import argparse
 import io
-import statistics
-import time
 
 import numpy as np
 import torch
 from PIL import Image
 
-from sparrow.bench.report import write_report
-from sparrow.multimodal import MINIMAX_M3, QWEN3_5_MOE, decode_image, preprocess_image
-from sparrow.multimodal.video import MINIMAX_M3_VIDEO, QWEN3_5_MOE_VIDEO, preprocess_video
+from sparrow.eval.measure import median_s
+from sparrow.eval.report import write_report
+from sparrow.models import ARCHITECTURES
+from sparrow.models.vision import vision_architecture
+from sparrow.multimodal import decode_image, preprocess_image
+from sparrow.multimodal.video import preprocess_video
 
-SPECS = {
-    "qwen3_5_moe": (QWEN3_5_MOE, QWEN3_5_MOE_VIDEO),
-    "minimax_m3": (MINIMAX_M3, MINIMAX_M3_VIDEO),
+# architecture -> (its media format, the HF config of its first preset: the real model's)
+SEEING = {
+    name: (arch.SPEAKS.media, next(iter(arch.PRESETS.values())).to_hf_config())
+    for name, arch in ARCHITECTURES.items()
+    if arch.SPEAKS.media is not None
 }
 
 
@@ -57,22 +60,10 @@ def sample_media(
     return jpeg.getvalue(), clip.getvalue()
 
 
-def median_s(fn, rounds: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        out = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
-
-
-def tower(model_type: str) -> torch.nn.Module:
-    """The model's vision tower at its real size, random weights, bf16 on the GPU."""
-    from sparrow.models.vision import minimax_m3_vision, qwen3_5_vision
-
-    module = qwen3_5_vision if model_type == "qwen3_5_moe" else minimax_m3_vision
+def tower(hf_config: dict) -> torch.nn.Module:
+    """The vision tower of the model an HF config describes, at its real size, random
+    weights, bf16 on the GPU."""
+    module = vision_architecture(hf_config)
     with torch.device("cuda"):
         model = module.VisionModel(module.VisionArgs()).to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -89,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     jpeg, clip = sample_media(seconds=args.seconds)
     rows = {}
-    for name, (image_spec, video_spec) in SPECS.items():
+    for name, (media, hf_config) in SEEING.items():
+        image_spec, video_spec = media.image, media.video
         t_img, image = median_s(
             lambda s=image_spec: preprocess_image(decode_image(jpeg), s), args.rounds
         )
@@ -104,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             "video_tokens": video.num_tokens(video_spec),
         }
         if torch.cuda.is_available():
-            model = tower(name)
+            model = tower(hf_config)
             for key, item in (("image", image), ("video", video)):
                 pixels = item.pixel_values.to("cuda", torch.bfloat16)
                 grid = torch.tensor([item.grid_thw], device="cuda")

@@ -18,41 +18,28 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 from dataclasses import replace
 
 import torch
 
-from sparrow.bench.report import write_report
-from sparrow.bench.timing import BF16_FLOP_PER_S, HBM_BYTES_PER_S, graph_time_us
+from sparrow.bench.timing import BF16_FLOP_PER_S, HBM_BYTES_PER_S, event_ms, graph_time_us
 from sparrow.config import QuantConfig
+from sparrow.eval.report import write_report
 from sparrow.kernels import set_backend
 from sparrow.kernels.moe.experts import moe_experts
 from sparrow.kernels.moe.grouped_gemm import GemmTiles
 from sparrow.kernels.moe.shared import Shared
 from sparrow.layers.moe import SparseMoE
 from sparrow.layers.quantized import quantized_copy
-from sparrow.models.qwen3_5_moe import ModelArgs, sparse_moe
+from sparrow.models import PRESETS
+from sparrow.models.interface import ModelArgs
 
 TOKENS = (1, 8, 64, 512, 2048, 8192)
 COPIES = 8  # layers cycled for the HBM case: 8 x ~15 MB per step at 1 token, beyond L2
 
 
-def _eager_us(fn, rounds: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def _time(fn, tokens: int) -> float:
-    return graph_time_us([fn], replays=50) if tokens <= 8 else _eager_us(fn)
+    return graph_time_us([fn], replays=50) if tokens <= 8 else event_ms(fn, rounds=7) * 1e3
 
 
 def build_layers(cfg: ModelArgs):
@@ -67,7 +54,13 @@ def build_layers(cfg: ModelArgs):
     for p in hf.parameters():
         p.requires_grad_(False).normal_(0, 0.02)
     with torch.device("meta"):
-        float_layer = sparse_moe(cfg)
+        float_layer = SparseMoE(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size,
+        )
     float_layer.load_state_dict(hf.state_dict(), strict=True, assign=True)
     ours = quantized_copy(float_layer, QuantConfig.mlx_default(), torch.bfloat16, "layers.0.mlp.")
     return hf, ours
@@ -111,7 +104,7 @@ def bench_tokens(hf, ours, cfg: ModelArgs, t: int, copies: list | None = None) -
         apart_graph_us = graph_time_us([lambda: shared_apart(ours, x)], replays=20)
         set_backend("reference")  # dequantise each expert, then matmul
         ref = ours(x)
-        deq_us = _eager_us(lambda: ours(x), rounds=3) if t <= 512 else float("nan")
+        deq_us = event_ms(lambda: ours(x)) * 1e3 if t <= 512 else float("nan")
         set_backend("auto")
     # FLOPs: k routed experts + the shared one, gate_up + down. Bytes: 4-bit weights (+ bf16
     # scale and bias per 64) of the experts touched, the shared expert and the 8-bit router.
@@ -197,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = p.parse_args(argv)
 
-    cfg = ModelArgs()
+    cfg = PRESETS["qwen3.6-35b-a3b"]
     hf, ours = build_layers(cfg)
     copies = None
     if any(t <= 8 for t in args.tokens):

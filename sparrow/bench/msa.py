@@ -38,8 +38,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from sparrow.bench.report import write_report
-from sparrow.bench.timing import graph_time_us
+from sparrow.bench.timing import event_ms, graph_time_us
+from sparrow.eval.report import write_report
 from sparrow.kernels.attention.paged import paged_decode_attention
 from sparrow.kernels.msa.decode import sparse_decode_attention
 from sparrow.kernels.msa.decode_select import fused_decode_select_blocks
@@ -51,23 +51,12 @@ HQ, HKV, D, HI, DI, BS, TOPK, LOCAL = 64, 4, 128, 4, 128, 128, 16, 1
 SCALE = D**-0.5
 
 
-def _cuda_ms(fn, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def _alternate(fns: dict, rounds: int, reps: int) -> dict[str, float]:
     """Median ms per call of each function, the functions taking turns each round."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(_cuda_ms(fn, reps))
+            times[name].append(event_ms(fn, rounds=1, reps=reps))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

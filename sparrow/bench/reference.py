@@ -15,9 +15,9 @@ import statistics
 
 import torch
 
-from sparrow.bench.report import write_report
 from sparrow.eval.hf_compare import agreement, build_hf, ours_from_hf, run_hf, run_ours
-from sparrow.models.qwen3_5_moe import ModelArgs
+from sparrow.eval.report import write_report
+from sparrow.models import PRESETS
 
 
 def _hf_gdn_backend() -> str:
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="bench-out/reference.json")
     args = p.parse_args(argv)
 
-    cfg = ModelArgs() if args.layers is None else ModelArgs().replace(num_layers=args.layers)
+    cfg = PRESETS["qwen3.6-35b-a3b"]
+    cfg = cfg if args.layers is None else cfg.replace(num_layers=args.layers)
     torch.manual_seed(0)
     hf = build_hf(cfg, torch.bfloat16)
     ours = ours_from_hf(cfg, hf)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         timings["sparrow"].append(run_ours(ours, prompt, tokens)[:2])
 
     report = {
-        "model": f"qwen3_5_moe full width, {cfg.num_layers} layers, bf16, random weights",
+        "model": f"Qwen3.6-35B-A3B full width, {cfg.num_layers} layers, bf16, random weights",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "hf_gdn_kernels": _hf_gdn_backend(),

@@ -41,9 +41,9 @@ import httpx
 import torch
 
 from sparrow.bench import agent
-from sparrow.bench.report import write_report
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
+from sparrow.eval.report import write_report
 from sparrow.loader.random_checkpoint import PRESETS, preset_dir
 from sparrow.net import free_port
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from sparrow.bench.report import write_report
+from sparrow.eval.report import write_report
 from sparrow.net import free_port
 
 WORDS = (

@@ -12,6 +12,22 @@ HBM_BYTES_PER_S = 4.3e12  # measured copy bandwidth of our H200
 BF16_FLOP_PER_S = 790e12  # measured dense bf16 matmul rate of our H200
 
 
+def event_ms(fn: Callable[[], object], rounds: int = 3, reps: int = 1) -> float:
+    """Median over `rounds` of the milliseconds per call of `reps` calls of `fn` back to back,
+    timed by CUDA events (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
 def graph_time_us(calls: list[Callable[[], object]], replays: int = 20, rounds: int = 5) -> float:
     """Median time per call, in microseconds, of `calls` captured back to back in one CUDA
     graph (how decode runs). Pass calls over distinct buffers larger than L2 together so

@@ -17,7 +17,7 @@ import json
 import statistics
 import time
 
-from sparrow.bench.report import write_report
+from sparrow.eval.report import write_report
 from sparrow.server.reasoning import PARSERS as REASONING
 from sparrow.server.reasoning import ReasoningSplitter
 from sparrow.server.tool_parsers import PARSERS, ToolCallSplitter

@@ -1,28 +1,27 @@
-"""Each rank's share of a Qwen3.5/3.6 MoE or MiniMax M3 model under tensor parallelism of
-size S: the attention heads (and M3's index heads, one per KV group), the Gated DeltaNet
-key and value heads (with their conv channels, gates and decay), and the intermediate
-dimension of every expert, of the shared expert and of M3's dense MLPs, and the vocabulary
-rows of the embedding and lm_head are split in S contiguous blocks; the rest (norms,
-router, M3's index key) is replicated.
-With expert parallelism the routed experts are split instead (rank r holds experts r E / S
-to (r + 1) E / S whole; the router still scores all of them, and assignments to experts
-held elsewhere contribute nothing on this rank). Each split block's output is a partial sum
-that the layer all-reduces (`group.all_reduce` after the token mixer and after the MoE);
-the routing itself is the same on every rank.
+"""Each rank's share of a model under tensor parallelism of size S, by the plan its model
+file gives (`shard_plan(cfg, expert_parallel)`, as vLLM's parallel layers say how they
+split): the config fields divided by S (heads, intermediate sizes) and, for each checkpoint
+tensor, the dimension and the segments of it that split into S contiguous blocks. A tensor
+no rule matches (norms, routers) is replicated. Each split block's output is a partial sum
+that the layer all-reduces (`group.all_reduce` after the token mixer and after the MLP).
+With expert parallelism the routed experts are split whole instead (rank r holds experts
+r E / S to (r + 1) E / S; the router still scores all of them, and assignments to experts
+held elsewhere contribute nothing on this rank).
 
-`pieces` names, for one checkpoint tensor, the dimension and the ranges of it that a rank
-reads (one range, or three for the [q | k | v] rows of the Gated DeltaNet's projection and
-conv, two for the [gate | up] rows of fused experts), so a rank reads its share only.
+`pieces` names, for one checkpoint tensor, the ranges a rank reads (one range, or one per
+segment: three for a Gated DeltaNet's [q | k | v] rows, two for fused [gate | up] rows), so
+a rank reads its share only.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from sparrow.config import ConfigError
-from sparrow.models import minimax_m3, qwen3_5_moe
 
 
 @dataclass(frozen=True)
@@ -35,130 +34,119 @@ class Shard:
 Cut = tuple[int, list[tuple[int, int]]]  # (dimension, [start, stop) ranges concatenated)
 
 
-def _sizes(cfg, experts: bool) -> tuple[list[str], dict[str, int]]:
-    """The config fields split across ranks, and the input dims of the split projections
-    (each rank's part must be whole quantisation groups)."""
-    heads = ["num_attention_heads", "num_kv_heads"]
-    attention = cfg.num_attention_heads * cfg.head_dim
-    if isinstance(cfg, qwen3_5_moe.ModelArgs):
-        fields = heads + [
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "shared_expert_intermediate_size",
+@dataclass(frozen=True)
+class Split:
+    """A tensor split along `dim`, whose segments `sizes` (concatenated) each split in S."""
+
+    dim: int
+    sizes: tuple[int, ...]
+
+
+def rows(*sizes: int) -> Split:
+    """Output rows (a column-parallel projection), in segments."""
+    return Split(0, sizes)
+
+
+def cols(size: int) -> Split:
+    """Input columns (a row-parallel projection, whose outputs are partial sums)."""
+    return Split(1, (size,))
+
+
+Rule = tuple[str, Split | None]  # (regex searched in the parameter name, its split)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """fields: ModelArgs fields divided by S; inputs: the input widths of row-parallel
+    projections (each rank's part must be whole quantisation groups); rules: the first whose
+    regex is found in a parameter name gives its split (None, or no rule: replicated)."""
+
+    fields: tuple[str, ...]
+    inputs: dict[str, int]
+    rules: tuple[Rule, ...] = field(default=())
+
+    def split(self, param: str) -> Split | None:
+        for pattern, split in self.rules:
+            if re.search(pattern, param):
+                return split
+        return None
+
+
+def vocab_rules(vocab_size: int) -> list[Rule]:
+    """A block of the vocabulary's embedding and lm_head rows per rank."""
+    return [(r"^(embed_tokens|lm_head)\.weight$", rows(vocab_size))]
+
+
+def gated_mlp_rules(prefix: str, intermediate: int) -> list[Rule]:
+    """A SwiGLU MLP at `prefix` (a regex): its [gate | up] rows, fused or apart, and the
+    columns of its down projection."""
+    return [
+        (rf"{prefix}\.gate_up_proj\.", rows(intermediate, intermediate)),
+        (rf"{prefix}\.(gate_proj|up_proj)\.", rows(intermediate)),
+        (rf"{prefix}\.down_proj\.", cols(intermediate)),
+    ]
+
+
+def expert_rules(num_experts: int, intermediate: int, expert_parallel: bool) -> list[Rule]:
+    """Routed experts under `.mlp.experts.`: fused [E, 2I, hidden] / [E, hidden, I] tensors
+    or one expert's projections (HF, or MiniMax's w1 / w3 / w2). Tensor parallel: every
+    expert's intermediate columns; expert parallel: whole experts (a fused tensor's block of
+    experts; one expert's tensors whole, the loader skipping experts held elsewhere)."""
+    if expert_parallel:
+        return [
+            (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", rows(num_experts)),
+            (r"\.mlp\.experts\.", None),
         ]
-        inputs = {
-            "attention heads x head_dim": attention,
-            "value heads x linear_value_head_dim": cfg.linear_num_value_heads
-            * cfg.linear_value_head_dim,
-            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
-        }
-    elif isinstance(cfg, minimax_m3.ModelArgs):
-        fields = heads + ["index_n_heads", "shared_intermediate_size", "dense_intermediate_size"]
-        inputs = {
-            "attention heads x head_dim": attention,
-            "shared_intermediate_size": cfg.shared_intermediate_size,
-            "dense_intermediate_size": cfg.dense_intermediate_size,
-        }
-    else:
-        raise ConfigError(
-            f"tensor parallelism runs Qwen3.5/3.6 and MiniMax M3, not {type(cfg).__module__}"
-        )
-    if not experts:  # the experts' columns split too
-        fields.append("moe_intermediate_size")
-        inputs["moe_intermediate_size"] = cfg.moe_intermediate_size
-    return fields, inputs
+    i = intermediate
+    return [
+        (r"\.mlp\.experts\.gate_up_proj$", Split(1, (i, i))),
+        (r"\.mlp\.experts\.down_proj$", Split(2, (i,))),
+        (r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.", rows(i)),
+        (r"\.mlp\.experts\.\d+\.(down_proj|w2)\.", cols(i)),
+    ]
 
 
-def shard_args(cfg, shard: Shard):
-    """The config of one rank's model: the split sizes divided by the group's size, and
-    with expert parallelism the rank's range of experts."""
+def shard_args(cfg: Any, plan: ShardPlan, shard: Shard) -> Any:
+    """The config of one rank's model: the plan's fields divided by the group's size, the
+    rank's block of the vocabulary and, with expert parallelism, its range of experts."""
     size = shard.size
     if size == 1:
         return cfg
-    fields, inputs = _sizes(cfg, shard.experts)
-    for name in fields + (["num_experts"] if shard.experts else []) + ["vocab_size"]:
+    names = list(plan.fields) + (["num_experts"] if shard.experts else []) + ["vocab_size"]
+    for name in names:
         if getattr(cfg, name) % size:
             raise ConfigError(
                 f"{name} {getattr(cfg, name)} is not divisible by tensor_parallel_size {size}"
             )
     quant = cfg.quantization
-    for what, k in inputs.items() if quant is not None else ():
+    for what, k in plan.inputs.items() if quant is not None else ():
         if (k // size) % quant.group_size:
             raise ConfigError(
                 f"{what} {k} over tensor_parallel_size {size} is not a "
                 f"multiple of the quantisation group {quant.group_size}"
             )
-    rows, held = cfg.vocab_size // size, cfg.num_experts // size
+    rows_held, held = cfg.vocab_size // size, cfg.num_experts // size
     experts = {"expert_range": (shard.rank * held, held)} if shard.experts else {}
     return cfg.replace(
-        **{name: getattr(cfg, name) // size for name in fields},
+        **{name: getattr(cfg, name) // size for name in plan.fields},
         **experts,
-        vocab_range=(shard.rank * rows, rows),
+        vocab_range=(shard.rank * rows_held, rows_held),
     )
 
 
-def pieces(param: str, cfg, shard: Shard) -> Cut | None:
+def pieces(param: str, plan: ShardPlan, shard: Shard) -> Cut | None:
     """What rank `shard.rank` reads of the checkpoint tensor that maps to `param` (our name,
-    before experts are fused), for the full model `cfg`; None: the whole tensor
-    (replicated)."""
+    before experts are fused), by the full model's `plan`; None: the whole tensor."""
+    split = plan.split(param)
+    if split is None:
+        return None
     r, s = shard.rank, shard.size
-
-    def block(total: int, offset: int = 0) -> tuple[int, int]:
+    ranges, offset = [], 0
+    for total in split.sizes:
         n = total // s
-        return offset + r * n, offset + (r + 1) * n
-
-    def mlp(proj: str, inter: int) -> Cut | None:
-        """A gated MLP's projections: [gate | up] rows (fused or apart), down's columns."""
-        if proj == "gate_up_proj":
-            return 0, [block(inter), block(inter, inter)]
-        if proj in ("gate_proj", "up_proj"):
-            return 0, [block(inter)]
-        return (1, [block(inter)]) if proj == "down_proj" else None
-
-    parts = param.split(".")
-    module = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
-    if param in ("embed_tokens.weight", "lm_head.weight"):  # a block of the vocabulary
-        return 0, [block(cfg.vocab_size)]
-    qwen = isinstance(cfg, qwen3_5_moe.ModelArgs)
-    if ".self_attn.indexer." in param:  # M3: one index head per KV group
-        return (0, [block(cfg.index_n_heads * cfg.index_head_dim)]) if module == "q_proj" else None
-    if ".self_attn." in param:
-        d = cfg.head_dim
-        rows = {
-            "q_proj": (2 if qwen else 1) * cfg.num_attention_heads * d,  # Qwen: q | gate
-            "k_proj": cfg.num_kv_heads * d,
-            "v_proj": cfg.num_kv_heads * d,
-        }
-        if module in rows:
-            return 0, [block(rows[module])]
-        return (1, [block(cfg.num_attention_heads * d)]) if module == "o_proj" else None
-    if ".linear_attn." in param:
-        kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        if module in ("in_proj_qkv", "conv1d"):
-            return 0, [block(kd), block(kd, kd), block(vd, 2 * kd)]
-        if module == "in_proj_z":
-            return 0, [block(vd)]
-        if module in ("in_proj_b", "in_proj_a", "dt_bias", "A_log"):
-            return 0, [block(cfg.linear_num_value_heads)]
-        return (1, [block(vd)]) if module == "out_proj" else None
-    if ".mlp.experts." in param and shard.experts:  # fused: this rank's experts; one: whole
-        fused = param.endswith(("gate_up_proj", "experts.down_proj"))
-        return (0, [block(cfg.num_experts)]) if fused else None
-    if ".mlp.experts." in param:
-        inter = cfg.moe_intermediate_size
-        if param.endswith("gate_up_proj"):  # fused [E, 2I, hidden]
-            return 1, [block(inter), block(inter, inter)]
-        if param.endswith("experts.down_proj"):  # fused [E, hidden, I]
-            return 2, [block(inter)]
-        return mlp(module, inter)  # one expert's [I, hidden] or [hidden, I]
-    if ".mlp.shared_expert." in param or ".mlp.shared_experts." in param:
-        return mlp(
-            module, cfg.shared_expert_intermediate_size if qwen else cfg.shared_intermediate_size
-        )
-    if ".mlp." in param and not qwen:  # M3's dense layers (the router stays whole)
-        return mlp(module, cfg.dense_intermediate_size)
-    return None
+        ranges.append((offset + r * n, offset + (r + 1) * n))
+        offset += total
+    return split.dim, ranges
 
 
 def cut_shape(shape: tuple[int, ...], cut: Cut | None) -> tuple[int, ...]:

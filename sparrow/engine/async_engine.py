@@ -18,8 +18,8 @@ server can exit for its supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
-import sys
 import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -43,6 +43,8 @@ from sparrow.multimodal.items import MediaItem
 # ("add", (request, its media)) or ("abort", request_id)
 _Message = tuple[str, tuple[Request, tuple[MediaItem, ...]] | str]
 MAX_FAILED_STEPS = 3  # in a row: the engine is broken, not a request
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncEngine(EngineClient):
@@ -202,11 +204,11 @@ class AsyncEngine(EngineClient):
                 or "CUDA error" in str(e.cause)
             ):
                 raise
-            print(
-                f"[sparrow] a step failed; its {len(e.request_ids)} requests end with an error:",
-                file=sys.stderr,
+            logger.error(
+                "a step failed; its %d requests end with an error",
+                len(e.request_ids),
+                exc_info=e.cause,
             )
-            traceback.print_exception(e.cause)
             for request_id in e.request_ids:
                 self._fail(request_id, f"the request failed in the engine: {e.cause!r}")
             return
@@ -215,7 +217,7 @@ class AsyncEngine(EngineClient):
             try:
                 deltas = self._processor.process([out])
             except Exception as e:  # noqa: BLE001 (decoding this request's tokens failed)
-                traceback.print_exc()
+                logger.exception("the output of request %s failed", out.request_id)
                 self._llm.abort(out.request_id)
                 self._fail(out.request_id, f"the request's output failed: {e!r}")
                 continue
@@ -231,8 +233,7 @@ class AsyncEngine(EngineClient):
             self._loop()
         except BaseException as e:  # noqa: BLE001 (reported, then every stream ends with it)
             self._error = e.cause if isinstance(e, StepFailed) else e
-            print("[sparrow] the engine loop failed:", file=sys.stderr)
-            traceback.print_exc()
+            logger.exception("the engine loop failed")
             for request_id in list(self._outputs):
                 self._post(request_id, EngineError(f"the engine stopped: {self._error!r}"))
             self._release()

@@ -8,7 +8,6 @@ preemption) and the model runner, step by step, until all finish. `add_request` 
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import weakref
 from collections.abc import Sequence
@@ -18,22 +17,19 @@ from typing import Any
 
 import torch
 
-from sparrow.assets import default_checkpoint
 from sparrow.config import EngineConfig
 from sparrow.core.cache_spec import slot_bytes
 from sparrow.core.request import FinishReason, MediaSpan, Request
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler
 from sparrow.distributed import group
-from sparrow.distributed.ranks import RankedRunner, Ranks, rank_device
-from sparrow.distributed.shard import Shard, shard_args
+from sparrow.distributed.shard import Shard
 from sparrow.engine.client import EngineInfo, EngineStats
+from sparrow.engine.executor import RankedRunner, Ranks, rank_device
 from sparrow.engine.output_processor import OutputProcessor, PromptLogprobEntry
 from sparrow.engine.resolve import resolve, resolve_device
-from sparrow.loader.random_checkpoint import random_model
-from sparrow.loader.vision import attach_vision, names_vision, random_vision
-from sparrow.loader.weights import load_checkpoint
-from sparrow.models import load_model_args
+from sparrow.loader.model import checkpoint_dir, load_model
+from sparrow.models import get_architecture
 from sparrow.multimodal.items import MediaItem
 from sparrow.tokenizer import load_tokenizer
 from sparrow.worker.grammar import GrammarCompiler
@@ -59,40 +55,6 @@ class Completion:
     text: str
     finish_reason: FinishReason
     prompt_logprobs: list[PromptLogprobEntry] | None = None  # when asked for
-
-
-def checkpoint_dir(config: EngineConfig) -> Path:
-    return Path(config.model) if config.model is not None else default_checkpoint()
-
-
-def load_model(
-    config: EngineConfig,
-    progress: bool = False,
-    shard: Shard | None = None,
-    device: torch.device | None = None,
-) -> torch.nn.Module:
-    """The model `config` names, on its device (or `device`); with `shard`, one rank's share
-    of it under tensor parallelism (dummy weights: each rank draws its own share)."""
-    model_dir = checkpoint_dir(config)
-    default_device, dtype = resolve_device(config.device)
-    if device is None:
-        device = rank_device(default_device, shard.rank) if shard else default_device
-    if config.load_format == "dummy":
-        args, seed = load_model_args(model_dir), config.seed
-        if shard is not None:
-            quant = config.quantization or args.quantization
-            args = shard_args(args.replace(quantization=quant), shard)
-            seed += shard.rank
-        model = random_model(args, seed, device, dtype, config.quantization)
-        hf_config = json.loads((model_dir / "config.json").read_text())  # read just now
-        if names_vision(hf_config):  # the tower too, as vLLM draws every weight
-            model.visual = random_vision(hf_config, seed, device, dtype)
-        return model
-    model = load_checkpoint(
-        model_dir, device, dtype, quantize=config.quantization, progress=progress, shard=shard
-    )
-    attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
-    return model
 
 
 class LLM:
@@ -125,11 +87,13 @@ class LLM:
             self.model, self.tokenizer = model, None
         else:
             shard = None
+            device, dtype = resolve_device(config.device)
             if size > 1:  # ranks 1..size-1 in processes of their own, this one rank 0
-                self._ranks = Ranks.start(config, resolve_device(config.device)[0])
+                self._ranks = Ranks.start(config, device)
                 weakref.finalize(self, self._ranks.stop)
                 shard = Shard(0, size, config.parallel.enable_expert_parallel)
-            self.model = load_model(config, progress, shard)
+                device = rank_device(device, 0)
+            self.model = load_model(config, device, dtype, progress, shard)
             self.tokenizer = load_tokenizer(checkpoint_dir(config))
         args = self.model.config
         self.scheduler_config, self.cache_config = resolve(config, self.model)
@@ -147,11 +111,8 @@ class LLM:
             self.runner = RankedRunner(self.runner, self._ranks)
         self._in_flight: _InFlight | None = None  # launched, not read
         self._ids = itertools.count()
-        special = (
-            {self.tokenizer.token_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
-            if self.tokenizer
-            else set()
-        )
+        turn_ends = get_architecture(args.architecture).SPEAKS.stop_tokens
+        special = {self.tokenizer.token_id(t) for t in turn_ends} if self.tokenizer else set()
         self.default_stop_ids = tuple(sorted((special - {None}) | set(args.eos_token_ids)))
         self._grammars = None  # GrammarCompiler, built with the first structured request
         self._grammars_lock = threading.Lock()
@@ -196,11 +157,11 @@ class LLM:
             self.grammar_compiler().compile(params.grammar)  # ValueError if it does not
         request = Request(request_id or f"req-{next(self._ids)}", ids, params)
         if media:
-            if getattr(self.model, "visual", None) is None:
+            if self.model.visual is None:
                 raise ValueError("this model has no vision tower: it takes text only")
             merge = self.runner.media.merge
             digests = [item.digest for item in media]
-            if getattr(self.model, "joint_media", False) and len(media) > 1:
+            if self.model.joint_media and len(media) > 1:
                 # each item's embeddings depend on every item: so do the cached blocks
                 digests = ["+".join(digests)] * len(media)
             request.media = tuple(
@@ -341,7 +302,7 @@ class LLM:
             self.model.config.vocab_size,
             self.default_stop_ids,
             cache.num_blocks * cache.block_size,
-            media=getattr(self.model, "visual", None) is not None,
+            media=self.model.visual is not None,
         )
 
     def stats(self) -> EngineStats:

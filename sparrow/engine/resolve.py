@@ -12,9 +12,9 @@ index cache dtype.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,10 +27,15 @@ from sparrow.core.cache_spec import (
     with_index_dtype,
 )
 
+if TYPE_CHECKING:
+    from sparrow.models.interface import ModelArgs
+
 CPU_CACHE_TOKENS = 8192
 DEFAULT_BLOCK_SIZE = 128
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(device: DeviceConfig) -> tuple[str, torch.dtype]:
@@ -54,7 +59,7 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
         specs = with_index_dtype(model.cache_specs(), cache.index_cache_dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    limit = model_context(args)
+    limit = args.max_context
     if sched.max_model_len is not None and sched.max_model_len > limit:
         raise ConfigError(
             f"max_model_len {sched.max_model_len} exceeds the model's context "
@@ -74,29 +79,19 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
         cache = dataclasses.replace(cache, num_blocks=blocks)
     if snapshots:
         size = snapshots * slot_bytes(specs, model.dtype.itemsize)
-        print(
-            f"[sparrow] prefix caching: {snapshots} recurrent-state snapshots "
-            f"({size / 2**30:.2f} GiB)",
-            file=sys.stderr,
+        logger.info(
+            "prefix caching: %d recurrent-state snapshots (%.2f GiB)", snapshots, size / 2**30
         )
     return sched, cache
 
 
-def model_context(args: Any) -> int:
-    """The most positions a model's ModelArgs take: `max_context` where the architecture
-    derives it (rope scaling: original length x factor, as vLLM derives max_model_len), else
-    max_position_embeddings."""
-    return getattr(args, "max_context", args.max_position_embeddings)
-
-
-def _context_source(args: Any) -> str:
-    yarn = getattr(args, "rope_scaling", None)
-    if yarn is not None:
+def _context_source(args: ModelArgs) -> str:
+    if args.max_context > args.max_position_embeddings:
         return (
-            f"yarn rope scaling: factor {yarn.factor} x original_max_position_embeddings "
-            f"{yarn.original_max_position_embeddings}"
+            f"max_position_embeddings {args.max_position_embeddings}, extended by the "
+            "config's rope scaling"
         )
-    return "max_position_embeddings; rope_parameters of rope_type 'yarn' in config.json extend it"
+    return "max_position_embeddings; rope scaling in config.json extends it where supported"
 
 
 def _block_size(asked: int | None, model: torch.nn.Module) -> int:
@@ -135,9 +130,10 @@ def _blocks_for_memory(
             "no memory left for the KV cache after loading the weights; raise "
             "gpu_memory_utilization or lower max_num_seqs"
         )
-    print(
-        f"[sparrow] KV cache: {blocks} blocks of {cache.block_size} tokens "
-        f"({blocks * per_block / 2**30:.2f} GiB)",
-        file=sys.stderr,
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB)",
+        blocks,
+        cache.block_size,
+        blocks * per_block / 2**30,
     )
     return blocks

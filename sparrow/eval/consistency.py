@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from sparrow.assets import default_checkpoint
-from sparrow.bench.report import write_report
 from sparrow.config import QuantConfig
 from sparrow.eval.quant_error import logits_run
+from sparrow.eval.report import write_report
 from sparrow.kernels import set_backend
 from sparrow.loader.weights import WeightAssembler, build_empty_model, load_tensors
 from sparrow.models import load_model_args
@@ -49,17 +49,12 @@ def held_out_text() -> str:
 
 
 def load_hf(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """HF's causal LM for a Qwen3.5/3.6 MoE checkpoint (text-only or with its vision tower)."""
+    """HF's model for the checkpoint, as its Auto classes choose it: the image-text-to-text
+    model where the config has a vision tower, else the causal LM."""
     import transformers
 
-    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type", "")
-    if not model_type.startswith("qwen3_5_moe"):
-        raise SystemExit(f"consistency runs Qwen3.5/3.6 MoE checkpoints, not {model_type!r}")
-    cls = (
-        transformers.Qwen3_5MoeForCausalLM
-        if model_type.endswith("_text")
-        else transformers.Qwen3_5MoeForConditionalGeneration
-    )
+    seeing = "vision_config" in json.loads((model_dir / "config.json").read_text())
+    cls = transformers.AutoModelForImageTextToText if seeing else transformers.AutoModelForCausalLM
     return cls.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 

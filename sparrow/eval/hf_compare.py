@@ -14,32 +14,24 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import time
 
 import torch
 
-from sparrow.bench.report import write_report
+from sparrow.eval.measure import rel_err, timed
+from sparrow.eval.report import write_report
 from sparrow.loader.weights import load_tensors
-from sparrow.models.qwen3_5_moe import ModelArgs
+from sparrow.models import PRESETS
+from sparrow.models.interface import ModelArgs
 from sparrow.worker.sequences import SequenceBatch
-
-
-def timed(fn) -> tuple[float, object]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    result = fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, result
 
 
 def build_hf(cfg: ModelArgs, dtype: torch.dtype) -> torch.nn.Module:
     """HF's model with HF's own init, created directly on the GPU."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.for_model(**cfg.to_hf_config()).get_text_config()
     with torch.device("cuda"):
-        hf = Qwen3_5MoeForCausalLM._from_config(
-            Qwen3_5MoeTextConfig(**cfg.to_hf_text_config()), dtype=dtype
-        )
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return hf.eval()
 
 
@@ -83,11 +75,6 @@ def run_ours(model, prompt: torch.Tensor, decode: list[int]):
     return t_pre, t_dec, torch.stack(logits), decode
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b|."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 def agreement(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """Logits [N, V] of two runs: relative error and top-1 agreement over the N positions."""
     return {
@@ -106,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    cfg = ModelArgs().replace(num_layers=args.layers)
+    cfg = PRESETS["qwen3.6-35b-a3b"].replace(num_layers=args.layers)
     torch.manual_seed(0)
     hf32 = build_hf(cfg, torch.float32)
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)

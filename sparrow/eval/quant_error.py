@@ -11,13 +11,13 @@ import json
 
 import torch
 
-from sparrow.bench.report import write_report
 from sparrow.config import QuantConfig
 from sparrow.eval.hf_compare import agreement
+from sparrow.eval.report import write_report
 from sparrow.kernels import set_backend
 from sparrow.loader.random_checkpoint import random_tensors
 from sparrow.loader.weights import load_tensors
-from sparrow.models.qwen3_5_moe import ModelArgs
+from sparrow.models import PRESETS
 from sparrow.worker.sequences import SequenceBatch
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="bench-out/quant_error.json")
     args = p.parse_args(argv)
 
-    cfg = ModelArgs().replace(num_layers=args.layers)
+    cfg = PRESETS["qwen3.6-35b-a3b"].replace(num_layers=args.layers)
     qcfg = cfg.replace(quantization=QuantConfig.mlx_default())
     dtype = getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32

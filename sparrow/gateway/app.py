@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from sparrow.gateway.metrics import RouterCollector
 from sparrow.gateway.policies import make_policy
 from sparrow.gateway.router import Router, RouterSettings
-from sparrow.multimodal.media import MediaLimits
+from sparrow.multimodal.pipeline import MediaPipeline
 from sparrow.rpc.client import RemoteEngine
 from sparrow.server.app import build_app
 from sparrow.server.reasoning import ReasoningFormat
@@ -39,7 +39,8 @@ class GatewaySettings:
     rate_limit: float | None = None  # requests per minute per key
     max_body_bytes: int | None = None  # None: 64 MiB with media, else 1 MiB
     router: RouterSettings = RouterSettings()
-    media_limits: MediaLimits = MediaLimits()
+    # the family's media preprocessing (cli.media_pipeline); None: a text-only model
+    media: MediaPipeline | None = None
     media_processes: int = min(4, os.cpu_count() or 1)
     reasoning: ReasoningFormat | None = None
     tool_parser: ToolFormat | None = None
@@ -58,11 +59,10 @@ def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPo
         wait_s=settings.wait_s,
     )
     media = pool = None
-    if router.info.media:  # the workers' model has a vision tower
-        from sparrow.multimodal.pipeline import MediaPipeline, media_pool
+    if router.info.media and settings.media is not None:  # the workers' model sees
+        from sparrow.multimodal.pipeline import media_pool
 
-        media = MediaPipeline.for_checkpoint(settings.model_dir, settings.media_limits)
-        pool = media_pool(settings.media_processes)
+        media, pool = settings.media, media_pool(settings.media_processes)
     app = build_app(
         router,
         tokenizer,

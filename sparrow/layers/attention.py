@@ -1,4 +1,5 @@
-"""Gated full attention of Qwen3.5/3.6: q/k RMSNorm, partial RoPE, GQA, sigmoid output gate."""
+"""Full attention of Qwen3.5/3.6: q/k RMSNorm, partial RoPE, GQA, sigmoid output gate; and
+of Qwen3-MoE: the same without the gate (`output_gate=False`), plain q/k norms, full RoPE."""
 
 from __future__ import annotations
 
@@ -50,17 +51,29 @@ def prompt_attention(
 class GatedAttention(Projections, nn.Module):
     FUSED = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        output_gate: bool = True,
+        norm: type[nn.Module] = ZeroCenteredRMSNorm,
+    ):
+        """output_gate: q_proj also gives each head a sigmoid gate on its output; norm: the
+        q/k norm's class (`layers.norms`: `ZeroCenteredRMSNorm` or the plain `RMSNorm`)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        # q_proj rows are per head [q (head_dim) | gate (head_dim)].
-        self.q_proj = nn.Linear(hidden, 2 * num_heads * head_dim, bias=False)
+        self.output_gate = output_gate
+        # q_proj rows are per head [q (head_dim) | gate (head_dim)], or q alone without a gate.
+        self.q_proj = nn.Linear(hidden, (1 + output_gate) * num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
-        self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
-        self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
+        self.q_norm = norm(head_dim, eps)
+        self.k_norm = norm(head_dim, eps)
         self.kernel_fits = fits_tiles(head_dim)
 
     def cache_spec(self) -> PagedKVSpec:
@@ -78,7 +91,10 @@ class GatedAttention(Projections, nn.Module):
         layer's paged K and V [num_blocks, block_size, Hkv, D], written here, then read."""
         t = x.shape[0]
         q, k, v = self.project("qkv", x)
-        q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        if self.output_gate:
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q, gate = q.view(t, self.num_heads, self.head_dim), None
         q = self.q_norm.with_rope(q, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -103,28 +119,37 @@ class GatedAttention(Projections, nn.Module):
             )
         elif use_triton(x) and meta.prefix_free and len(meta.seq_lens) <= PROMPTS_PER_SDPA:
             spans = [t] if meta.padded else meta.seq_lens  # no host reads in a graph
-            out = prompt_attention(q, k, v, spans, self.scale) * torch.sigmoid(gate)
+            out = gated(prompt_attention(q, k, v, spans, self.scale), gate)
         elif use_triton(x) and self.kernel_fits and meta.prefix_lens is not None:
             out = prefill_attention(
-                q.contiguous(), gate.contiguous(), k, v, kv_cache, meta, self.scale
+                q.contiguous(), contiguous(gate), k, v, kv_cache, meta, self.scale
             )
         elif use_triton(x) and self.kernel_fits:
             out = paged_attention(
-                q.contiguous(), *args, gate=gate.contiguous(), max_q_len=meta.max_q_len
+                q.contiguous(), *args, gate=contiguous(gate), max_q_len=meta.max_q_len
             )
         elif meta.max_q_len == 1:  # no host reads: decode graphs capture it
             out = naive.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
             )
-            out = out * torch.sigmoid(gate)
+            out = gated(out, gate)
         else:
-            out = naive.paged_attention(q, *args) * torch.sigmoid(gate)
+            out = gated(naive.paged_attention(q, *args), gate)
         return self.o_proj(out.reshape(t, -1))
+
+
+def gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """out * sigmoid(gate), or out where the layer has no output gate."""
+    return out if gate is None else out * torch.sigmoid(gate)
+
+
+def contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.contiguous()
 
 
 def prefill_attention(
     q: torch.Tensor,
-    gate: torch.Tensor,
+    gate: torch.Tensor | None,
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -134,7 +159,8 @@ def prefill_attention(
     """A step's gated attention over the paged cache (GPU): sequences of at least
     CHUNK_TOKENS new tokens, when at most PROMPTS_PER_SDPA and cuDNN takes q (`flash_fits`),
     one `chunk_attention` each; the rest in one paged-kernel launch over their rows.
-    q, gate: [T, Hq, D]; k, v: the step's [T, Hkv, D]. Returns [T, Hq, D]."""
+    q, gate: [T, Hq, D] (gate None: no output gate); k, v: the step's [T, Hkv, D]. Returns
+    [T, Hq, D]."""
     (k_cache, v_cache), lens, tables = kv_cache, meta.seq_lens, meta.block_tables
     long = [b for b, n in enumerate(lens) if n >= CHUNK_TOKENS] if flash_fits(q) else []
     if not long or len(long) > PROMPTS_PER_SDPA:
@@ -156,7 +182,7 @@ def prefill_attention(
         o = chunk_attention(
             q[rows], k[rows], v[rows], k_cache, v_cache, tables[b], meta.prefix_lens[b], scale
         )
-        out[rows] = o * torch.sigmoid(gate[rows])
+        out[rows] = gated(o, None if gate is None else gate[rows])
     short = [b for b in range(len(lens)) if b not in long]
     if short:
         rows = to_device(
@@ -173,7 +199,7 @@ def prefill_attention(
             cu,
             meta.context_lens[which],
             scale,
-            gate=gate[rows],
+            gate=None if gate is None else gate[rows],
             max_q_len=max(short_lens),
         )
     return out

@@ -13,13 +13,19 @@ from sparrow.layers.metadata import StepMetadata
 class DecoderStack(nn.Module):
     """A model's forward over `embed_tokens`, `rotary`, `layers`, `norm` and `lm_head`, which
     the architecture's `__init__` sets; its layers take (x, residual, cos, sin, meta, their
-    cache) and return (MLP output, residual). `visual`: the vision tower, when the
-    checkpoint has one (`loader.vision.attach_vision`); `uses_mrope`: rotary positions are
-    (t, h, w) around media (Qwen3.5/3.6), else one index per token."""
+    cache) and return (MLP output, residual). The class flags are `models.interface.Model`'s,
+    at the values most architectures take; `visual`: the vision tower, when the checkpoint
+    has one (`loader.vision.attach_vision`), else None."""
 
-    uses_mrope = False
+    uses_mrope = False  # rotary positions are (t, h, w) around media, else one per token
     joint_media = False  # the tower attends across all of a prompt's media (HF 5.17's M3)
     media_merge = 2  # the tower's spatial merge: 2 x 2 patches per placeholder token
+    cuda_graphs = True  # decode steps may replay CUDA graphs
+    prefill_graphs = True  # one-prompt prefills may too
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual: nn.Module | None = None
 
     @property
     def device(self) -> torch.device:
@@ -50,7 +56,7 @@ class DecoderStack(nn.Module):
         """The patches [N, patch_dim] of images and videos with these grids, back to back ->
         their placeholder embeddings [N / merge^2, hidden] in the model's dtype (one tower
         call: with `joint_media`, the tower attends across them)."""
-        visual = getattr(self, "visual", None)
+        visual = self.visual
         if visual is None:
             raise ValueError("this model has no vision tower: it takes text only")
         dtype = next(visual.parameters()).dtype

@@ -1,4 +1,5 @@
-"""Gated DeltaNet (linear attention) layer of Qwen3.5/3.6 with per-sequence recurrent state."""
+"""Gated DeltaNet (linear attention) layer of Qwen3.5/3.6 and Qwen3-Next with per-sequence
+recurrent state."""
 
 from __future__ import annotations
 
@@ -39,17 +40,29 @@ class GatedDeltaNet(Projections, nn.Module):
         head_v_dim: int,
         conv_kernel: int,
         eps: float,
+        fused_qkvz: bool = False,
     ):
+        """fused_qkvz: the in-projections as Qwen3-Next stores them, `in_proj_qkvz` with rows
+        [q, k, v, z] per key head (v and z of its Hv / Hk value heads) and `in_proj_ba` with
+        rows [b, a] per key head; a tensor-parallel rank's block of key heads is one
+        contiguous block of rows. Else Qwen3.5's `in_proj_qkv` ([q | k | v]), `in_proj_z`,
+        `in_proj_b` and `in_proj_a`."""
         super().__init__()
         d = hidden
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim, self.kernel = 2 * self.key_dim + self.value_dim, conv_kernel  # [q | k | v]
-        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(d, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(d, self.num_v_heads, bias=False)
+        self.fused_qkvz = fused_qkvz
+        if fused_qkvz:
+            self.FUSED = {"in": ("in_proj_qkvz", "in_proj_ba")}
+            self.in_proj_qkvz = nn.Linear(d, self.conv_dim + self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(d, 2 * self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(d, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(d, self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False
         )
@@ -74,8 +87,7 @@ class GatedDeltaNet(Projections, nn.Module):
         fused = self._gemv_fusions(x, meta, conv_pool)
         if fused is not None:
             return self._decode_one_token(x, fused, meta, conv_pool, state_pool)
-        mixed_qkv, z, b, a = self.project("in", x)
-        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
+        mixed_qkv, z, b, a = self._in_projections(x)
         if use_triton(x) and self.kernels_fit:
             o = self._mix_kernels(mixed_qkv, a, b, z, meta, conv_pool, state_pool)
         else:
@@ -84,12 +96,37 @@ class GatedDeltaNet(Projections, nn.Module):
             )
         return self.out_proj(o.flatten(1))
 
+    def _in_projections(self, x: torch.Tensor):
+        """x [T, hidden] -> the conv input [T, C] ([q | k | v]), z [T, Hv, Dv], b and a
+        [T, Hv]."""
+        if not self.fused_qkvz:
+            mixed_qkv, z, b, a = self.project("in", x)
+            return mixed_qkv, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a
+        qkvz, ba = self.project("in", x)
+        t, hk, r = x.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
+        dk, group_v = self.head_k_dim, r * self.head_v_dim
+        q, k, v, z = qkvz.unflatten(-1, (hk, -1)).split((dk, dk, group_v, group_v), dim=-1)
+        b, a = ba.unflatten(-1, (hk, 2 * r)).split((r, r), dim=-1)
+        # one copy into the conv's [q | k | v] layout (heads in order, value heads by group)
+        mixed_qkv = qkvz.new_empty(t, self.conv_dim)
+        for part, grouped in zip(
+            mixed_qkv.split((self.key_dim, self.key_dim, self.value_dim), dim=-1),
+            (q, k, v),
+            strict=True,
+        ):
+            part.view(grouped.shape).copy_(grouped)
+        z = z.reshape(t, self.num_v_heads, self.head_v_dim)
+        return mixed_qkv, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
+
     def _gemv_fusions(self, x: torch.Tensor, meta: StepMetadata, conv_pool):
         """The fused in-projection if this step is one decode token whose projections are
-        4-bit GEMVs that can take the conv and the norm (`_decode_one_token`), else None."""
+        4-bit GEMVs that can take the conv and the norm (`_decode_one_token`), else None.
+        Not with `fused_qkvz`: the GEMV's conv epilogue reads its first C output rows as
+        [q | k | v], which the per-key-head groups are not."""
         fused = self.fused("in")
         fits = (
-            use_triton(x)
+            not self.fused_qkvz
+            and use_triton(x)
             and self.kernels_fit
             and x.shape[0] == 1
             and meta.max_q_len == 1

@@ -1,5 +1,5 @@
-"""Sparse MoE of Qwen3.5/3.6: softmax router, top-k renormalised, SwiGLU experts, and one
-shared expert scaled by a sigmoid gate."""
+"""Sparse MoE of Qwen3.5/3.6 and Qwen3-MoE: softmax router, top-k renormalised, SwiGLU
+experts, and (Qwen3.5/3.6) one shared expert scaled by a sigmoid gate."""
 
 from __future__ import annotations
 
@@ -73,13 +73,6 @@ class Experts(nn.Module):
         """The GLU between the two projections: [.., 2I] -> [.., I]."""
         return naive.swiglu(gate_up)
 
-    def quantized(self, spec, dtype: torch.dtype) -> nn.Module:
-        """The group-affine quantised twin of these experts (empty, for the loader)."""
-        from sparrow.layers.quantized import QuantizedExperts
-
-        e, two_i, hidden = self.gate_up_proj.shape
-        return QuantizedExperts(e, hidden, two_i // 2, spec, dtype, self.expert_range)
-
     def route_and_run(
         self,
         x: torch.Tensor,
@@ -143,15 +136,21 @@ class SparseMoE(Projections, nn.Module):
         shared_intermediate: int,
         expert_range: tuple[int, int] | None = None,
     ):
+        """shared_intermediate: the shared expert's width; 0: no shared expert."""
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
         self.experts = Experts(num_experts, hidden, intermediate, expert_range)
-        self.shared_expert = SwiGLU(hidden, shared_intermediate)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        if shared_intermediate:
+            self.shared_expert = SwiGLU(hidden, shared_intermediate)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        else:  # the router alone: nothing to fuse
+            self.shared_expert, self.FUSED = None, {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
+        if self.shared_expert is None:
+            return self.experts.route_and_run(x, self.gate(x), self.top_k)
         router_logits, shared_gate = self.project("gates", x)
         return self.experts.route_and_run(
             x, router_logits, self.top_k, self.shared_expert, shared_gate

@@ -1,4 +1,5 @@
-"""RMSNorm variants of Qwen3.5/3.6, with the exact dtype handling of the HF reference."""
+"""RMSNorm variants of Qwen3.5/3.6 and Qwen3-MoE, with the exact dtype handling of the HF
+reference."""
 
 from __future__ import annotations
 
@@ -45,6 +46,38 @@ class ZeroCenteredRMSNorm(nn.Module):
         fits = use_triton(x) and x.stride(-1) == 1 and x.shape[-1] & (x.shape[-1] - 1) == 0
         ops = kernels if fits else naive
         return ops.rms_norm_rope(x, self.weight, self.eps, cos, sin, cache)
+
+
+class RMSNorm(nn.Module):
+    """The plain RMSNorm of Qwen3-MoE: `w * rms_norm(x)` (w init 1), the normed row cast to
+    x's dtype before the weight multiplies it (HF's `Qwen3MoeRMSNorm`). The calls of
+    `ZeroCenteredRMSNorm` (`add`, `with_rope`), on the torch path only: the fused kernels
+    compute the zero-centred form, rounding once from fp32, an ulp apart in 16-bit dtypes."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * rms_norm(x, self.eps).to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm)."""
+        s = residual + x
+        return s, self(s)
+
+    def with_rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple | None = None
+    ) -> torch.Tensor:
+        """Per-head norm then RoPE on the first cos.shape[-1] dims: x [T, H, D]. cache = (v,
+        k_cache, v_cache, rows): also write the result and v there (`naive.rms_norm_rope`)."""
+        y = naive.apply_rotary(self(x), cos, sin)
+        if cache is not None:
+            v, k_cache, v_cache, rows = cache
+            k_cache.index_copy_(0, rows, y)
+            v_cache.index_copy_(0, rows, v)
+        return y
 
 
 class GatedRMSNorm(nn.Module):

@@ -30,12 +30,14 @@ from torch import nn
 from sparrow.config import QuantConfig
 from sparrow.kernels import use_triton
 from sparrow.kernels.dequant.dequant import dequantize as dequantize_kernel
+from sparrow.kernels.moe import naive
 from sparrow.kernels.moe.experts import moe_experts, moe_experts_routed
 from sparrow.kernels.moe.routing import topk_route
 from sparrow.kernels.moe.shared import Shared
 from sparrow.kernels.quant_gemv.gemv import fused_pays, quant_gemv
 from sparrow.layers.linear import fuse_all
 from sparrow.layers.moe import Experts
+from sparrow.layers.sigmoid_moe import OAIExperts
 from sparrow.quant.affine import QuantSpec, dequantize, quantize
 
 
@@ -198,6 +200,74 @@ class QuantizedExperts(Experts):
         )
 
 
+class QuantizedOAIExperts(QuantizedExperts):
+    """4-bit `OAIExperts`. With the Triton backend the fused expert kernels (expert GEMVs up
+    to 48 tokens, else grouped GEMMs; SwiGLU-OAI in their epilogue, no host sync); otherwise
+    each expert that receives rows is dequantised and runs as the float reference (reads the
+    routing on the host)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        spec,
+        dtype,
+        alpha: float,
+        limit: float,
+        expert_range: tuple[int, int] | None = None,
+    ):
+        super().__init__(num_experts, hidden, intermediate, spec, dtype, expert_range)
+        self.alpha, self.limit = alpha, limit
+
+    activation = OAIExperts.activation
+    glu = OAIExperts.glu
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        """x: [T, H]; weights, ids: [T, k]. sum_j w_tj * expert_{ids_tj}(x_t), [T, H]."""
+        if use_triton(x):
+            return self._fused(x, weights, ids)
+        return naive.experts(x, weights, ids, self.expert_weights, self.activation)
+
+    def scaled_sum(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        scale: float,
+        shared: torch.Tensor,
+    ) -> torch.Tensor:
+        """`OAIExperts.scaled_sum`. With the Triton backend the combine kernel scales each
+        token's routed sum (fp32) and adds shared, rounding once to x's dtype."""
+        if use_triton(x):
+            return self._fused(x, weights, ids, scale, shared)
+        return OAIExperts.scaled_sum(self, x, weights, ids, scale, shared)
+
+    def _fused(self, x, weights, ids, scale: float = 1.0, shared=None) -> torch.Tensor:
+        return moe_experts_routed(
+            x, weights, ids, *self.packed(), self.spec, self.glu(), scale, shared
+        )
+
+
+def _experts_twin(module: Experts, spec: QuantSpec, dtype: torch.dtype) -> QuantizedExperts:
+    e, two_i, hidden = module.gate_up_proj.shape
+    return QuantizedExperts(e, hidden, two_i // 2, spec, dtype, module.expert_range)
+
+
+def _oai_experts_twin(
+    module: OAIExperts, spec: QuantSpec, dtype: torch.dtype
+) -> QuantizedOAIExperts:
+    e, two_i, hidden = module.gate_up_proj.shape
+    return QuantizedOAIExperts(
+        e, hidden, two_i // 2, spec, dtype, module.alpha, module.limit, module.expert_range
+    )
+
+
+# Float experts -> their group-affine quantised twin (empty, for the loader to fill), by class;
+# a subclass takes its own entry before its base's.
+EXPERT_TWINS = {OAIExperts: _oai_experts_twin, Experts: _experts_twin}
+
+
 def quantize_modules(
     model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, prefix: str = ""
 ) -> nn.Module:
@@ -219,7 +289,9 @@ def quantize_modules(
                 w.shape[-1] % spec.group_size == 0 for w in (module.gate_up_proj, module.down_proj)
             )
         ):
-            new = module.quantized(spec, dtype)
+            new = next(make for cls, make in EXPERT_TWINS.items() if isinstance(module, cls))(
+                module, spec, dtype
+            )
         else:
             continue
         parent, _, child = path.rpartition(".")

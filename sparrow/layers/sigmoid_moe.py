@@ -12,12 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.kernels import use_triton
 from sparrow.kernels.activations import Glu
-from sparrow.kernels.moe import naive
-from sparrow.kernels.moe.experts import moe_experts_routed
 from sparrow.layers.moe import Experts
-from sparrow.layers.quantized import QuantizedExperts
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -76,61 +72,6 @@ class OAIExperts(Experts):
         """The MoE layer's output [T, H]: scale * the routed sum (rounded to x's dtype) +
         shared, the shared expert's output [T, H] (HF's `MiniMaxM3VLSparseMoeBlock`)."""
         return self(x, weights, ids).to(x.dtype) * scale + shared
-
-    def quantized(self, spec, dtype: torch.dtype) -> nn.Module:
-        e, two_i, hidden = self.gate_up_proj.shape
-        return QuantizedOAIExperts(
-            e, hidden, two_i // 2, spec, dtype, self.alpha, self.limit, self.expert_range
-        )
-
-
-class QuantizedOAIExperts(QuantizedExperts):
-    """4-bit `OAIExperts`. With the Triton backend the fused expert kernels (expert GEMVs up
-    to 48 tokens, else grouped GEMMs; SwiGLU-OAI in their epilogue, no host sync); otherwise
-    each expert that receives rows is dequantised and runs as the float reference (reads the
-    routing on the host)."""
-
-    def __init__(
-        self,
-        num_experts: int,
-        hidden: int,
-        intermediate: int,
-        spec,
-        dtype,
-        alpha: float,
-        limit: float,
-        expert_range: tuple[int, int] | None = None,
-    ):
-        super().__init__(num_experts, hidden, intermediate, spec, dtype, expert_range)
-        self.alpha, self.limit = alpha, limit
-
-    activation = OAIExperts.activation
-    glu = OAIExperts.glu
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-        """x: [T, H]; weights, ids: [T, k]. sum_j w_tj * expert_{ids_tj}(x_t), [T, H]."""
-        if use_triton(x):
-            return self._fused(x, weights, ids)
-        return naive.experts(x, weights, ids, self.expert_weights, self.activation)
-
-    def scaled_sum(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        scale: float,
-        shared: torch.Tensor,
-    ) -> torch.Tensor:
-        """`OAIExperts.scaled_sum`. With the Triton backend the combine kernel scales each
-        token's routed sum (fp32) and adds shared, rounding once to x's dtype."""
-        if use_triton(x):
-            return self._fused(x, weights, ids, scale, shared)
-        return OAIExperts.scaled_sum(self, x, weights, ids, scale, shared)
-
-    def _fused(self, x, weights, ids, scale: float = 1.0, shared=None) -> torch.Tensor:
-        return moe_experts_routed(
-            x, weights, ids, *self.packed(), self.spec, self.glu(), scale, shared
-        )
 
 
 class SigmoidRouter(nn.Module):

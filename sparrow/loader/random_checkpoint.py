@@ -1,10 +1,8 @@
 """Random weights in the exact HF layout, for tests and benchmarks.
 
-The init follows HF's `_init_weights` for Qwen3.5 MoE and MiniMax M3, so activations stay
-finite through 40-60 layers: linear/embedding/conv/expert/router weights N(0,
-initializer_range), zero-centred RMSNorm weights 0, the GDN output norm 1, dt_bias 1,
-A_log = log U(0.01, 16), M3's router correction bias N(0, initializer_range) (HF: 0; random
-values make the bias matter for the choice).
+Each parameter is drawn as its architecture's `init` says (HF's `_init_weights` of the
+family, so activations stay finite through 40-60 layers: matrices N(0, initializer_range),
+norm weights 0 or 1 by the norm's kind, and the like).
 
 Weights can be written as a checkpoint directory (`write_random_checkpoint`, what
 `sparrow checkpoint random` runs) or materialised directly on a device with no file
@@ -15,9 +13,9 @@ than the bf16 checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,50 +26,28 @@ from tqdm import tqdm
 from sparrow.config import QuantConfig
 from sparrow.loader.weights import build_empty_model, load_tensors
 from sparrow.loader.writer import ShardWriter
-from sparrow.models import minimax_m3
-from sparrow.models.qwen3_5_moe import ModelArgs
+from sparrow.models import PRESETS, get_architecture
+from sparrow.models.interface import Init, ModelArgs
 
-# fmt: off
-PRESETS: dict[str, ModelArgs | minimax_m3.ModelArgs] = {
-    "qwen3.6-35b-a3b": ModelArgs(),
-    # Small enough for CPU tests (full vocabulary, 4 layers).
-    "qwen3.6-tiny": ModelArgs(
-        hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
-        mrope_section=(2, 1, 1), linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=64, shared_expert_intermediate_size=64,
-    ),
-    "minimax-m3": minimax_m3.ModelArgs(),
-    # 2 full + dense, 2 sparse + MoE layers; MSA blocks of 16 tokens, top-2 of them.
-    "minimax-m3-tiny": minimax_m3.ModelArgs(
-        hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
-        layer_types=("full_attention", "minimax_m3_sparse", "minimax_m3_sparse",
-                     "full_attention"),
-        mlp_layer_types=("dense", "sparse", "sparse", "dense"), index_n_heads=2,
-        index_head_dim=32, index_block_size=16, index_topk_blocks=2, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=64, dense_intermediate_size=128,
-        shared_intermediate_size=64,
-    ),
-}
-# fmt: on
+__all__ = ["PRESETS", "random_model", "random_tensors", "write_random_checkpoint"]
 
-HF_PREFIX = "model.language_model."
+logger = logging.getLogger(__name__)
 
 
 def _init(
-    name: str, shape: tuple[int, ...], std: float, gen: torch.Generator, **kw
+    init: Init, shape: tuple[int, ...], std: float, gen: torch.Generator, **kw
 ) -> torch.Tensor:
-    if name.endswith("A_log"):
+    if init is Init.LOG_UNIFORM:
         return torch.empty(shape, **kw).uniform_(0.01, 16, generator=gen).log_()
-    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+    if init is Init.ONES:
         return torch.ones(shape, **kw)
-    if name.endswith("norm.weight"):  # zero-centred RMSNorms: effective scale 1 + w
+    if init is Init.ZEROS:
         return torch.zeros(shape, **kw)
     return torch.empty(shape, **kw).normal_(0.0, std, generator=gen)
 
 
-def _hf_name(param: str) -> str:
-    return param if param == "lm_head.weight" else HF_PREFIX + param
+def _hf_name(param: str, prefix: str) -> str:
+    return param if param == "lm_head.weight" else prefix + param
 
 
 def random_tensors(
@@ -84,17 +60,19 @@ def random_tensors(
     """Yield (HF checkpoint name, tensor) one at a time, seeded and in a fixed order.
     With `per_expert`, fused expert tensors are split into `experts.E.{gate,up,down}_proj`."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    arch = get_architecture(cfg.architecture)
+    init, prefix = arch.init, arch.HF_PREFIX
     model = build_empty_model(cfg)
     for param, p in model.named_parameters():
         if param == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         # Generate in fp32 and round, so bf16 and fp32 checkpoints of one seed agree.
-        t = _init(param, tuple(p.shape), cfg.initializer_range, gen, device=device)
+        t = _init(init(param), tuple(p.shape), cfg.initializer_range, gen, device=device)
         t = t.to(dtype)
         if per_expert and param.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            yield from _split_experts(_hf_name(param), t, cfg.moe_intermediate_size)
+            yield from _split_experts(_hf_name(param, prefix), t, cfg.moe_intermediate_size)
         else:
-            yield _hf_name(param), t
+            yield _hf_name(param, prefix), t
 
 
 def _split_experts(
@@ -150,7 +128,7 @@ def write_random_checkpoint(
     if tokenizer:
         from sparrow.tokenizer import write_tokenizer_files
 
-        write_tokenizer_files(out, cfg.architecture)
+        write_tokenizer_files(out, get_architecture(cfg.architecture).SPEAKS.tokenizer)
     return out
 
 
@@ -176,10 +154,7 @@ def tiny_random_checkpoint() -> Path:
     path = cache_dir() / f"random-{TINY_PRESET}"
     if (path / "config.json").is_file():
         return path
-    print(
-        f"[sparrow] creating a random checkpoint ({TINY_PRESET}) in {path}",
-        file=sys.stderr,
-    )
+    logger.info("creating a random checkpoint (%s) in %s", TINY_PRESET, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
     try:

@@ -20,12 +20,12 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from sparrow.config import QuantConfig
-from sparrow.distributed.shard import Cut, Shard, cut_shape, pieces, shard_args, take
+from sparrow.distributed.shard import Cut, Shard, ShardPlan, cut_shape, pieces, shard_args, take
 from sparrow.layers.linear import fuse_all
 from sparrow.layers.quantized import companion, quantize_modules
 from sparrow.loader.writer import INDEX_FILE
 from sparrow.models import get_architecture, load_model_args
-from sparrow.models.qwen3_5_moe import ModelArgs
+from sparrow.models.interface import ModelArgs
 from sparrow.quant.affine import QuantSpec, quantize
 
 _FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
@@ -72,10 +72,10 @@ class WeightAssembler:
         device: torch.device | str,
         dtype: torch.dtype,
         mlx_layout: bool = False,
-        shard: tuple[Shard, ModelArgs] | None = None,
+        shard: tuple[Shard, ShardPlan] | None = None,
     ):
-        """shard: (this rank's share, the full model's config): `model` is the rank's model
-        and each tensor is read in the part the rank keeps (`distributed.shard`)."""
+        """shard: (this rank's share, the full model's shard plan): `model` is the rank's
+        model and each tensor is read in the part the rank keeps (`distributed.shard`)."""
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.mlx_layout = mlx_layout
         self.shard = shard
@@ -111,7 +111,7 @@ class WeightAssembler:
         expert = self.arch.expert_target(param)
         if expert is not None:
             fused, e, proj, kind = expert
-            held = getattr(self.model.config, "expert_range", None) if self.shard else None
+            held = self.model.config.expert_range if self.shard else None
             if held is not None and e is not None:  # one expert's tensor: this rank's?
                 if not held[0] <= e < held[0] + held[1]:
                     return None
@@ -245,6 +245,12 @@ def _headers(files: Iterable[Path]) -> dict[Path, dict[str, tuple[tuple[int, ...
     return out
 
 
+def rank_args(cfg: ModelArgs, shard: Shard) -> ModelArgs:
+    """The config of one rank's model under tensor (or expert) parallelism."""
+    plan = get_architecture(cfg.architecture).shard_plan(cfg, shard.experts)
+    return shard_args(cfg, plan, shard)
+
+
 def load_checkpoint(
     model_dir: str | Path,
     device: torch.device | str = "cpu",
@@ -261,7 +267,10 @@ def load_checkpoint(
     cfg = load_model_args(model_dir)
     if quantize is not None and cfg.quantization is None:
         cfg = cfg.replace(quantization=quantize)
-    full, cfg = cfg, shard_args(cfg, shard) if shard is not None else cfg
+    plan = None
+    if shard is not None:
+        plan = get_architecture(cfg.architecture).shard_plan(cfg, shard.experts)
+        cfg = shard_args(cfg, plan, shard)
     headers = _headers(checkpoint_files(model_dir).values())
     arch = get_architecture(cfg.architecture)
     mlx = any(
@@ -274,7 +283,7 @@ def load_checkpoint(
         device,
         dtype,
         mlx_layout=mlx,
-        shard=(shard, full) if shard is not None else None,
+        shard=(shard, plan) if shard is not None else None,
     )
     total = sum(len(t) for t in headers.values())
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:

@@ -22,20 +22,64 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 from torch import nn
 
 from sparrow.config import ConfigError, QuantConfig
 from sparrow.core.cache_spec import CacheSpec
 from sparrow.distributed import group
+from sparrow.distributed.shard import (
+    ShardPlan,
+    cols,
+    expert_rules,
+    gated_mlp_rules,
+    rows,
+    vocab_rules,
+)
 from sparrow.layers.decoder import DecoderStack
 from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.msa import M3Attention
 from sparrow.layers.norms import ZeroCenteredRMSNorm
 from sparrow.layers.rotary import RotaryEmbedding
 from sparrow.layers.sigmoid_moe import DenseMLP, SigmoidMoE
+from sparrow.models import common
+from sparrow.models.common import text_model_name
+from sparrow.models.interface import Init, MediaFormat, Speaks, TokenizerLayout
+from sparrow.multimodal.specs import MINIMAX_M3
+from sparrow.multimodal.video import MINIMAX_M3_VIDEO
 
+NAME = "minimax_m3"
 MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text")
+HF_PREFIX = "model.language_model."
+# The checkpoint's special tokens at its ids (bos, eos, role marker, vision); regular tokens
+# take the ids below 200,000.
+SPECIAL_TOKENS = {
+    "]~b]": 200019,
+    "[e~[": 200020,
+    "]<]image[>[": 200025,
+    "]<]video[>[": 200026,
+    "]<]start of image[>[": 200029,
+    "]<]end of image[>[": 200030,
+    "]<]start of video[>[": 200031,
+    "]<]end of video[>[": 200032,
+    "]<]vision pad[>[": 200033,
+    "]~!b[": 200034,
+}
+SPEAKS = Speaks(
+    tool_parser="minimax_m3",
+    reasoning_parser="minimax_m3",
+    tokenizer=TokenizerLayout(
+        {
+            "tokenizer_class": "GPT2Tokenizer",
+            "bos_token": "]~!b[",
+            "eos_token": "[e~[",
+            "model_max_length": 1048576,
+        },
+        chat_template="minimax",
+        vocab_limit=200_000,
+        special_tokens=SPECIAL_TOKENS,
+    ),
+    media=MediaFormat(MINIMAX_M3, MINIMAX_M3_VIDEO, wrap_images=True),
+)
 FULL_ATTENTION, SPARSE_ATTENTION = "full_attention", "minimax_m3_sparse"
 LAYER_TYPES = (FULL_ATTENTION, SPARSE_ATTENTION)
 DENSE, MOE = "dense", "sparse"
@@ -84,7 +128,7 @@ class ModelArgs:
     """The text model of MiniMax M3. Defaults are the released checkpoint's (`from_hf` fills
     keys a config.json leaves out with HF's defaults instead)."""
 
-    architecture: str = "minimax_m3"  # the registry key of this file
+    architecture: str = NAME
     vocab_size: int = 200064
     hidden_size: int = 6144
     num_layers: int = 60
@@ -154,6 +198,10 @@ class ModelArgs:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def max_context(self) -> int:
+        return self.max_position_embeddings
 
     def sparse_settings(self) -> dict[str, int]:
         """What an MSA layer needs besides its attention shapes."""
@@ -370,7 +418,6 @@ class MiniMaxM3Model(DecoderStack):
     # Decode steps replay CUDA graphs (the MSA decode selection and attention read no host
     # values); prefill steps select each sequence's blocks with its context length read on
     # the host, so they run eagerly (ModelRunner reads both).
-    cuda_graphs = True
     prefill_graphs = False
     # HF 5.17's tower attends across all the images of a call (MiniMax's reference attends
     # within each): the engine encodes a prompt's media together to match it.
@@ -386,26 +433,17 @@ _IGNORED = re.compile(
     r"^(model\.)?(mtp\.|vision_tower\.|multi_modal_projector\.|"
     r"patch_merge_mlp\.)"
 )
-_PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|model\.)")
-_LM_HEAD = re.compile(r"^(language_model\.)?lm_head\.(weight|scales|biases)$")
 # The original MiniMax spellings (what HF's VL conversion maps from) -> HF-native.
 _RENAMES = (
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
     (re.compile(r"\.mlp\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),
     (re.compile(r"\.self_attn\.index_(q|k)_(proj|norm)\."), r".self_attn.indexer.\1_\2."),
 )
-# Pieces of fused tensors: per-expert projections, and separate gate/up of the dense MLPs.
-_PER_EXPERT = re.compile(
-    r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.(weight)$"
-)
-_SWITCH_MLP = re.compile(
-    r"^(layers\.\d+\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
-)
+# The dense MLPs' (and shared experts') separate gate / up projections.
 _GATE_UP = re.compile(
     r"^(layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\."
     r"(weight|scales|biases)$"
 )
-_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def checkpoint_name(name: str) -> str | None:
@@ -415,10 +453,7 @@ def checkpoint_name(name: str) -> str | None:
     see `expert_target`."""
     if _IGNORED.match(name):
         return None
-    m = _LM_HEAD.match(name)
-    if m:
-        return f"lm_head.{m.group(2)}"
-    name = _PREFIX.sub("", name, count=1)
+    name = text_model_name(name)
     for pattern, target in _RENAMES:
         name = pattern.sub(target, name)
     return name
@@ -428,41 +463,76 @@ def expert_target(name: str) -> tuple[str, int | None, str, str] | None:
     """For a piece of a fused tensor (after `checkpoint_name`): (fused parameter, expert
     index or None for all experts / a 2-D dense gate_up, projection, kind in
     weight/scales/biases)."""
-    m = _PER_EXPERT.match(name)
-    if m:
-        proj = _PROJ.get(m.group(3), m.group(3))
-        fused = "gate_up_proj" if proj in ("gate_proj", "up_proj") else "down_proj"
-        return f"{m.group(1)}.experts.{fused}", int(m.group(2)), proj, m.group(4)
-    m = _SWITCH_MLP.match(name)  # all experts at once (what `save_mlx_checkpoint` writes)
-    if m:
-        fused = "gate_up_proj" if m.group(2) in ("gate_proj", "up_proj") else "down_proj"
-        return f"{m.group(1)}.experts.{fused}", None, m.group(2), m.group(3)
+    found = common.expert_target(name)
+    if found is not None:
+        return found
     m = _GATE_UP.match(name)
     if m:
         return f"{m.group(1)}.gate_up_proj.weight", None, m.group(2), m.group(3)
     return None
 
 
-def expert_slice(proj: str, intermediate: int) -> slice:
-    """Rows of a fused [.., 2I, hidden] gate_up tensor that one projection fills."""
-    if proj == "gate_proj":
-        return slice(0, intermediate)
-    if proj == "up_proj":
-        return slice(intermediate, 2 * intermediate)
-    return slice(None)
+expert_slice = common.expert_slice
+# M3's MLX layout is HF's (no conv, no shifted norms).
+is_mlx_conv, from_mlx, to_mlx = common.is_mlx_conv, common.from_mlx, common.to_mlx
 
 
-def is_mlx_conv(param: str, shape: tuple[int, ...]) -> bool:
-    """M3 has no convolutions."""
-    return False
+def init(param: str) -> Init:
+    """HF's init (zero-centred RMSNorms 0, the rest N(0, initializer_range)), except the
+    router's correction bias: N(0, initializer_range) (HF: 0), so that it matters."""
+    return Init.ZEROS if param.endswith("norm.weight") else Init.NORMAL
 
 
-def from_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def shard_plan(cfg: ModelArgs, expert_parallel: bool) -> ShardPlan:
+    """Attention heads with their index heads (one per KV group; the index key is
+    replicated), the shared experts', dense MLPs' and (tensor parallel) every routed
+    expert's intermediate columns, the vocabulary rows."""
+    d = cfg.head_dim
+    fields = ["num_attention_heads", "num_kv_heads", "index_n_heads"]
+    fields += ["shared_intermediate_size", "dense_intermediate_size"]
+    inputs = {
+        "attention heads x head_dim": cfg.num_attention_heads * d,
+        "shared_intermediate_size": cfg.shared_intermediate_size,
+        "dense_intermediate_size": cfg.dense_intermediate_size,
+    }
+    if not expert_parallel:
+        fields.append("moe_intermediate_size")
+        inputs["moe_intermediate_size"] = cfg.moe_intermediate_size
+    rules = [
+        *vocab_rules(cfg.vocab_size),
+        (r"\.self_attn\.indexer\.q_proj\.", rows(cfg.index_n_heads * cfg.index_head_dim)),
+        (r"\.self_attn\.indexer\.", None),
+        (r"\.self_attn\.q_proj\.", rows(cfg.num_attention_heads * d)),
+        (r"\.self_attn\.(k_proj|v_proj)\.", rows(cfg.num_kv_heads * d)),
+        (r"\.self_attn\.o_proj\.", cols(cfg.num_attention_heads * d)),
+        *expert_rules(cfg.num_experts, cfg.moe_intermediate_size, expert_parallel),
+        *gated_mlp_rules(r"\.mlp\.shared_experts", cfg.shared_intermediate_size),
+        *gated_mlp_rules(r"\.mlp", cfg.dense_intermediate_size),  # the dense layers
+    ]
+    return ShardPlan(tuple(fields), inputs, tuple(rules))
 
 
-def to_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
+PRESETS = {
+    "minimax-m3": ModelArgs(),
+    # 2 full + dense, 2 sparse + MoE layers; MSA blocks of 16 tokens, top-2 of them.
+    "minimax-m3-tiny": ModelArgs(
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        layer_types=(FULL_ATTENTION, SPARSE_ATTENTION, SPARSE_ATTENTION, FULL_ATTENTION),
+        mlp_layer_types=(DENSE, MOE, MOE, DENSE),
+        index_n_heads=2,
+        index_head_dim=32,
+        index_block_size=16,
+        index_topk_blocks=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        dense_intermediate_size=128,
+        shared_intermediate_size=64,
+    ),
+}
 
 Model = MiniMaxM3Model

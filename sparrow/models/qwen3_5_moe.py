@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -23,6 +23,14 @@ from torch import nn
 from sparrow.config import ConfigError, QuantConfig
 from sparrow.core.cache_spec import CacheSpec
 from sparrow.distributed import group
+from sparrow.distributed.shard import (
+    ShardPlan,
+    cols,
+    expert_rules,
+    gated_mlp_rules,
+    rows,
+    vocab_rules,
+)
 from sparrow.kernels import use_triton
 from sparrow.layers.attention import GatedAttention
 from sparrow.layers.decoder import DecoderStack
@@ -31,8 +39,29 @@ from sparrow.layers.metadata import StepMetadata
 from sparrow.layers.moe import SparseMoE
 from sparrow.layers.norms import ZeroCenteredRMSNorm
 from sparrow.layers.rotary import ROPE_TYPES, RotaryEmbedding, YarnScaling
+from sparrow.models import common
+from sparrow.models.common import text_model_name
+from sparrow.models.interface import Init, MediaFormat, Speaks, TokenizerLayout
+from sparrow.multimodal.specs import QWEN3_5_MOE
+from sparrow.multimodal.video import QWEN3_5_MOE_VIDEO
 
+NAME = "qwen3_5_moe"
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+HF_PREFIX = "model.language_model."
+SPEAKS = Speaks(
+    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    tool_parser="qwen3",
+    reasoning_parser="qwen3",
+    tokenizer=TokenizerLayout(
+        {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "model_max_length": 262144,
+        }
+    ),
+    media=MediaFormat(QWEN3_5_MOE, QWEN3_5_MOE_VIDEO),
+)
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
@@ -66,12 +95,49 @@ _HF_TEXT_KEYS = {
 _ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
 
 
+class HybridArgs:
+    """The derived sizes and `replace` of a Gated DeltaNet hybrid's frozen args (Qwen3.5/3.6
+    here, Qwen3-Next): the fields they read are each subclass's."""
+
+    @property
+    def max_context(self) -> int:
+        """Positions the model takes: max_position_embeddings, or what its rope scaling
+        reaches (vLLM's derived max_model_len)."""
+        if self.rope_scaling is not None:
+            return self.rope_scaling.max_positions
+        return self.max_position_embeddings
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the depthwise conv: [q | k | v]."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def replace(self, **changes: Any) -> Self:
+        values = {f: getattr(self, f) for f in self.__dataclass_fields__} | changes
+        relayout = {"num_layers", "full_attention_interval"} & set(changes)
+        if relayout and "layer_types" not in changes:
+            values["layer_types"] = ()
+        return type(self)(**values)
+
+
 @dataclass(frozen=True)
-class ModelArgs:
+class ModelArgs(HybridArgs):
     """The text model of Qwen3.5/3.6 MoE. Defaults are Qwen3.6-35B-A3B's checkpoint (`from_hf`
     fills keys a config.json leaves out with HF's defaults instead)."""
 
-    architecture: str = "qwen3_5_moe"  # the registry key of this file
+    architecture: str = NAME
     vocab_size: int = 248320
     hidden_size: int = 2048
     num_layers: int = 40
@@ -119,7 +185,7 @@ class ModelArgs:
                 for i in range(self.num_layers)
             )
             object.__setattr__(self, "layer_types", types)
-        _validate(self)
+        validate(self)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelArgs:
@@ -181,38 +247,6 @@ class ModelArgs:
                 raise
             raise ConfigError(f"malformed config: {e}") from e
 
-    @property
-    def max_context(self) -> int:
-        """Positions the model takes: max_position_embeddings, or what its rope scaling
-        reaches (vLLM's derived max_model_len)."""
-        if self.rope_scaling is not None:
-            return self.rope_scaling.max_positions
-        return self.max_position_embeddings
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def linear_key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def linear_value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def linear_conv_dim(self) -> int:
-        """Channels of the depthwise conv: [q | k | v]."""
-        return 2 * self.linear_key_dim + self.linear_value_dim
-
-    def replace(self, **changes: Any) -> ModelArgs:
-        values = {f: getattr(self, f) for f in self.__dataclass_fields__} | changes
-        relayout = {"num_layers", "full_attention_interval"} & set(changes)
-        if relayout and "layer_types" not in changes:
-            values["layer_types"] = ()
-        return ModelArgs(**values)
-
     def to_hf_text_config(self) -> dict[str, Any]:
         """The `text_config` dict of an HF `config.json` (model_type `qwen3_5_moe_text`)."""
         text = {key: getattr(self, f) for f, key in _HF_TEXT_KEYS.items()}
@@ -254,7 +288,8 @@ class ModelArgs:
         }
 
 
-def _validate(cfg: ModelArgs) -> None:
+def validate(cfg: ModelArgs) -> None:
+    """ConfigError for sizes the layers cannot run (also Qwen3-Next's checks)."""
     positive = [
         "vocab_size",
         "hidden_size",
@@ -403,15 +438,6 @@ class Qwen3_5MoeModel(DecoderStack):
 # Checkpoint names -> parameter names. Vision tower and multi-token-prediction weights are
 # not used by the text model.
 _IGNORED = re.compile(r"^(mtp\.|model\.visual\.|visual\.|vision_tower\.|model\.mtp\.)")
-_PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|model\.)")
-_LM_HEAD = re.compile(r"^(language_model\.)?lm_head\.(weight|scales|biases)$")
-# HF per-expert names, and MLX's stacked `switch_mlp` projections (all experts at once).
-_PER_EXPERT = re.compile(
-    r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight)$"
-)
-_SWITCH_MLP = re.compile(
-    r"^(layers\.\d+\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
-)
 # Norms whose MLX weights carry the +1 of the zero-centred RMSNorm.
 _SHIFTED_NORMS = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$")
 
@@ -423,36 +449,12 @@ def checkpoint_name(name: str) -> str | None:
     `lm_head.weight` / `language_model.lm_head.scales` -> `lm_head.weight` / `lm_head.scales`.
     Expert names keep their per-expert / switch_mlp form: see `expert_target`.
     """
-    if _IGNORED.match(name):
-        return None
-    m = _LM_HEAD.match(name)
-    if m:
-        return f"lm_head.{m.group(2)}"
-    return _PREFIX.sub("", name, count=1)
+    return None if _IGNORED.match(name) else text_model_name(name)
 
 
-def expert_target(name: str) -> tuple[str, int | None, str, str] | None:
-    """For an expert tensor name (after `checkpoint_name`): (fused parameter, expert index or
-    None for all experts, projection, kind in weight/scales/biases). None for other names."""
-    m = _PER_EXPERT.match(name)
-    if m:
-        mlp, expert, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
-    else:
-        m = _SWITCH_MLP.match(name)
-        if m is None:
-            return None
-        mlp, expert, proj, kind = m.group(1), None, m.group(2), m.group(3)
-    fused = "gate_up_proj" if proj in ("gate_proj", "up_proj") else "down_proj"
-    return f"{mlp}.experts.{fused}", expert, proj, kind
-
-
-def expert_slice(proj: str, intermediate: int) -> slice:
-    """Rows of the fused [2I, hidden] gate_up tensor that one projection fills."""
-    if proj == "gate_proj":
-        return slice(0, intermediate)
-    if proj == "up_proj":
-        return slice(intermediate, 2 * intermediate)
-    return slice(None)
+# Routed experts: HF per-expert names or MLX's stacked switch_mlp (`models.common`).
+expert_target = common.expert_target
+expert_slice = common.expert_slice
 
 
 def is_mlx_conv(param: str, shape: tuple[int, ...]) -> bool:
@@ -478,5 +480,71 @@ def to_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
         return (tensor.float() + 1.0).to(tensor.dtype)
     return tensor
 
+
+def init(param: str) -> Init:
+    """HF's init: zero-centred RMSNorms 0, the Gated DeltaNet's output norm and dt_bias 1,
+    A_log log U(0.01, 16), everything else N(0, initializer_range)."""
+    if param.endswith("A_log"):
+        return Init.LOG_UNIFORM
+    if param.endswith(("dt_bias", "linear_attn.norm.weight")):
+        return Init.ONES
+    return Init.ZEROS if param.endswith("norm.weight") else Init.NORMAL
+
+
+def shard_plan(cfg: ModelArgs, expert_parallel: bool) -> ShardPlan:
+    """Attention heads (q rows hold each head's [q | gate]), Gated DeltaNet key and value
+    heads (with their conv channels, gates and decay), the shared expert's and (tensor
+    parallel) every routed expert's intermediate columns, the vocabulary rows."""
+    d, kd, vd, hv = (
+        cfg.head_dim,
+        cfg.linear_key_dim,
+        cfg.linear_value_dim,
+        cfg.linear_num_value_heads,
+    )
+    fields = ["num_attention_heads", "num_kv_heads", "linear_num_key_heads"]
+    fields += ["linear_num_value_heads", "shared_expert_intermediate_size"]
+    inputs = {
+        "attention heads x head_dim": cfg.num_attention_heads * d,
+        "value heads x linear_value_head_dim": vd,
+        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+    }
+    if not expert_parallel:
+        fields.append("moe_intermediate_size")
+        inputs["moe_intermediate_size"] = cfg.moe_intermediate_size
+    rules = [
+        *vocab_rules(cfg.vocab_size),
+        (r"\.self_attn\.q_proj\.", rows(2 * cfg.num_attention_heads * d)),
+        (r"\.self_attn\.(k_proj|v_proj)\.", rows(cfg.num_kv_heads * d)),
+        (r"\.self_attn\.o_proj\.", cols(cfg.num_attention_heads * d)),
+        (r"\.linear_attn\.(in_proj_qkv|conv1d)\.", rows(kd, kd, vd)),
+        (r"\.linear_attn\.in_proj_z\.", rows(vd)),
+        (r"\.linear_attn\.(in_proj_b\.|in_proj_a\.|dt_bias$|A_log$)", rows(hv)),
+        (r"\.linear_attn\.out_proj\.", cols(vd)),
+        *expert_rules(cfg.num_experts, cfg.moe_intermediate_size, expert_parallel),
+        *gated_mlp_rules(r"\.mlp\.shared_expert", cfg.shared_expert_intermediate_size),
+    ]
+    return ShardPlan(tuple(fields), inputs, tuple(rules))
+
+
+PRESETS = {
+    "qwen3.6-35b-a3b": ModelArgs(),
+    # Small enough for CPU tests (full vocabulary, 4 layers).
+    "qwen3.6-tiny": ModelArgs(
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mrope_section=(2, 1, 1),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
+}
 
 Model = Qwen3_5MoeModel

@@ -9,7 +9,7 @@ can both run it in front of the model.
 from sparrow.multimodal.fetch import fetch_bytes, load_image
 from sparrow.multimodal.image import ProcessedImage, preprocess_image, smart_resize
 from sparrow.multimodal.media import MediaError, MediaLimits, decode_image, media_digest
-from sparrow.multimodal.specs import MINIMAX_M3, QWEN3_5_MOE, ImageSpec, spec_for_model_type
+from sparrow.multimodal.specs import MINIMAX_M3, QWEN3_5_MOE, ImageSpec
 from sparrow.multimodal.video import (
     MINIMAX_M3_VIDEO,
     QWEN3_5_MOE_VIDEO,
@@ -38,5 +38,4 @@ __all__ = [
     "preprocess_image",
     "preprocess_video",
     "smart_resize",
-    "spec_for_model_type",
 ]

@@ -25,21 +25,12 @@ from sparrow.multimodal.fetch import fetch_bytes
 from sparrow.multimodal.image import preprocess_image
 from sparrow.multimodal.items import MediaItem
 from sparrow.multimodal.media import MediaError, MediaLimits, decode_image, media_digest
-from sparrow.multimodal.specs import ImageSpec, spec_for_model_type
+from sparrow.multimodal.specs import ImageSpec
 from sparrow.multimodal.video import (
-    MINIMAX_M3_VIDEO,
-    QWEN3_5_MOE_VIDEO,
     VideoSpec,
     placeholder_text,
     preprocess_video,
 )
-
-_VIDEO_BY_MODEL_TYPE = {
-    "qwen3_5_moe": QWEN3_5_MOE_VIDEO,
-    "qwen3_5": QWEN3_5_MOE_VIDEO,
-    "minimax_m3_vl": MINIMAX_M3_VIDEO,
-}
-_WRAPPED_IMAGES = {"minimax_m3_vl"}  # the image replacement carries start/end itself
 
 
 @dataclass(frozen=True)
@@ -75,21 +66,25 @@ class MediaPipeline:
         self.image, self.video, self.limits, self.wrap_images = image, video, limits, wrap_images
 
     @classmethod
-    def for_checkpoint(cls, model_dir: str | Path, limits: MediaLimits) -> MediaPipeline:
-        """The pipeline of the checkpoint's `model_type`, its `preprocessor_config.json`
-        applied to the image spec and `video_preprocessor_config.json` to the video one.
-        KeyError for a model type without one."""
+    def for_checkpoint(
+        cls,
+        model_dir: str | Path,
+        image: ImageSpec,
+        video: VideoSpec,
+        limits: MediaLimits,
+        wrap_images: bool = False,
+    ) -> MediaPipeline:
+        """The pipeline of a checkpoint whose family preprocesses with `image` and `video`
+        (its `models.interface.MediaFormat`), the checkpoint's `preprocessor_config.json`
+        applied to the image spec and `video_preprocessor_config.json` to the video one."""
         model_dir = Path(model_dir)
-        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
-        image = spec_for_model_type(model_type)
         pre = model_dir / "preprocessor_config.json"
         if pre.is_file():
             image = image.from_preprocessor_config(json.loads(pre.read_text()))
-        video = _VIDEO_BY_MODEL_TYPE[model_type]
         pre = model_dir / "video_preprocessor_config.json"
         if pre.is_file():
             video = video.from_preprocessor_config(json.loads(pre.read_text()))
-        return cls(image, video, limits, wrap_images=model_type in _WRAPPED_IMAGES)
+        return cls(image, video, limits, wrap_images)
 
     def load(self, video: bool, source: str) -> Loaded:
         """Fetch, decode and preprocess one item (MediaError for anything wrong with it):

@@ -127,15 +127,3 @@ MINIMAX_M3 = ImageSpec(
     start_token_id=200029,
     end_token_id=200030,
 )
-
-_BY_MODEL_TYPE = {"qwen3_5_moe": QWEN3_5_MOE, "qwen3_5": QWEN3_5_MOE, "minimax_m3_vl": MINIMAX_M3}
-
-
-def spec_for_model_type(model_type: str) -> ImageSpec:
-    """The default spec for an HF `model_type`; KeyError names the known ones."""
-    try:
-        return _BY_MODEL_TYPE[model_type]
-    except KeyError:
-        raise KeyError(
-            f"no image spec for model_type {model_type!r}; known: {sorted(_BY_MODEL_TYPE)}"
-        ) from None

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
-import sys
 
 import grpc
 
@@ -25,6 +25,8 @@ from sparrow.proto import CHANNEL_OPTIONS
 from sparrow.proto import worker_pb2 as pb
 from sparrow.proto import worker_pb2_grpc as pb_grpc
 from sparrow.rpc import convert
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -118,7 +120,7 @@ async def serve(engine: AsyncEngine, address: str, grace_s: float = 30.0) -> Non
     if engine.dead.is_set():
         stop.set()
     host = address.rsplit(":", 1)[0]
-    print(f"[sparrow] worker serving gRPC on {host}:{port}", file=sys.stderr, flush=True)
+    logger.info("worker serving gRPC on %s:%d", host, port)
     await stop.wait()
     await server.stop(grace_s)
     await engine.shutdown()

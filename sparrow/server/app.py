@@ -6,7 +6,7 @@ is answered with OpenAI's error body."""
 from __future__ import annotations
 
 import contextlib
-import sys
+import logging
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
@@ -40,6 +40,8 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     503: "server_overloaded",
 }
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(
@@ -79,7 +81,7 @@ def build_app(
         yield
         drain.stop()
         await engine.shutdown()  # uvicorn stopped taking requests and drained in-flight ones
-        print("[sparrow] server stopped", file=sys.stderr, flush=True)
+        logger.info("server stopped")
 
     app = FastAPI(
         title="sparrow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

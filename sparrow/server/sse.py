@@ -10,15 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sparrow.engine.client import EngineError
 from sparrow.engine.output_processor import OutputDelta
 from sparrow.server import protocol
 from sparrow.server.drain import ShuttingDown
-
-if TYPE_CHECKING:
-    from sparrow.server.handlers import Choice, Job
+from sparrow.server.jobs import Choice, Job
 
 
 def event(data: dict[str, Any]) -> str:

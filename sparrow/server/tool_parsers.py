@@ -321,11 +321,3 @@ class ToolCallSplitter:
 
 
 PARSERS: dict[str, ToolFormat] = {"qwen3": Qwen3Format(), "minimax_m3": MiniMaxM3Format()}
-
-
-def parser_for(model_type: str) -> str | None:
-    """The tool-call parser of a checkpoint's HF `model_type` (None: no parser known); the
-    server option `--tool-call-parser` overrides it."""
-    if model_type.startswith("minimax_m3"):
-        return "minimax_m3"
-    return "qwen3" if model_type.startswith("qwen3") else None

@@ -121,11 +121,11 @@ class ModelRunner:
             self.cache.pad_slot + 1, dtype=torch.long, device=model.device
         )
         self.graphs = self.prefill_graphs = None
-        if cuda_graphs and model.device.type == "cuda" and getattr(model, "cuda_graphs", True):
+        if cuda_graphs and model.device.type == "cuda" and model.cuda_graphs:
             max_blocks = -(-sched.max_model_len // cache.block_size)
             self.graphs = DecodeGraphs(model, self.cache, sched.max_num_seqs, max_blocks)
             self.graphs.capture()
-            if getattr(model, "prefill_graphs", True):
+            if model.prefill_graphs:
                 most = min(sched.max_num_batched_tokens, sched.max_model_len)
                 self.prefill_graphs = PrefillGraphs(model, self.cache, most, max_blocks)
                 self.prefill_graphs.capture()

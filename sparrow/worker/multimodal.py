@@ -34,14 +34,14 @@ class MediaInputs:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.merge = getattr(model, "media_merge", 2)
+        self.merge = model.media_merge
         self.requests: dict[str, _RequestMedia] = {}
 
     def add(self, request_id: str, items: list[MediaItem], prompt_len: int) -> None:
         """Register a request's media (`LLM.make_request` checked that the model sees;
         ValueError if runs overlap)."""
         entry = _RequestMedia(list(items), prompt_len)
-        if getattr(self.model, "uses_mrope", False):
+        if self.model.uses_mrope:
             runs = [r for item in items for r in item.run_grids()]
             entry.positions, entry.delta = mrope_positions(prompt_len, runs, self.merge)
         self.requests[request_id] = entry
@@ -87,7 +87,7 @@ class MediaInputs:
     def _encode(self, entry: _RequestMedia, i: int) -> None:
         """Item i's embeddings; for a model whose tower attends across a prompt's media
         (`joint_media`), every item's, in one call."""
-        which = range(len(entry.items)) if getattr(self.model, "joint_media", False) else [i]
+        which = range(len(entry.items)) if self.model.joint_media else [i]
         items = [entry.items[j] for j in which]
         pixels = torch.cat([item.pixel_values for item in items]).to(self.model.device)
         out = self.model.embed_media(pixels, [item.grid_thw for item in items])

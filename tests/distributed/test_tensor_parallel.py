@@ -8,8 +8,10 @@ import torch
 
 from sparrow import LLM, SamplingParams
 from sparrow.config import ConfigError, QuantConfig
-from sparrow.distributed.shard import Shard, pieces, shard_args
+from sparrow.distributed.shard import Shard, pieces
 from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
+from sparrow.loader.weights import rank_args
+from sparrow.models import get_architecture
 
 # the tiny preset's heads (4 q, 2 kv, 2 key, 4 value) split in 2; the input dims each rank
 # keeps of the split projections (attention and value heads, the experts' intermediate) are
@@ -135,16 +137,16 @@ def test_sizes_that_do_not_split_are_refused():
     with pytest.raises(
         ConfigError, match="num_kv_heads 2 is not divisible by tensor_parallel_size 4"
     ):
-        shard_args(CFG, Shard(0, 4))
+        rank_args(CFG, Shard(0, 4))
     quantized = CFG.replace(quantization=QuantConfig.from_name("4bit"), moe_intermediate_size=64)
     with pytest.raises(
         ConfigError, match="moe_intermediate_size 64 over tensor_parallel_size 2 is not a multiple"
     ):
-        shard_args(quantized, Shard(0, 2))
+        rank_args(quantized, Shard(0, 2))
     with pytest.raises(
         ConfigError, match="num_experts 8 is not divisible by tensor_parallel_size 3"
     ):
-        shard_args(
+        rank_args(
             CFG.replace(
                 num_attention_heads=6,
                 num_kv_heads=3,
@@ -161,7 +163,11 @@ def test_the_gated_deltanet_projection_is_cut_per_part():
     """[q | k | v] rows: rank 1 of 2 reads the second half of each part."""
     kd = CFG.linear_num_key_heads * CFG.linear_key_head_dim
     vd = CFG.linear_num_value_heads * CFG.linear_value_head_dim
-    dim, ranges = pieces("layers.0.linear_attn.in_proj_qkv.weight", CFG, Shard(1, 2))
+    dim, ranges = pieces(
+        "layers.0.linear_attn.in_proj_qkv.weight",
+        get_architecture(CFG.architecture).shard_plan(CFG, False),
+        Shard(1, 2),
+    )
     assert dim == 0 and ranges == [
         (kd // 2, kd),
         (kd + kd // 2, 2 * kd),
@@ -194,7 +200,7 @@ def test_a_request_crosses_whole_once_then_as_its_changes():
     from types import SimpleNamespace
 
     from sparrow.core.request import Request
-    from sparrow.distributed.ranks import RankedRunner, RequestUpdate
+    from sparrow.engine.executor import RankedRunner, RequestUpdate
 
     sent = []
     ranks = SimpleNamespace(send=lambda *message: sent.append(message))

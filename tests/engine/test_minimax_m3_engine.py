@@ -14,7 +14,8 @@ from sparrow import cli
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.async_engine import AsyncEngine
 from sparrow.engine.llm import LLM
-from sparrow.tokenizer import M3_SPECIAL_TOKENS, load_tokenizer
+from sparrow.models.minimax_m3 import SPECIAL_TOKENS as M3_SPECIAL_TOKENS
+from sparrow.tokenizer import load_tokenizer
 
 USER = [{"role": "user", "content": "Hello there"}]
 

@@ -6,8 +6,8 @@ import torch
 
 from sparrow.config import QuantConfig
 from sparrow.kernels import get_backend, set_backend
-from sparrow.layers.quantized import quantized_copy
-from sparrow.layers.sigmoid_moe import QuantizedOAIExperts, SigmoidMoE
+from sparrow.layers.quantized import QuantizedOAIExperts, quantized_copy
+from sparrow.layers.sigmoid_moe import SigmoidMoE
 from tests.conftest import rel_err
 
 

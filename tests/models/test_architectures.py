@@ -1,15 +1,18 @@
-"""Every registered architecture, on a tiny random model: a prompt in one step, the same
-prompt with a cached decode, two sequences in one step, the prompt in chunks, and on a GPU
-decode replayed from CUDA graphs against eager steps. Each must agree with the one-step
-prefill (fp32). A new architecture registers a tiny config in TINY."""
+"""Every registered architecture, on a tiny random model in float and quantised to 4 bits on
+load: a prompt in one step, the same prompt with a cached decode, two sequences in one step,
+the prompt in chunks, and on a GPU decode replayed from CUDA graphs against eager steps.
+Each must agree with the one-step prefill (fp32 activations). The module and its model
+satisfy `models.interface`. A new architecture registers a tiny config in TINY."""
 
 import pytest
 import torch
 
+from sparrow.config import QuantConfig
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
 from sparrow.loader.random_checkpoint import PRESETS, random_model
 from sparrow.models import ARCHITECTURES
+from sparrow.models.interface import Architecture, Model, ModelArgs
 from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 
@@ -19,6 +22,8 @@ TINY = {
     "minimax_m3": PRESETS["minimax-m3-tiny"].replace(
         vocab_size=320, initializer_range=0.1, index_block_size=4
     ),
+    "qwen3_moe": PRESETS["qwen3-moe-tiny"].replace(vocab_size=320, initializer_range=0.1),
+    "qwen3_next": PRESETS["qwen3-next-tiny"].replace(vocab_size=320, initializer_range=0.1),
 }
 TOL = 1e-4
 PROMPT = [(7 * i + 3) % 320 for i in range(29)]
@@ -29,9 +34,25 @@ def test_every_architecture_has_a_tiny_config():
     assert set(TINY) == set(ARCHITECTURES)
 
 
-@pytest.fixture(scope="module", params=sorted(TINY))
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_every_architecture_satisfies_the_interface(name):
+    arch = ARCHITECTURES[name]
+    assert isinstance(arch, Architecture) and arch.NAME == name
+    assert all(isinstance(p, ModelArgs) and p.architecture == name for p in arch.PRESETS.values())
+    model = random_model(TINY[name], seed=3, device="cpu", dtype=torch.float32)
+    assert isinstance(model, Model) and model.visual is None
+    assert len(model.cache_specs()) == TINY[name].num_layers
+    assert arch.ModelArgs.from_hf(TINY[name].to_hf_config()) == TINY[name]
+
+
+@pytest.fixture(scope="module", params=[(n, q) for n in sorted(TINY) for q in ("float", "4bit")])
 def model(request):
-    return random_model(TINY[request.param], seed=3, device="cpu", dtype=torch.float32)
+    name, quant = request.param
+    quantize = QuantConfig.from_name("4bit") if quant == "4bit" else None
+    model = random_model(TINY[name], seed=3, device="cpu", dtype=torch.float32, quantize=quantize)
+    if quantize is not None:  # the experts at least take the quantised layer
+        assert any(hasattr(m, "spec") for m in model.modules())
+    return model
 
 
 def _logits(model, batch: SequenceBatch, tokens, seqs=None) -> torch.Tensor:

@@ -10,13 +10,13 @@ import torch
 from hf_oracle import M3_PREPROCESSOR_CONFIG, QWEN_PREPROCESSOR_CONFIG
 from PIL import Image
 
+from sparrow.models import get_architecture
 from sparrow.multimodal import (
     MINIMAX_M3,
     QWEN3_5_MOE,
     MediaError,
     decode_image,
     preprocess_image,
-    spec_for_model_type,
 )
 from sparrow.multimodal.image import placeholder_token_ids, smart_resize
 
@@ -124,8 +124,8 @@ def test_smart_resize_matches_hf_over_many_sizes(hf_oracle_run):
 def test_specs_and_overrides():
     assert SPECS["qwen"] == QWEN3_5_MOE and QWEN3_5_MOE.patch_dim == 1536
     assert SPECS["m3"] == MINIMAX_M3 and MINIMAX_M3.patch_dim == 1176
-    assert spec_for_model_type("qwen3_5_moe") is QWEN3_5_MOE
-    assert spec_for_model_type("minimax_m3_vl") is MINIMAX_M3
+    assert get_architecture("qwen3_5_moe").SPEAKS.media.image is QWEN3_5_MOE
+    assert get_architecture("minimax_m3").SPEAKS.media.image is MINIMAX_M3
     custom = QWEN3_5_MOE.from_preprocessor_config(
         {"size": {"shortest_edge": 4096, "longest_edge": 10**6}, "max_pixels": 2 * 10**6}
     )
@@ -134,8 +134,6 @@ def test_specs_and_overrides():
         QWEN3_5_MOE.from_preprocessor_config({"resample": 2})
     with pytest.raises(ValueError, match="do_normalize"):
         MINIMAX_M3.from_preprocessor_config({"do_normalize": False})
-    with pytest.raises(KeyError, match="known"):
-        spec_for_model_type("llama")
 
 
 def test_placeholder_span():

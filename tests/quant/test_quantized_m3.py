@@ -8,11 +8,15 @@ import torch
 
 from sparrow.config import QuantConfig
 from sparrow.kernels.moe.experts import moe_experts_routed
-from sparrow.layers.quantized import QuantizedEmbedding, QuantizedExperts, QuantizedLinear
-from sparrow.layers.sigmoid_moe import QuantizedOAIExperts
+from sparrow.layers.quantized import (
+    QuantizedEmbedding,
+    QuantizedExperts,
+    QuantizedLinear,
+    QuantizedOAIExperts,
+)
+from sparrow.loader.mlx_writer import save_mlx_checkpoint
 from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
 from sparrow.loader.weights import load_checkpoint
-from sparrow.quant.mlx_layout import save_mlx_checkpoint
 from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 
@@ -89,7 +93,7 @@ def test_kernel_path_matches_reference(tmp_path, monkeypatch):
     on a CPU) equals the reference path: a 50-token prefill (the experts' grouped GEMMs),
     then one decode step (the expert GEMVs). Full attention in both layers: the interpreted
     MSA kernels would double the time and are tested on their own (tests/kernels/msa)."""
-    import sparrow.layers.sigmoid_moe as sigmoid_moe
+    import sparrow.layers.quantized as quantized
     from sparrow.kernels import get_backend, set_backend
 
     cfg = CFG.replace(
@@ -109,7 +113,7 @@ def test_kernel_path_matches_reference(tmp_path, monkeypatch):
         fused.append(len(x))
         return moe_experts_routed(x, *args)
 
-    monkeypatch.setattr(sigmoid_moe, "moe_experts_routed", spy)
+    monkeypatch.setattr(quantized, "moe_experts_routed", spy)
 
     def run(backend):
         set_backend(backend)

@@ -9,9 +9,9 @@ from safetensors import safe_open
 from sparrow.config import QuantConfig
 from sparrow.kernels.quant_gemv.gdn import quant_gemv_conv
 from sparrow.layers.quantized import QuantizedEmbedding, QuantizedExperts, QuantizedLinear
+from sparrow.loader.mlx_writer import save_mlx_checkpoint
 from sparrow.loader.random_checkpoint import PRESETS, write_random_checkpoint
 from sparrow.loader.weights import CheckpointError, load_checkpoint
-from sparrow.quant.mlx_layout import save_mlx_checkpoint
 from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 

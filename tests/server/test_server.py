@@ -309,6 +309,6 @@ def test_graceful_shutdown_finishes_in_flight_streams(tmp_path):
     assert sum(bool(c.choices[0].delta.content) for c in chunks) > 1
     # uvicorn re-raises the signal it handled once shut down: exit code 0 or -SIGTERM
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-    assert "[sparrow] server stopped" in proc.stdout.read()
+    assert "server stopped" in proc.stdout.read()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{base}/health", timeout=2)

@@ -10,7 +10,8 @@ import pytest
 
 from sparrow.chat_templates import CHATML_TEMPLATE, MINIMAX_TEMPLATE
 from sparrow.engine.client import EngineInfo
-from sparrow.server.tool_parsers import NS, PARSERS, ToolCallSplitter, parser_for
+from sparrow.models import ARCHITECTURES
+from sparrow.server.tool_parsers import NS, PARSERS, ToolCallSplitter
 from sparrow.tokenizer import Tokenizer, load_tokenizer
 from tests.server import test_app
 from tests.server.test_app import MODEL, CharTokenizer, ScriptedEngine, events
@@ -192,10 +193,9 @@ def test_text_around_calls_and_markers_in_plain_text():
     check_every_split("qwen3", text, ("a <tool_cal bmore", [("search", {})]))
 
 
-def test_parser_for_model_type():
-    assert parser_for("qwen3_5_moe") == parser_for("qwen3_5_moe_text") == "qwen3"
-    assert parser_for("minimax_m3_vl") == parser_for("minimax_m3_vl_text") == "minimax_m3"
-    assert parser_for("llama") is None
+def test_every_family_names_a_known_parser():
+    for arch in ARCHITECTURES.values():
+        assert arch.SPEAKS.tool_parser is None or arch.SPEAKS.tool_parser in PARSERS
 
 
 class RoomyEngine(ScriptedEngine):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,39 @@ def check_heads(hidden_size: int, num_heads: int) -> None:
         )
     if (hidden_size // num_heads) % 4:
         raise ConfigError(f"vision head dim {hidden_size // num_heads} must be a multiple of 4")
+
+
+class VisionArgs:
+    """What the towers' frozen args dataclasses share: head size, validation, and the axial
+    rope's theta as HF's `vision_config` gives it."""
+
+    hidden_size: int
+    num_heads: int
+    hidden_act: str
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def check(self, positive: Sequence[str], what: str) -> None:
+        """ConfigError unless the `positive` fields are positive integers, the heads divide
+        the width and the activation exists."""
+        for key in positive:
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{what} {key} must be a positive integer, got {value!r}")
+        check_heads(self.hidden_size, self.num_heads)
+        activation(self.hidden_act)
+
+    @staticmethod
+    def rope_values(vision: dict[str, Any]) -> dict[str, float]:
+        """`rope_theta` from a vision_config (in `rope_parameters` or at its top level);
+        ConfigError for a rope type other than axial."""
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"vision rope_type {rope['rope_type']!r}: only axial exists")
+        theta = rope.get("rope_theta", vision.get("rope_theta"))
+        return {} if theta is None else {"rope_theta": float(theta)}
 
 
 class PatchEmbed(nn.Module):

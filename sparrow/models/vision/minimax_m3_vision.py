@@ -31,10 +31,10 @@ from torch import nn
 from sparrow.config import ConfigError
 from sparrow.models.vision.common import (
     PatchEmbed,
+    VisionArgs,
     activation,
     apply_rotary,
     axial_rotary,
-    check_heads,
     check_patches,
     grids_of,
     patch_positions,
@@ -56,7 +56,7 @@ _HF_VISION_KEYS = {
 
 
 @dataclass(frozen=True)
-class MiniMaxM3VisionArgs:
+class MiniMaxM3VisionArgs(VisionArgs):
     """The M3 vision tower and projector; defaults are HF's (the released checkpoint's)."""
 
     num_layers: int = 32
@@ -74,12 +74,7 @@ class MiniMaxM3VisionArgs:
     text_hidden_size: int = 6144
 
     def __post_init__(self) -> None:
-        for key in (*_HF_VISION_KEYS, "projector_hidden_size", "text_hidden_size"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"M3 vision {key} must be a positive integer, got {value!r}")
-        check_heads(self.hidden_size, self.num_heads)
-        activation(self.hidden_act)
+        self.check((*_HF_VISION_KEYS, "projector_hidden_size", "text_hidden_size"), "M3 vision")
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> MiniMaxM3VisionArgs:
@@ -97,21 +92,12 @@ class MiniMaxM3VisionArgs:
         for field in ("hidden_act", "layer_norm_eps"):
             if vision.get(field) is not None:
                 values[field] = vision[field]
-        rope = vision.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ConfigError(f"vision rope_type {rope['rope_type']!r}: only axial exists")
-        theta = rope.get("rope_theta", vision.get("rope_theta"))
-        if theta is not None:
-            values["rope_theta"] = float(theta)
+        values |= cls.rope_values(vision)
         if raw.get("projector_hidden_size") is not None:
             values["projector_hidden_size"] = raw["projector_hidden_size"]
         if text.get("hidden_size") is not None:
             values["text_hidden_size"] = text["hidden_size"]
         return cls(**values)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def patch_dim(self) -> int:

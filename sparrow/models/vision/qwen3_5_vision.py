@@ -25,10 +25,10 @@ from sparrow.config import ConfigError
 from sparrow.models.vision.common import (
     Grid,
     PatchEmbed,
+    VisionArgs,
     activation,
     apply_rotary,
     axial_rotary,
-    check_heads,
     check_patches,
     frame_bounds,
     grids_of,
@@ -56,7 +56,7 @@ LAYER_NORM_EPS = 1e-6  # fixed in HF's blocks and merger
 
 
 @dataclass(frozen=True)
-class Qwen3_5VisionArgs:
+class Qwen3_5VisionArgs(VisionArgs):
     """The vision tower of Qwen3.5/3.6 MoE; defaults are the Qwen3.6-35B-A3B checkpoint's."""
 
     depth: int = 27
@@ -73,12 +73,7 @@ class Qwen3_5VisionArgs:
     rope_theta: float = 10_000.0
 
     def __post_init__(self) -> None:
-        for key in _INT_KEYS:
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"vision_config {key} must be a positive integer, got {value!r}")
-        check_heads(self.hidden_size, self.num_heads)
-        activation(self.hidden_act)
+        self.check(_INT_KEYS, "vision_config")
         if math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
             raise ConfigError(
                 f"vision_config num_position_embeddings "
@@ -97,17 +92,7 @@ class Qwen3_5VisionArgs:
         values = _HF_MISSING | values
         if vision.get("hidden_act") is not None:
             values["hidden_act"] = vision["hidden_act"]
-        rope = vision.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ConfigError(f"vision rope_type {rope['rope_type']!r}: only axial exists")
-        theta = rope.get("rope_theta", vision.get("rope_theta"))
-        if theta is not None:
-            values["rope_theta"] = float(theta)
-        return cls(**values)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return cls(**values | cls.rope_values(vision))
 
     @property
     def patch_dim(self) -> int:

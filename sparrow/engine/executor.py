@@ -1,9 +1,9 @@
-"""The ranks of a tensor-parallel engine. Rank 0 is the engine's own process: it schedules,
-samples and speaks to clients. Ranks 1..S-1 are processes it spawns (`start`); each loads
-its share of the checkpoint, builds the same cache and runner, and then does what rank 0's
-`RankedRunner` forwards, step by step: every rank runs each step's forward (its heads and
-expert columns; the layers all-reduce), and takes rank 0's sampled tokens
-(`group.broadcast` in the runner), so no rank's sampling can drift from rank 0's.
+"""The engine's executor over the ranks of a tensor-parallel engine. Rank 0 is the engine's own
+process: it schedules, samples and speaks to clients. Ranks 1..S-1 are processes it spawns
+(`start`); each loads its share of the checkpoint, builds the same cache and runner, and
+then does what rank 0's `RankedRunner` forwards, step by step: every rank runs each step's
+forward (its heads and expert columns; the layers all-reduce), and takes rank 0's sampled
+tokens (`group.broadcast` in the runner), so no rank's sampling can drift from rank 0's.
 
 A step's message carries the plan and, for each request it names, the request whole the
 first time and then only what changed (`RequestUpdate`: the tokens sampled since, the
@@ -14,9 +14,9 @@ collective that waits longer than `group.TIMEOUT_S` raises too).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import signal
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,8 @@ from sparrow.core.request import Request, RequestStatus
 from sparrow.distributed import group
 from sparrow.distributed.shard import Shard
 from sparrow.net import free_port
+
+logger = logging.getLogger(__name__)
 
 
 class RankFailed(RuntimeError):
@@ -165,17 +167,18 @@ class _RankedMedia:
 
 def _rank_main(rank: int, size: int, init_method: str, config) -> None:
     """A spawned rank: load its share, build the runner rank 0 resolved, follow its steps."""
-    from sparrow.engine.llm import load_model
     from sparrow.engine.resolve import resolve_device
+    from sparrow.loader.model import load_model
     from sparrow.worker.model_runner import ModelRunner
 
     # Ctrl-C reaches every process of the terminal: rank 0 stops the others itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    device = rank_device(resolve_device(config.device)[0], rank)
+    name, dtype = resolve_device(config.device)
+    device = rank_device(name, rank)
     group.init(rank, size, init_method, device)
     try:
         shard = Shard(rank, size, config.parallel.enable_expert_parallel)
-        model = load_model(config, progress=False, shard=shard, device=device)
+        model = load_model(config, device, dtype, shard=shard)
         scheduler_config, cache_config = group.broadcast_object()
         runner = ModelRunner(
             model, scheduler_config, cache_config, cuda_graphs=not config.device.enforce_eager
@@ -199,7 +202,7 @@ def _rank_main(rank: int, size: int, init_method: str, config) -> None:
             elif op == "media":
                 runner.media.add(*args)
     except Exception as e:  # the other ranks see the group fail; say why here
-        print(f"[sparrow] tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        logger.error("tensor-parallel rank %d: %s: %s", rank, type(e).__name__, e)
         raise
     finally:
         group.close()

@@ -1,0 +1,50 @@
+"""A model as an `EngineConfig` names it: a checkpoint directory (or the built-in default)
+loaded onto a device, or, with `load_format="dummy"`, random weights drawn there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sparrow.assets import default_checkpoint
+from sparrow.config import EngineConfig
+from sparrow.distributed.shard import Shard
+from sparrow.loader.random_checkpoint import random_model
+from sparrow.loader.vision import attach_vision, names_vision, random_vision
+from sparrow.loader.weights import load_checkpoint, rank_args
+from sparrow.models import load_model_args, read_config
+
+
+def checkpoint_dir(config: EngineConfig) -> Path:
+    """The checkpoint directory `config` names: `config.model`, or the built-in default."""
+    return Path(config.model) if config.model is not None else default_checkpoint()
+
+
+def load_model(
+    config: EngineConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    progress: bool = False,
+    shard: Shard | None = None,
+) -> torch.nn.Module:
+    """The model `config` names, on `device` with activations in `dtype`; with `shard`, one
+    rank's share of it under tensor parallelism (dummy weights: each rank draws its own
+    share). The vision tower comes too where the checkpoint has one."""
+    model_dir = checkpoint_dir(config)
+    if config.load_format == "dummy":
+        args, seed = load_model_args(model_dir), config.seed
+        if shard is not None:
+            quant = config.quantization or args.quantization
+            args = rank_args(args.replace(quantization=quant), shard)
+            seed += shard.rank
+        model = random_model(args, seed, device, dtype, config.quantization)
+        hf_config = read_config(model_dir)
+        if names_vision(hf_config):  # the tower too, as vLLM draws every weight
+            model.visual = random_vision(hf_config, seed, device, dtype)
+        return model
+    model = load_checkpoint(
+        model_dir, device, dtype, quantize=config.quantization, progress=progress, shard=shard
+    )
+    attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
+    return model
