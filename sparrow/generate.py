@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparrow.core.sampling_params import SamplingParams
-from sparrow.worker.sampler import sample
+from sparrow.worker.sampler import random_seed, sample
 from sparrow.worker.sequences import SequenceBatch
 
 
@@ -60,14 +60,12 @@ def generate(
         raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
-    gen = None
-    if params.seed is not None:
-        gen = torch.Generator(device=device).manual_seed(params.seed)
+    seed = params.seed if params.seed is not None else random_seed()
     stop = set(params.stop_token_ids)
     batch = SequenceBatch(model, 1, len(prompt_ids) + params.max_tokens)
     t0 = time.perf_counter()
     hidden = batch.forward([prompt_ids])
-    token = sample(model.logits(hidden[-1:]), params, gen)
+    token = sample(model.logits(hidden[-1:]), params, seed, params.output_offset)
     _sync(device)
     stats.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -79,4 +77,4 @@ def generate(
         if tok in stop or i + 1 == params.max_tokens:
             return
         hidden = batch.forward([token])
-        token = sample(model.logits(hidden), params, gen)
+        token = sample(model.logits(hidden), params, seed, params.output_offset + i + 1)

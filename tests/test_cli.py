@@ -71,6 +71,9 @@ def test_help_documents_every_command(tmp_path):
     top = _run(["--help"], tmp_path)
     assert top.returncode == 0 and "generate" in top.stdout and "checkpoint" in top.stdout
     assert "--preset" in _run(["checkpoint", "random", "--help"], tmp_path).stdout
+    for command in ("serve", "gateway"):
+        text = _run([command, "--help"], tmp_path).stdout
+        assert "--drain-timeout" in text and "--body-timeout" in text
 
 
 def test_clear_errors(tmp_path):

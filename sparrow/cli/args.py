@@ -17,6 +17,8 @@ from sparrow.config import (
 )
 from sparrow.engine.resolve import TORCH_DTYPES
 from sparrow.logs import LEVELS
+from sparrow.server.drain import DRAIN_S
+from sparrow.server.middleware import BODY_TIMEOUT_S
 from sparrow.server.reasoning import PARSERS
 from sparrow.server.tool_parsers import PARSERS as TOOL_PARSERS
 
@@ -224,7 +226,20 @@ def _add_serve(sub) -> None:
 
 
 def _add_http_args(parser: argparse.ArgumentParser) -> None:
-    """The flags `serve` and `gateway` share: limits, parsers, media sources."""
+    """The flags `serve` and `gateway` share: limits, shutdown, parsers, media sources."""
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_S,
+        help="seconds requests in flight get to finish after SIGTERM / SIGINT; meanwhile new "
+        "ones get 503 + Retry-After and /health 503, then streams still open end with an error",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help="seconds a request body may take to arrive (408 past it; 0: no limit)",
+    )
     parser.add_argument(
         "--rate-limit",
         type=float,

@@ -62,8 +62,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """The OpenAI-compatible server over the engine (single process). Exits 1 if the engine
-    fails beyond repair, so that a supervisor restarts it; 0 on a normal shutdown."""
-    import uvicorn
+    fails beyond repair, so that a supervisor restarts it; 0 on a normal shutdown (SIGTERM:
+    once the drain is over)."""
 
     from sparrow.engine.async_engine import AsyncEngine
     from sparrow.engine.llm import LLM
@@ -88,15 +88,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reasoning=reasoning_format(args, model_dir),
         rate_limit=args.rate_limit,
         tool_parser=tool_format(args, model_dir),
+        drain_s=args.drain_timeout,
+        body_timeout_s=args.body_timeout or None,
     )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        timeout_graceful_shutdown=30,
-        **uvicorn_settings(args.log_level),
-    )
-    server = uvicorn.Server(config)
+    server = draining_server(app, args)
 
     def stop(error: BaseException) -> None:  # on the engine thread; uvicorn polls the flag
         server.should_exit = True
@@ -110,6 +105,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.error("the engine failed: exiting with status 1")
         return 1
     return 0
+
+
+def draining_server(app, args: argparse.Namespace):
+    """uvicorn's server for `app` (`server.app.build_app`), told to stop only once the app's
+    drain is over: uvicorn closes its listener as soon as it is told, and the listener stays
+    open through the drain to answer 503s."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=30,  # for the streams' error ends, once the drain is over
+        **uvicorn_settings(args.log_level),
+    )
+    server = uvicorn.Server(config)
+    app.state.drain.on_drained = lambda: setattr(server, "should_exit", True)
+    return server
 
 
 def speaks(model_dir: Path | str | None):
@@ -161,7 +174,6 @@ def media_limits(args: argparse.Namespace):
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     """The OpenAI API over gRPC workers: routing, retries, media preprocessing on the CPU."""
-    import uvicorn
 
     from sparrow.assets import default_checkpoint
     from sparrow.gateway.app import GatewaySettings, build_gateway
@@ -180,6 +192,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         router=RouterSettings(request_timeout_s=args.request_timeout or None),
         reasoning=reasoning_format(args, model_dir),
         tool_parser=tool_format(args, model_dir),
+        drain_s=args.drain_timeout,
+        body_timeout_s=args.body_timeout or None,
     )
     app, router, pool = build_gateway(settings)
     logger.info(
@@ -191,13 +205,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         args.port,
     )
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            timeout_graceful_shutdown=30,
-            **uvicorn_settings(args.log_level),
-        )
+        draining_server(app, args).run()
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

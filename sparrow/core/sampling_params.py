@@ -12,7 +12,7 @@ from sparrow.core.structured import GrammarSpec
 # Below this temperature sampling is greedy: logits / 1e-45 overflow to inf, the softmax
 # gives NaN and torch.multinomial raises (the limit vLLM uses).
 MIN_TEMPERATURE = 1e-5
-SEED_RANGE = 2**64  # torch.Generator.manual_seed takes [-2**63, 2**64)
+SEED_RANGE = 2**64  # seeds are 64-bit: the sampler's counter-based draws key on them
 MAX_INT = 2**31 - 1  # bound on max_tokens and top_k
 MAX_LOGPROBS = 20
 
@@ -21,7 +21,9 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """Validated on construction (and `dataclasses.replace`): ValueError with the field and
     value for anything the engine cannot run. Temperatures below `MIN_TEMPERATURE` become
-    0 (greedy); seeds are taken modulo 2**64, so seed + i for the n choices stays valid."""
+    0 (greedy); seeds are taken modulo 2**64, so seed + i for the n choices stays valid.
+    `min_tokens` counts the `output_offset` earlier tokens: it may exceed max_tokens by
+    that many."""
 
     max_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy
@@ -43,6 +45,13 @@ class SamplingParams:
     # (vLLM's extension); the request then starts from no cached prefix
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True  # the output text leaves out the tokenizer's special tokens
+    # how many tokens at the prompt's end are this request's own earlier output (a stream
+    # resumed elsewhere: the gateway's prompt + tokens so far). They count as output for the
+    # random draws (token j samples at output position output_offset + j), presence and
+    # frequency penalties, min_tokens and the grammar (replayed through them); prompt
+    # logprobs, if asked, cover the whole prompt, those tokens included. Internal to the
+    # gateway -> worker protocol: the HTTP API does not take it.
+    output_offset: int = 0
 
     def stopping_at(self, end_ids: tuple[int, ...]) -> SamplingParams:
         """These params, stopping at `end_ids` (the model's end tokens) unless they give
@@ -95,7 +104,9 @@ class SamplingParams:
         if not 0 <= min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         put(self, "min_p", min_p)
-        put(self, "min_tokens", _int("min_tokens", self.min_tokens, 0, self.max_tokens))
+        put(self, "output_offset", _int("output_offset", self.output_offset, 0, None))
+        most = self.max_tokens + self.output_offset
+        put(self, "min_tokens", _int("min_tokens", self.min_tokens, 0, most))
         for name in ("presence_penalty", "frequency_penalty"):
             value = _float(name, getattr(self, name))
             if not -2 <= value <= 2:

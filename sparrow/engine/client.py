@@ -37,6 +37,21 @@ class EngineUnreachable(EngineError):
     a router may send it to another engine."""
 
 
+def check_token_ids(
+    prompt_token_ids: Sequence[int], params: SamplingParams, vocab_size: int
+) -> None:
+    """InvalidRequest unless the prompt's, the stop and the logit_bias token ids are all in
+    [0, vocab_size): the engine's check, and a remote client's before the ids go on the wire
+    (whose fields are 32-bit)."""
+    for name, ids in (
+        ("prompt token ids", prompt_token_ids),
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias token ids", [t for t, _ in params.logit_bias]),
+    ):
+        if any(not 0 <= i < vocab_size for i in ids):
+            raise InvalidRequest(f"{name} must be in [0, {vocab_size})")
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What a caller needs to know to build requests."""

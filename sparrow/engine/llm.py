@@ -24,7 +24,7 @@ from sparrow.core.sampling_params import SamplingParams
 from sparrow.core.scheduler import RequestOutput, Scheduler
 from sparrow.distributed import group
 from sparrow.distributed.shard import Shard
-from sparrow.engine.client import EngineInfo, EngineStats
+from sparrow.engine.client import EngineInfo, EngineStats, check_token_ids
 from sparrow.engine.executor import RankedRunner, Ranks, rank_device
 from sparrow.engine.output_processor import OutputProcessor, PromptLogprobEntry
 from sparrow.engine.resolve import resolve, resolve_device
@@ -136,7 +136,8 @@ class LLM:
         media: Sequence[MediaItem] = (),
     ) -> Request:
         """A validated request (not queued yet): ValueError if it can never run. Stop token
-        ids default to the model's end tokens unless `params` gives some or ignores EOS.
+        ids default to the model's end tokens unless `params` gives some or ignores EOS; a
+        resumed request's `output_offset` is at most the prompt's length.
         `media`: its images and videos, whose placeholder runs the prompt holds (a model
         without a vision tower refuses them). Reads only settings: safe to call from another
         thread than the one stepping."""
@@ -147,11 +148,12 @@ class LLM:
                 "this engine has no tokenizer: give prompts as token ids and no stop strings"
             )
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= i < vocab for i in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.output_offset > len(ids):
+            raise ValueError(
+                f"output_offset ({params.output_offset}) counts more tokens than the prompt "
+                f"has ({len(ids)}): it must be in [0, {len(ids)}]"
+            )
+        check_token_ids(ids, params, self.model.config.vocab_size)
         params = params.stopping_at(self.default_stop_ids)
         if params.grammar is not None:
             self.grammar_compiler().compile(params.grammar)  # ValueError if it does not
@@ -192,8 +194,13 @@ class LLM:
         if spec is not None:
             # a request that ignores EOS still ends its grammar with an end token
             stops = request.params.stop_token_ids or self.default_stop_ids
+            prompt, offset = request.prompt_token_ids, request.params.output_offset
             self.runner.add_grammar(
-                request.request_id, self.grammar_compiler().compile(spec), stops, spec.after
+                request.request_id,
+                self.grammar_compiler().compile(spec),
+                stops,
+                spec.after,
+                prompt[len(prompt) - offset :],
             )
         try:
             self.scheduler.add_request(request)

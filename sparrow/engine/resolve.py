@@ -87,10 +87,8 @@ def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConf
 
 def _context_source(args: ModelArgs) -> str:
     if args.max_context > args.max_position_embeddings:
-        return (
-            f"max_position_embeddings {args.max_position_embeddings}, extended by the "
-            "config's rope scaling"
-        )
+        native = args.max_position_embeddings
+        return f"max_position_embeddings {native} x {args.max_context / native:g} by rope scaling"
     return "max_position_embeddings; rope scaling in config.json extends it where supported"
 
 

@@ -24,6 +24,8 @@ from sparrow.gateway.router import Router, RouterSettings
 from sparrow.multimodal.pipeline import MediaPipeline
 from sparrow.rpc.client import RemoteEngine
 from sparrow.server.app import build_app
+from sparrow.server.drain import DRAIN_S
+from sparrow.server.middleware import BODY_TIMEOUT_S
 from sparrow.server.reasoning import ReasoningFormat
 from sparrow.server.tool_parsers import ToolFormat
 from sparrow.tokenizer import load_tokenizer
@@ -45,6 +47,8 @@ class GatewaySettings:
     reasoning: ReasoningFormat | None = None
     tool_parser: ToolFormat | None = None
     wait_s: float = 60.0  # for the first worker to answer
+    drain_s: float = DRAIN_S  # after SIGTERM, for the requests in flight
+    body_timeout_s: float | None = BODY_TIMEOUT_S  # for a request body to arrive; None: none
 
 
 def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPoolExecutor | None]:
@@ -53,10 +57,12 @@ def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPo
     tokenizer = load_tokenizer(settings.model_dir)
     router = Router(
         settings.workers,
-        lambda address: RemoteEngine(address, tokenizer.decode, special_ids=tokenizer.skipped_ids),
+        lambda address: RemoteEngine(address, tokenizer.decode),
         make_policy(settings.policy),
         settings.router,
         wait_s=settings.wait_s,
+        decode=tokenizer.decode,
+        special_ids=tokenizer.skipped_ids,
     )
     media = pool = None
     if router.info.media and settings.media is not None:  # the workers' model sees
@@ -75,5 +81,7 @@ def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPo
         rate_limit=settings.rate_limit,
         media_executor=pool,
         collectors=[RouterCollector(router)],
+        drain_s=settings.drain_s,
+        body_timeout_s=settings.body_timeout_s,
     )
     return app, router, pool

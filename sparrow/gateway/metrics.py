@@ -27,7 +27,7 @@ class RouterCollector:
         )
         load = GaugeMetricFamily(
             "sparrow_gateway_worker_load",
-            "requests at the worker (in flight or reported)",
+            "requests at the worker (in flight here, or as it reports them while healthy)",
             labels=labels,
         )
         breaker = GaugeMetricFamily(
@@ -40,9 +40,15 @@ class RouterCollector:
             "requests handed on to another worker after failing here",
             labels=labels,
         )
+        resumed = CounterMetricFamily(
+            "sparrow_gateway_worker_resumed",
+            "streams that went on at another worker after tokens had streamed here",
+            labels=labels,
+        )
         for w in self.router.workers:
             healthy.add_metric([w.address], float(w.alive))
             load.add_metric([w.address], float(w.load))
             breaker.add_metric([w.address], float(BREAKER_STATES[w.breaker.state]))
             retries.add_metric([w.address], float(w.retries))
-        yield from (healthy, load, breaker, retries)
+            resumed.add_metric([w.address], float(w.resumed))
+        yield from (healthy, load, breaker, retries, resumed)

@@ -1,7 +1,9 @@
 """`RemoteEngine`: the `EngineClient` that runs requests on a worker over gRPC.
 
-`add` sends Generate and waits for the worker's first chunk (the request is queued) or its
-refusal; the token ids that follow go through this side's own `OutputProcessor`, which
+`generate` sends Generate and waits, at most `timeout_s`, for the worker's first chunk (the
+request is queued) or its refusal; it yields the worker's token outputs as they come (what
+a gateway's router follows, and resumes elsewhere when the worker is lost). `add` is the
+`EngineClient` over it: the token ids go through this side's own `OutputProcessor`, which
 detokenises with the caller's tokenizer and applies stop strings (one found before the worker
 stopped is aborted there). Leaving a stream early cancels its call, which aborts the request
 on the worker. Status codes come back as the interface's errors: INVALID_ARGUMENT as
@@ -33,6 +35,7 @@ from sparrow.engine.client import (
     EngineStats,
     EngineUnreachable,
     InvalidRequest,
+    check_token_ids,
 )
 from sparrow.engine.output_processor import OutputDelta, OutputProcessor
 from sparrow.multimodal.items import MediaItem
@@ -102,10 +105,27 @@ class RemoteEngine(EngineClient):
         params: SamplingParams,
         media: Sequence[MediaItem] = (),
     ) -> AsyncIterator[OutputDelta]:
-        stub = self._stub_here()
         if request_id in self._processor:
             raise InvalidRequest(f"duplicate request id {request_id!r}")
         params = params.stopping_at(self._info.default_stop_token_ids)
+        outputs = await self.generate(request_id, prompt_token_ids, params, media)
+        self._processor.add(request_id, params)
+        return self._stream(request_id, outputs)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        media: Sequence[MediaItem] = (),
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request on the worker and return the stream of its token outputs (stop
+        token ids as `params` gives them). Raises before anything streams: InvalidRequest,
+        EngineFull, EngineUnreachable (no connection, or no answer within `timeout_s`),
+        EngineError. The stream raises EngineError if the worker fails or ends it early;
+        leaving it cancels the call (the worker aborts the request)."""
+        check_token_ids(prompt_token_ids, params, self._info.vocab_size)  # before the uint32s
+        stub = self._stub_here()
         request = pb.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -114,22 +134,27 @@ class RemoteEngine(EngineClient):
         )
         call = stub.Generate(request)
         try:
-            accepted = await call.read()
+            accepted = await asyncio.wait_for(call.read(), self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise status_error(e) from e
+        except TimeoutError as e:
+            call.cancel()
+            raise EngineUnreachable(
+                f"the worker at {self.target} did not take the request within "
+                f"{self.timeout_s:.0f} s"
+            ) from e
         except asyncio.CancelledError:
             call.cancel()
             raise
         if accepted is grpc.aio.EOF:
             raise EngineError("the worker closed the stream before queueing the request")
-        self._processor.add(request_id, params)
-        return self._stream(request_id, call)
+        return self._outputs(request_id, call)
 
-    async def _stream(self, request_id: str, call) -> AsyncIterator[OutputDelta]:
-        """The request's deltas; the call is cancelled (the worker aborts) if it stops early."""
-        finished = False
+    async def _outputs(self, request_id: str, call) -> AsyncIterator[RequestOutput]:
+        """The request's token outputs until the one with a finish reason; the call is
+        cancelled (the worker aborts) if the caller stops early."""
         try:
-            while not finished:
+            while True:
                 chunk = await call.read()
                 if chunk is grpc.aio.EOF:
                     raise EngineError("the worker ended the stream before the request finished")
@@ -140,14 +165,29 @@ class RemoteEngine(EngineClient):
                     convert.logprobs_from_pb(chunk.logprobs),
                     convert.prompt_logprobs_from_pb(chunk),
                 )
-                for delta in self._processor.process([out]):
-                    finished = delta.finish_reason is not None
-                    yield delta
+                yield out
+                if out.finish_reason is not None:
+                    return
         except grpc.aio.AioRpcError as e:
             raise status_error(e) from e
         finally:
-            self._processor.abort(request_id)  # a no-op once it finished
             call.cancel()  # a no-op once the call ended
+
+    async def _stream(
+        self, request_id: str, outputs: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[OutputDelta]:
+        """The request's deltas, detokenised and stop strings applied here."""
+        finished = False
+        try:
+            async for out in outputs:
+                for delta in self._processor.process([out]):
+                    finished = delta.finish_reason is not None
+                    yield delta
+                if finished:
+                    return
+        finally:
+            self._processor.abort(request_id)  # a no-op once it finished
+            await outputs.aclose()
 
     def abort(self, request_id: str) -> None:
         loop = self._loop

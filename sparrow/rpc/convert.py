@@ -55,6 +55,7 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
             if params.grammar is not None
             else None
         ),
+        output_offset=params.output_offset,
     )
 
 
@@ -87,6 +88,7 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
             if msg.HasField("grammar")
             else None
         ),
+        output_offset=msg.output_offset,
     )
 
 

@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP app over an `EngineClient`: chat and text completions (streamed
 as SSE or whole), models, health, Prometheus metrics. Pure-ASGI middleware checks the API key,
-holds the body to its limit and counts every response; every error, 404 and 405 included,
-is answered with OpenAI's error body."""
+holds the body to its limits, turns new requests away while the server drains and counts
+every response; every error, 404 and 405 included, is answered with OpenAI's error body.
+Tokenising and chat templates run on a few threads of their own, off the event loop."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,10 +19,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparrow.engine.client import EngineClient
 from sparrow.multimodal.pipeline import MediaPipeline
-from sparrow.server.drain import Drain
+from sparrow.server.drain import DRAIN_S, Drain, DrainGate
 from sparrow.server.handlers import Handlers
 from sparrow.server.metrics import Metrics
-from sparrow.server.middleware import ApiKeys, BodyLimit, CountResponses, KeyRing, RateLimiter
+from sparrow.server.middleware import (
+    BODY_TIMEOUT_S,
+    ApiKeys,
+    BodyLimit,
+    CountResponses,
+    KeyRing,
+    RateLimiter,
+)
 from sparrow.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -28,10 +37,16 @@ from sparrow.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
+    too_deep,
 )
 from sparrow.server.reasoning import ReasoningFormat
 from sparrow.server.tool_parsers import ToolFormat
 from sparrow.tokenizer import Tokenizer
+
+# Threads that tokenise and render chat templates: tiktoken and HF tokenizers encode without
+# the GIL, so a 1 MB prompt (0.1-0.4 s) leaves the event loop free; a few threads bound the
+# CPU that concurrent long prompts take from the engine.
+TEXT_THREADS = min(4, os.cpu_count() or 1)
 
 ERROR_TYPES = {
     401: "authentication_error",
@@ -51,35 +66,42 @@ def build_app(
     api_key: str | Sequence[str] | None = None,
     max_body_bytes: int | None = None,
     max_waiting: int | None = None,
-    drain_s: float = 10.0,
+    drain_s: float = DRAIN_S,
     media: MediaPipeline | None = None,
     reasoning: ReasoningFormat | None = None,
     rate_limit: float | None = None,
     media_executor: Executor | None = None,
     collectors: Sequence[object] = (),
     tool_parser: ToolFormat | None = None,
+    body_timeout_s: float | None = BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The app serving `model_name` from `engine`; `tokenizer` encodes prompts and applies
     the chat template. `api_key`: one or more keys (plain, or `sha256:<hex>`), one of which
-    is required as a bearer token on /v1/ routes; `rate_limit`: requests per minute per key.
+    is required as a bearer token on /v1/ routes, /tokenize and /detokenize; `rate_limit`:
+    requests per minute per key.
     `max_body_bytes`: the request body limit (None: 64 MiB with `media`, which arrive as data
     URLs, else 1 MiB).
+    `body_timeout_s`: the time a request body may take to arrive (None: no limit).
     `max_waiting`: the engine's queue limit (a request of more choices can never be
-    admitted). On SIGTERM / SIGINT requests in flight get `drain_s` seconds, then end with an
-    error; shutting the app down then shuts the engine down. `media`: image and video parts
-    of chat messages (None: the model takes text only), loaded on `media_executor` (None:
-    the event loop's threads). `reasoning`: the think markers that split chat completions
-    into `reasoning_content` and `content` (None: all text is content). `collectors`: more
-    Prometheus collectors for /metrics (a gateway's per-worker state). `tool_parser`: the
-    model's tool-call format (`tool_parsers.PARSERS`), parsed into `tool_calls` when a chat
-    request gives tools (None: the tools are rendered and the text stays text)."""
+    admitted). On SIGTERM / SIGINT the app drains (`drain.py`): requests in flight get
+    `drain_s` seconds, then end with an error, and `app.state.drain.on_drained` tells the
+    server to stop; shutting the app down then shuts the engine down. `media`: image and
+    video parts of chat messages (None: the model takes text only), loaded on
+    `media_executor` (None: the event loop's threads). `reasoning`: the think markers that
+    split chat completions into `reasoning_content` and `content` (None: all text is
+    content). `collectors`: more Prometheus collectors for /metrics (a gateway's per-worker
+    state). `tool_parser`: the model's tool-call format (`tool_parsers.PARSERS`), parsed
+    into `tool_calls` when a chat request gives tools (None: the tools are rendered and the
+    text stays text)."""
     drain = Drain(drain_s)
+    text_executor = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="sparrow-text")
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         drain.hook_signals()
         yield
         drain.stop()
+        text_executor.shutdown(wait=False, cancel_futures=True)
         await engine.shutdown()  # uvicorn stopped taking requests and drained in-flight ones
         logger.info("server stopped")
 
@@ -90,12 +112,17 @@ def build_app(
     metrics = Metrics(engine)
     for collector in collectors:
         metrics.registry.register(collector)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or ((64 << 20) if media else 1 << 20))
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=max_body_bytes or ((64 << 20) if media else 1 << 20),
+        timeout_s=body_timeout_s,
+    )
     if api_key:
         keys = KeyRing([api_key] if isinstance(api_key, str) else api_key)
         app.add_middleware(
             ApiKeys, keys=keys, limiter=RateLimiter(rate_limit) if rate_limit else None
         )
+    app.add_middleware(DrainGate, drain=drain)
     app.add_middleware(CountResponses, metrics=metrics)  # outermost: sees every answer
     _add_error_handlers(app)
     handlers = Handlers(
@@ -109,6 +136,7 @@ def build_app(
         reasoning,
         media_executor,
         tool_parser,
+        text_executor,
     )
     _add_routes(app, engine, handlers, metrics, model_name)
     return app
@@ -137,7 +165,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         kind = ERROR_TYPES.get(
             exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"
         )
-        return _error(exc.status_code, str(exc.detail), kind, exc.headers)
+        detail = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # json.loads: a body ~1,000 levels deep
+            detail = too_deep("the body")
+        return _error(exc.status_code, detail, kind, exc.headers)
 
     @app.exception_handler(ApiError)
     async def on_api_error(_, exc: ApiError):
@@ -181,8 +212,8 @@ def _add_routes(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return handlers.tokenize(body)
+        return await handlers.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return handlers.detokenize(body)
+        return await handlers.detokenize(body)

@@ -1,6 +1,10 @@
 """From a validated body to engine requests and back: tokenise (chat template for chat),
 add the n choices to the engine, then collect their outputs into one response or stream
-them as server-sent events. Talks to the engine through `EngineClient` alone."""
+them as server-sent events. Talks to the engine through `EngineClient` alone.
+
+Prompt text is held to PROMPT_BYTES_PER_TOKEN bytes per token of the model's context before
+it is tokenised, then tokenised (and templated) on the text executor, never on the event
+loop."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from sparrow.core import structured
 from sparrow.core.sampling_params import SamplingParams
@@ -22,7 +26,7 @@ from sparrow.engine.client import EngineClient, EngineError, EngineFull, Invalid
 from sparrow.engine.output_processor import OutputDelta
 from sparrow.multimodal.pipeline import MediaPipeline
 from sparrow.server import protocol
-from sparrow.server.drain import DRAINED, Drain, ShuttingDown
+from sparrow.server.drain import DRAINED, RETRY_AFTER_S, Drain, ShuttingDown
 from sparrow.server.jobs import Choice, Job
 from sparrow.server.metrics import Metrics
 from sparrow.server.protocol import (
@@ -43,6 +47,11 @@ DISCONNECT_POLL_S = 0.25  # a whole-response request checks its client this ofte
 
 
 MEDIA_PARTS = ("image_url", "video_url")  # as vLLM accepts them
+# A prompt's text may be this many UTF-8 bytes per token of max_model_len: English runs ~4
+# bytes a token, CJK ~2-3, the built-in vocabulary's longest token is 128 (a run of spaces);
+# 32 passes any prompt that could fit, and bounds the tokeniser's work (0.1-0.4 s per MB).
+PROMPT_BYTES_PER_TOKEN = 32
+TOKENS_PER_SLICE = 4096  # /tokenize writes its ids in slices (0.4 ms each)
 
 
 class Handlers:
@@ -58,11 +67,12 @@ class Handlers:
         reasoning: ReasoningFormat | None = None,
         media_executor: Executor | None = None,
         tool_parser: ToolFormat | None = None,
+        text_executor: Executor | None = None,
     ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.metrics, self.drain, self.max_waiting = metrics, drain, max_waiting
         self.media, self.reasoning, self.media_executor = media, reasoning, media_executor
-        self.tool_parser = tool_parser
+        self.tool_parser, self.text_executor = tool_parser, text_executor
         self.video_token_id = tokenizer.token_id(media.video.video_token) if media else None
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -70,11 +80,9 @@ class Handlers:
         messages = _template_messages(body.messages)
         sources = self._media_sources(messages)
         kwargs = _template_kwargs(body.chat_template_kwargs, body.tools)
+        self._check_text(_text_bytes([messages, kwargs]), "messages")
         try:
-            ids = self.tokenizer.encode_chat(messages, **kwargs)
-            inside = self.reasoning is not None and prompt_opens(
-                self.reasoning, self.tokenizer.apply_chat_template(messages, **kwargs)
-            )
+            ids, inside = await self._off_loop(self._encode_chat, messages, kwargs)
             media = []
             if sources:  # fetch, decode and preprocess off the event loop
                 ids, media = self.media.expand(
@@ -144,24 +152,35 @@ class Handlers:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check(body)
         prompt = body.prompt
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            self._check_text(_text_bytes(prompt), "prompt")
+            ids = await self._encode(prompt)
+        else:
+            ids = list(prompt)
         job = await self._start(body, ids, body.max_tokens, chat=False)
         return await self._respond(job, request)
 
-    def tokenize(self, body: TokenizeRequest) -> dict:
+    async def tokenize(self, body: TokenizeRequest) -> Response:
         """vLLM's /tokenize: {count, max_model_len, tokens}."""
         self._check_model(body.model)
-        try:
-            if body.messages is None:
-                ids = self.tokenizer.encode(body.prompt)
-            else:
-                kwargs = _template_kwargs(body.chat_template_kwargs, body.tools)
-                ids = self.tokenizer.encode_chat(_template_messages(body.messages), **kwargs)
-        except ValueError as e:
-            raise ApiError(400, str(e), "invalid_request_error") from e
-        return {"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids}
+        if body.messages is None:
+            self._check_text(_text_bytes(body.prompt), "prompt")
+            ids = await self._encode(body.prompt)
+        else:
+            messages = _template_messages(body.messages)
+            kwargs = _template_kwargs(body.chat_template_kwargs, body.tools)
+            self._check_text(_text_bytes([messages, kwargs]), "messages")
+            try:
+                ids = await self._off_loop(lambda: self.tokenizer.encode_chat(messages, **kwargs))
+            except ValueError as e:
+                raise ApiError(400, str(e), "invalid_request_error") from e
+        info = self.engine.info
+        return Response(
+            await self._off_loop(_tokens_json, ids, info.max_model_len),
+            media_type="application/json",
+        )
 
-    def detokenize(self, body: DetokenizeRequest) -> dict:
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
         """vLLM's /detokenize: {prompt}."""
         self._check_model(body.model)
         vocab = self.engine.info.vocab_size
@@ -169,7 +188,38 @@ class Handlers:
             raise ApiError(
                 400, f"token ids must be in [0, {vocab})", "invalid_request_error", param="tokens"
             )
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": await self._off_loop(self.tokenizer.decode, body.tokens)}
+
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` on the text executor (tokenising a 1 MB prompt takes 0.1-0.4 s)."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_executor, fn, *args)
+
+    async def _encode(self, text: str) -> list[int]:
+        try:
+            return await self._off_loop(self.tokenizer.encode, text)
+        except ValueError as e:  # tiktoken's regex gives up on some long runs
+            raise ApiError(400, str(e), "invalid_request_error", param="prompt") from e
+
+    def _encode_chat(self, messages: list[dict], kwargs: dict) -> tuple[list[int], bool]:
+        """The prompt's ids, and whether it leaves the model inside a think block."""
+        ids = self.tokenizer.encode_chat(messages, **kwargs)
+        inside = self.reasoning is not None and prompt_opens(
+            self.reasoning, self.tokenizer.apply_chat_template(messages, **kwargs)
+        )
+        return ids, inside
+
+    def _check_text(self, size: int, param: str) -> None:
+        """400 for prompt text over PROMPT_BYTES_PER_TOKEN bytes per context token."""
+        context = self.engine.info.max_model_len
+        limit = PROMPT_BYTES_PER_TOKEN * context
+        if size > limit:
+            raise ApiError(
+                400,
+                f"the prompt text is {size} bytes; the limit is {limit} bytes "
+                f"({PROMPT_BYTES_PER_TOKEN} per token of the {context}-token context)",
+                "invalid_request_error",
+                param=param,
+            )
 
     def _stop_ids(self, body: SamplingFields) -> tuple[int, ...]:
         """The request's stop token ids and, unless it ignores EOS, the model's end tokens
@@ -190,7 +240,8 @@ class Handlers:
 
     def _check(self, body: SamplingFields) -> None:
         if self.drain.draining:
-            raise ApiError(503, "the server is shutting down", "server_overloaded")
+            retry = {"Retry-After": str(RETRY_AFTER_S)}
+            raise ApiError(503, "the server is shutting down", "server_overloaded", retry)
         self._check_model(body.model)
         if self.max_waiting is not None and body.n > self.max_waiting:
             raise ApiError(
@@ -407,6 +458,33 @@ def _template_messages(messages: list[protocol.ChatMessage]) -> list[dict]:
             call["function"]["arguments"] = args
         out.append(message)
     return out
+
+
+def _text_bytes(value: object) -> int:
+    """The UTF-8 bytes of the strings in `value` (nested lists and dicts), media parts' URLs
+    left out: what a chat template renders."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        if value.get("type") in MEDIA_PARTS:
+            return 0
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_text_bytes(v) for v in value)
+    return 0
+
+
+def _tokens_json(ids: list[int], max_model_len: int) -> bytes:
+    """/tokenize's body. json.dumps of 650K ids holds the GIL for 60 ms, and the engine
+    thread, which takes the GIL back after every torch op, waits up to a switch interval
+    each time: a stream's chunk gap grew to 100 ms. Written in slices, the GIL given up
+    between them, it stays at 25 ms."""
+    pieces = []
+    for i in range(0, len(ids), TOKENS_PER_SLICE):
+        pieces.append(json.dumps(ids[i : i + TOKENS_PER_SLICE], separators=(",", ":"))[1:-1])
+        time.sleep(0)  # releases the GIL: waiting threads run now, not after 5 ms
+    head = f'{{"count":{len(ids)},"max_model_len":{max_model_len},"tokens":['
+    return f"{head}{','.join(pieces)}]}}".encode()
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

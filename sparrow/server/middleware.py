@@ -1,6 +1,7 @@
-"""Pure-ASGI middleware of the app: API keys and per-key rate limits on /v1/ routes, the
-request-body limit (counted on the bytes received, so a chunked body is held to it too), and
-the count of every response by endpoint and status.
+"""Pure-ASGI middleware of the app: API keys and per-key rate limits on /v1/ routes and
+/tokenize, /detokenize, the request-body limits (its size, counted on the bytes received, so
+a chunked body is held to it too, and the time it may take to arrive), and the count of
+every response by endpoint and status.
 
 Keys are kept only as SHA-256 digests (a key given as `sha256:<hex>` is taken as its digest,
 so a deployment need not hold the plain key); a bearer token is hashed and compared with
@@ -10,6 +11,7 @@ Retry-After (whole seconds until a request is allowed again)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -30,6 +32,8 @@ ENDPOINTS = {
     "/health": "health",
     "/metrics": "metrics",
 }
+BODY_TIMEOUT_S = 30.0  # for a whole request body to arrive
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})  # besides /v1/: as costly as a prompt
 
 
 async def send_error(
@@ -104,13 +108,15 @@ class RateLimiter:
 
 
 class ApiKeys:
-    """401 without a known bearer key on /v1/ routes; 429 with Retry-After past its rate."""
+    """401 without a known bearer key on /v1/ routes and KEYED_PATHS; 429 with Retry-After
+    past its rate."""
 
     def __init__(self, app: ASGIApp, keys: KeyRing, limiter: RateLimiter | None = None):
         self.app, self.keys, self.limiter = app, keys, limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1/") or path in KEYED_PATHS:
             auth = header(scope, b"authorization") or ""
             key = (
                 self.keys.match(auth.removeprefix("Bearer "))
@@ -135,36 +141,50 @@ class ApiKeys:
 
 class BodyLimit:
     """Answers 413 for a body over `max_bytes`: at once from Content-Length, else once the
-    bytes received pass the limit (the app then sees a disconnect, and its answer is dropped
-    for the 413)."""
+    bytes received pass the limit; and 408 for a body not whole within `timeout_s` of the
+    request's headers (a client trickling bytes holds a connection and a task for as long
+    as it likes otherwise). In both cases the app sees a disconnect, and its answer is
+    dropped for the error."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        message = f"request body over {self.max_bytes} bytes"
+        too_big = (413, f"request body over {self.max_bytes} bytes")
         length = header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await send_error(send, 413, message, "invalid_request_error")
-        received, over, started = 0, False, False
+            return await send_error(send, 413, too_big[1], "invalid_request_error")
+        deadline = None
+        if self.timeout_s is not None:
+            deadline = asyncio.get_running_loop().time() + self.timeout_s
+        received, whole, started = 0, False, False
+        refusal: tuple[int, str] | None = None
 
         async def counted() -> Message:
-            nonlocal received, over
-            if over:
+            nonlocal received, whole, refusal
+            if refusal is not None:
                 return {"type": "http.disconnect"}
-            msg = await receive()
+            if whole or deadline is None:  # past the body: receive waits for a disconnect
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    msg = await receive()
+            except TimeoutError:
+                refusal = (408, f"the request body did not arrive within {self.timeout_s:g} s")
+                return {"type": "http.disconnect"}
             if msg["type"] == "http.request":
                 received += len(msg.get("body", b""))
+                whole = not msg.get("more_body", False)
                 if received > self.max_bytes:
-                    over = True
+                    refusal = too_big
                     return {"type": "http.disconnect"}
             return msg
 
         async def guarded(msg: Message) -> None:
             nonlocal started
-            if over:
+            if refusal is not None:
                 return
             started = started or msg["type"] == "http.response.start"
             await send(msg)
@@ -172,10 +192,14 @@ class BodyLimit:
         try:
             await self.app(scope, counted, guarded)
         except Exception:
-            if not over:
+            if refusal is None:
                 raise
-        if over and not started:
-            await send_error(send, 413, message, "invalid_request_error")
+        if refusal is not None and not started:
+            status, message = refusal
+            # close: the rest of the body would keep the connection busy (h11 reads it)
+            await send_error(
+                send, status, message, "invalid_request_error", {"connection": "close"}
+            )
 
 
 class CountResponses:

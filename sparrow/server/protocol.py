@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from sparrow.core.request import FinishReason
 from sparrow.engine.output_processor import LogprobEntry, PromptLogprobEntry, TokenText
@@ -26,6 +34,10 @@ UNSUPPORTED = {
     "guided_grammar": None,
 }
 CHAT_ONLY = {"tools": [], "tool_choice": "none"}  # refused by /v1/completions
+# Levels of arrays and objects a request body may nest (the body itself is level 1): deep
+# enough for any schema OpenAI takes (its structured outputs allow 10 levels), shallow enough
+# for every recursive walk after validation.
+MAX_DEPTH = 64
 
 
 def _neutral(value: Any, neutral: Any) -> bool:
@@ -34,20 +46,64 @@ def _neutral(value: Any, neutral: Any) -> bool:
     )
 
 
-def _lone_surrogate(value: Any) -> bool:
-    """True if a string anywhere in `value` is not valid Unicode (a lone UTF-16 surrogate,
-    as the JSON escape "\\ud800" gives)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
+def _not_text(s: str) -> bool:
+    """True for a string that is not valid Unicode (a lone UTF-16 surrogate, as the JSON
+    escape "\\ud800" gives)."""
+    if s.isascii():
         return False
-    if isinstance(value, dict):
-        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_lone_surrogate(v) for v in value)
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
     return False
+
+
+def _check_body(body: Any) -> Any:
+    """`body` (parsed JSON) as it is, or ValueError before any other check: arrays and
+    objects nested deeper than MAX_DEPTH levels (pydantic, chat templates' `tojson` and the
+    schema compilers walk values recursively), or a string or key anywhere that is not valid
+    Unicode. Walks with a stack of its own: a body of any depth is safe to check."""
+    if isinstance(body, str) and _not_text(body):
+        raise ValueError("the body is a string with a lone UTF-16 surrogate (not text)")
+    stack = [(body, ())] if isinstance(body, dict | list) else []
+    while stack:
+        value, path = stack.pop()
+        if len(path) >= MAX_DEPTH:  # `value` is at level len(path) + 1
+            raise ValueError(too_deep(path[0] if isinstance(path[0], str) else "the body"))
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(key, str) and _not_text(key):
+                where = ".".join(map(str, path)) or "the body"
+                raise ValueError(f"{where} has a key with a lone UTF-16 surrogate (not text)")
+            if isinstance(item, str) and _not_text(item):
+                where = ".".join(map(str, (*path, key)))
+                raise ValueError(f"{where} holds a string with a lone UTF-16 surrogate (not text)")
+            if isinstance(item, dict | list):
+                stack.append((item, (*path, key)))
+    return body
+
+
+def too_deep(where: str) -> str:
+    """The refusal of a body nested past MAX_DEPTH; `where`: its field, or "the body"."""
+    return f"{where} nests arrays and objects too deep: a request body may nest {MAX_DEPTH} levels"
+
+
+def _number(kind: str) -> BeforeValidator:
+    """Refuses strings and booleans where JSON wants a number (as OpenAI does): pydantic's lax
+    mode would take "10" and true; integral floats (1.0) still pass for integers."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool | str):
+            got = "a boolean" if isinstance(value, bool) else "a string"
+            raise ValueError(f"expected {kind}, got {got}")
+        return value
+
+    return BeforeValidator(check)
+
+
+Int = Annotated[int, _number("an integer")]
+Float = Annotated[float, _number("a number")]  # ints pass
+Bool = StrictBool
+TokenId = Annotated[Int, Field(ge=0)]
 
 
 class ContentPart(BaseModel):
@@ -110,6 +166,11 @@ class TokenizeRequest(BaseModel):
     tools: list[Tool] | None = None  # rendered with the messages
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _checked(cls, data: Any) -> Any:
+        return _check_body(data)
+
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
@@ -120,11 +181,16 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checked(cls, data: Any) -> Any:
+        return _check_body(data)
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class SamplingFields(BaseModel):
@@ -133,41 +199,40 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    min_tokens: int = Field(default=0, ge=0)
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # as well as end tokens
-    seed: int | None = None
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: Int = Field(default=0, ge=0)
+    min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: Int = Field(default=0, ge=0)
+    logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Float = Field(default=1.0, gt=0.0)
+    stop_token_ids: list[TokenId] | None = None  # as well as end tokens
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=16)
-    stream: bool = False
+    n: Int = Field(default=1, ge=1, le=16)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # keep generating past end tokens (vLLM's extension; benchmarks)
+    ignore_eos: Bool = False  # keep generating past end tokens (vLLM's extension; benchmarks)
     # each choice (and stream chunk) also carries its generated token ids (vLLM's extension:
     # a client can send them back as the next turn's prompt, exactly as generated)
-    return_token_ids: bool = False
+    return_token_ids: Bool = False
     # structured output: {"type": "json_object"} or {"type": "json_schema", "json_schema":
     # {"name", "schema", "strict"}}, or vLLM's {"json": schema}, {"regex": ...},
     # {"choice": [...]}, {"grammar": ...} (`sparrow.core.structured.from_request`)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    skip_special_tokens: bool = True  # false: special tokens' text stays in the output (vLLM)
+    skip_special_tokens: Bool = True  # false: special tokens' text stays in the output (vLLM)
     # vLLM's extension: each prompt token's logprob and this many top alternatives; in each
     # choice of a completion, beside the choices of a chat completion; not with stream
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse(cls, data: Any) -> Any:
-        if _lone_surrogate(data):
-            raise ValueError("the body holds a string with a lone UTF-16 surrogate (not text)")
+        _check_body(data)
         if isinstance(data, dict):
             for name, neutral in cls.unsupported.items():
                 if not _neutral(data.get(name), neutral):
@@ -194,10 +259,10 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = None
     # "auto" (the default with tools) and "required" or a named function parse the model's
     # calls; "none" leaves its text as text. Nothing constrains decoding to a call yet, so
@@ -226,8 +291,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     unsupported: ClassVar[dict[str, Any]] = UNSUPPORTED | CHAT_ONLY
-    prompt: str | list[int] = Field(min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: str | list[Int] = Field(min_length=1)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
 
     def logprobs_count(self) -> int | None:
         return self.logprobs

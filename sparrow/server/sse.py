@@ -84,8 +84,9 @@ async def sse_events(
                     parts[-1]["finish_reason"] = reason
                 for part in parts:
                     yield chunk([part])
-        except EngineError as e:
+        except EngineError as e:  # the stream cannot go on: an error event, then its end
             yield event(protocol.error_body(str(e), "server_error", 500))
+            yield "data: [DONE]\n\n"
             return
         except ShuttingDown as e:
             yield event(protocol.error_body(str(e), "server_overloaded", 503))

@@ -153,19 +153,27 @@ class Grammar:
         compiled: xgr.CompiledGrammar,
         stop_token_ids: tuple[int, ...],
         after: int | None = None,
+        replay: list[int] | tuple[int, ...] = (),
     ):
+        """`replay`: a resumed request's earlier output (the end of its prompt), accepted
+        as sampled tokens are, but not counted in `num_accepted`."""
         xgr = _xgrammar()
         self.matcher = xgr.GrammarMatcher(
             compiled, override_stop_tokens=list(stop_token_ids) or None
         )
         self.stop_token_ids = stop_token_ids
-        self.num_accepted = 0  # output tokens accepted so far
+        self.num_accepted = 0  # output tokens of this request accepted so far
         self.waiting_for = after  # the token the grammar starts after (`GrammarSpec.after`)
+        for token in replay:
+            self._advance(token)
 
     def accept(self, token: int) -> None:
         """Advance past a sampled token. A token the grammar did not allow (only possible
         where another constraint overrode the mask) leaves the state as it was."""
         self.num_accepted += 1
+        self._advance(token)
+
+    def _advance(self, token: int) -> None:
         if self.waiting_for is not None:
             if token == self.waiting_for:
                 self.waiting_for = None

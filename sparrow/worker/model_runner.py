@@ -23,6 +23,13 @@ step k + 1 can be masked, not before its forward (which reads the token on the d
 step that samples one starts copying the pending tokens of such requests back, launches its
 forward, then waits for the copy (step k's end, not this forward's), advances the grammars
 and fills the masks on the CPU while the forward runs (`_catch_up`).
+
+Every sampled request has a seed (its own, or a random one kept from its first draw), and
+its draws are a function of that seed and the token's output position (`sampler.uniforms`).
+A resumed request (`SamplingParams.output_offset` > 0) counts the last `output_offset`
+prompt tokens as output: for its positions, its min_tokens, its presence and frequency
+penalties and its grammar (which `add_grammar` replays through them), so it continues
+exactly as the stream it resumes.
 """
 
 from __future__ import annotations
@@ -36,14 +43,20 @@ import torch
 from sparrow.config import CacheConfig, SchedulerConfig
 from sparrow.core.cache_spec import with_index_dtype
 from sparrow.core.request import Request
-from sparrow.core.sampling_params import TokenLogprob
+from sparrow.core.sampling_params import SamplingParams, TokenLogprob
 from sparrow.core.scheduler import SchedulerOutput
 from sparrow.distributed import group
 from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 from sparrow.worker.grammar import Grammar, allocate_bitmask, apply_masks
 from sparrow.worker.multimodal import MediaInputs
-from sparrow.worker.sampler import penalize, prompt_logprobs, sample_rows, token_logprob
+from sparrow.worker.sampler import (
+    penalize,
+    prompt_logprobs,
+    random_seed,
+    sample_rows,
+    token_logprob,
+)
 
 PENDING = -1  # input token still on the device
 # prompt rows per LM-head pass for prompt logprobs: [256, 248,320] fp32 logits are ~250 MB
@@ -110,7 +123,7 @@ class ModelRunner:
             model.dtype,
             cache.num_state_snapshots or 0,
         )
-        self.generators: dict[str, torch.Generator] = {}
+        self.seeds: dict[str, int] = {}  # of the sampled requests without one of their own
         self.grammars: dict[str, Grammar] = {}
         # prompt logprobs so far of the requests computing their prompt: entry p - 1 is
         # prompt token p's (None until computed)
@@ -149,14 +162,20 @@ class ModelRunner:
             self.cache.save(slots, to_device(list(plan.save.values()), torch.long, device))
 
     def add_grammar(
-        self, request_id: str, compiled, stop_token_ids: tuple[int, ...], after: int | None = None
+        self,
+        request_id: str,
+        compiled,
+        stop_token_ids: tuple[int, ...],
+        after: int | None = None,
+        replay: list[int] | tuple[int, ...] = (),
     ) -> None:
         """Constrain a request's output to a compiled grammar (`GrammarCompiler.compile`),
-        from the token after `after` if given (`GrammarSpec.after`)."""
-        self.grammars[request_id] = Grammar(compiled, stop_token_ids, after)
+        from the token after `after` if given (`GrammarSpec.after`), advanced through
+        `replay` (a resumed request's earlier output) as if it had sampled those."""
+        self.grammars[request_id] = Grammar(compiled, stop_token_ids, after, replay)
 
     def free(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        self.seeds.pop(request_id, None)
         self.grammars.pop(request_id, None)
         self.prompt_logprobs.pop(request_id, None)
         self.media.free(request_id)
@@ -215,16 +234,14 @@ class ModelRunner:
                 return None
             logits = self.model.logits(hidden[to_device(last, torch.long, device)])
         params = [requests[rid].params for rid in done]
-        gens = [self._generator(rid, p.seed) for rid, p in zip(done, params, strict=True)]
-        generated = [
-            requests[rid].num_tokens - len(requests[rid].prompt_token_ids) for rid in done
-        ]  # output tokens before this one (pending ones count)
+        seeds = [self._seed(rid, p) for rid, p in zip(done, params, strict=True)]
+        positions = [_output_position(requests[rid]) for rid in done]
         logits = self._penalized(logits, done, params, requests, plan)
         # logprobs stay the model's (penalised) ones, as without a grammar
         if caught_up is not None:
             caught_up()
         # under tensor parallelism every rank takes rank 0's tokens (no-op in one process)
-        picked = group.broadcast(sample_rows(self._masked(logits, done), params, gens, generated))
+        picked = group.broadcast(sample_rows(self._masked(logits, done), params, seeds, positions))
         done_slots = to_device([plan.state_slots[r] for r in done], torch.long, device)
         self.next_tokens[done_slots] = picked
         logprobs = {}
@@ -297,7 +314,8 @@ class ModelRunner:
         plan: SchedulerOutput,
     ) -> torch.Tensor:
         """Presence / frequency / repetition penalties over each request's tokens so far,
-        its token still on the device (sampled by the step before) included."""
+        its token still on the device (sampled by the step before) included, and a resumed
+        request's earlier output (its last `output_offset` prompt tokens) counted as output."""
         if not any(p.penalized for p in params):
             return logits
         reqs = [requests[rid] for rid in done]
@@ -306,11 +324,12 @@ class ModelRunner:
             for b, r in enumerate(reqs)
             if r.num_pending
         }
+        split = [len(r.prompt_token_ids) - r.params.output_offset for r in reqs]
         return penalize(
             logits,
             params,
-            [r.output_token_ids for r in reqs],
-            [r.prompt_token_ids for r in reqs],
+            [r.prompt_token_ids[n:] + r.output_token_ids for r, n in zip(reqs, split, strict=True)],
+            [r.prompt_token_ids[:n] for r, n in zip(reqs, split, strict=True)],
             pending,
         )
 
@@ -351,12 +370,20 @@ class ModelRunner:
             grammar.fill(bitmask, b)
         return apply_masks(logits, bitmask, [b for b, _ in rows])
 
-    def _generator(self, rid: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        if rid not in self.generators:
-            self.generators[rid] = torch.Generator(device=self.model.device).manual_seed(seed)
-        return self.generators[rid]
+    def _seed(self, rid: str, params: SamplingParams) -> int | None:
+        """The request's seed: its own, or for a sampled one without, a random 63-bit seed
+        drawn at its first draw and kept until it is freed (None for greedy ones)."""
+        if params.seed is not None or params.temperature == 0:
+            return params.seed
+        if rid not in self.seeds:
+            self.seeds[rid] = random_seed()
+        return self.seeds[rid]
+
+
+def _output_position(request: Request) -> int:
+    """The output position of the request's next token: its output tokens so far (the
+    pending ones and a resumed request's earlier ones included)."""
+    return request.num_tokens - len(request.prompt_token_ids) + request.params.output_offset
 
 
 def _wants_prompt_logprobs(request: Request) -> bool:

@@ -1,10 +1,14 @@
 """Token sampling: logit biases and min_tokens' barred stop ids, greedy, temperature, top-k,
-top-p, min-p, per-request seeded generators.
+top-p, min-p, and counter-based random draws.
 
 All sampled rows of a step are filtered together (one top-k, one softmax, one top-p pass
 over the rows that ask for it), then drawn by inverting each row's cumulative distribution
-at one uniform number from the request's own generator (one draw per generator for all its
-rows), so a seeded request's tokens do not depend on the other requests of the step.
+at one uniform number. That number is a pure function of the request's 64-bit seed and the
+output position of the token being drawn (`uniforms`: output j of the SplitMix64 generator
+seeded with the seed), computed on the logits' device: a request's tokens do not depend on
+the other requests of the step, on preemption, or on where its stream started, so a stream
+resumed elsewhere as prompt + its tokens so far (`SamplingParams.output_offset`) draws what
+it would have drawn.
 
 Top-p finds each row's cut without sorting the vocabulary on a CPU: the probabilities are
 bucketed by their top 16 bits (sign, exponent, 7 mantissa bits: buckets ordered like the
@@ -16,6 +20,8 @@ rows are sorted (on a GPU fast, and deterministic, unlike the bucket sums' atomi
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
@@ -23,23 +29,28 @@ from sparrow.worker.cache import to_device
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, seed: int | None, position: int = 0
 ) -> torch.Tensor:
-    """logits: [B, V] fp32 -> token ids [B], every row with the same params and generator."""
-    return sample_rows(logits, [params] * logits.shape[0], [gen] * logits.shape[0])
+    """logits: [B, V] fp32 -> token ids [B], every row with the same params; row b draws at
+    output position `position + b` of `seed` (None: a random seed)."""
+    rows = logits.shape[0]
+    return sample_rows(logits, [params] * rows, [seed] * rows, [position + b for b in range(rows)])
 
 
 def sample_rows(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    gens: list[torch.Generator | None],
-    generated: list[int] | None = None,
+    seeds: list[int | None],
+    positions: list[int] | None = None,
 ) -> torch.Tensor:
-    """logits: [B, V] fp32, row b sampled with params[b] and gens[b] -> token ids [B] (long,
-    on the logits' device: nothing waits for them). Greedy rows take the argmax, after the
-    logit biases and, for rows that have `generated[b]` < min_tokens output tokens so far,
-    with their stop token ids barred."""
-    logits = _adjust(logits, params, generated or [0] * len(params))
+    """logits: [B, V] fp32, row b sampled with params[b] -> token ids [B] (long, on the
+    logits' device: nothing waits for them). positions[b]: the row's output tokens before
+    this one (a resumed request's `output_offset` included; 0 if not given). Greedy rows take
+    the argmax, after the logit biases and, for rows below min_tokens, with their stop token
+    ids barred. Sampled rows draw at (seeds[b], positions[b]); a seed of None is drawn from
+    torch's default generator."""
+    positions = positions or [0] * len(params)
+    logits = _adjust(logits, params, positions)
     picked = logits.argmax(dim=-1)
     hot = [b for b, p in enumerate(params) if p.temperature != 0]
     if not hot:
@@ -52,7 +63,7 @@ def sample_rows(
     x = _top_k(x, [p.top_k for p in chosen])
     probs = _top_p(torch.softmax(x, dim=-1), [p.top_p for p in chosen])
     probs = _min_p(probs, [p.min_p for p in chosen])
-    drawn = _draw(probs, [gens[b] for b in hot])
+    drawn = _draw(probs, [seeds[b] for b in hot], [positions[b] for b in hot])
     if every:
         return drawn
     picked[rows] = drawn
@@ -114,13 +125,13 @@ def _counts(histories: list[list[int]], vocab: int, device: torch.device) -> tor
 
 
 def _adjust(
-    logits: torch.Tensor, params: list[SamplingParams], generated: list[int]
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
 ) -> torch.Tensor:
     """The logits with each row's biases added and, before min_tokens, its stop ids at -inf
     (a copy; the logits themselves where no row asks)."""
     vocab = logits.shape[1]
     entries = []  # (row, token, added to its logit); ids past the vocabulary have no logit
-    for b, (p, n) in enumerate(zip(params, generated, strict=True)):
+    for b, (p, n) in enumerate(zip(params, positions, strict=True)):
         entries += [(b, t, bias) for t, bias in p.logit_bias if t < vocab]
         if n < p.min_tokens:
             entries += [(b, t, float("-inf")) for t in p.stop_token_ids if t < vocab]
@@ -224,26 +235,61 @@ def _bucketed_cut(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < cut_value, 0.0)
 
 
-def _draw(probs: torch.Tensor, gens: list[torch.Generator | None]) -> torch.Tensor:
+def _draw(probs: torch.Tensor, seeds: list[int | None], positions: list[int]) -> torch.Tensor:
     """One token per row of unnormalised probabilities [R, V]: the row's cumulative sum
-    inverted at a uniform number drawn from the row's generator (rows sharing none from the
-    default generator). A uniform that rounds onto a zero-probability tail takes the row's
-    most likely token."""
-    uniform = torch.empty(probs.shape[0], device=probs.device, dtype=probs.dtype)
-    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
-    for row, gen in enumerate(gens):
-        groups.setdefault(id(gen), (gen, []))[1].append(row)
-    for gen, rows in groups.values():
-        draw = torch.rand(len(rows), generator=gen, device=probs.device, dtype=probs.dtype)
-        if len(groups) == 1:
-            uniform = draw
-        else:
-            uniform[to_device(rows, torch.long, probs.device)] = draw
+    inverted at `uniforms(seeds[r], positions[r])`. A uniform that rounds onto a
+    zero-probability tail takes the row's most likely token."""
+    keys = [_int64(s) if s is not None else random_seed() for s in seeds]
+    index = to_device([keys, positions], torch.long, probs.device)
+    uniform = uniforms(index[0], index[1], probs.dtype)
     cdf = probs.cumsum(-1)
     target = (uniform * cdf[:, -1])[:, None]
     token = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)[:, 0]
     empty = probs.gather(1, token[:, None])[:, 0] == 0
     return torch.where(empty, probs.argmax(dim=-1), token)
+
+
+def random_seed() -> int:
+    """A random 63-bit seed from torch's default (CPU) generator: `torch.manual_seed` makes
+    unseeded sampling repeatable."""
+    return int(torch.randint(2**63 - 1, (), dtype=torch.long))
+
+
+def _int64(value: int) -> int:
+    """A 64-bit unsigned value as the signed int64 with its bits (torch has no uint64
+    arithmetic beyond a few ops)."""
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
+
+
+# SplitMix64 (Steele, Lea & Flood 2014, Vigna's reference C; java.util.SplittableRandom):
+# output j of the generator seeded with s is mix(s + (j + 1) * GAMMA). 64-bit state, BigCrush
+# clean, and each output a function of (s, j) alone: 18 elementwise ops on [R] int64, no
+# state or table (64 rows: ~40 us on two CPU cores, where torch.rand takes ~2 us).
+_GAMMA = _int64(0x9E3779B97F4A7C15)
+_MIX1 = _int64(0xBF58476D1CE4E5B9)
+_MIX2 = _int64(0x94D049BB133111EB)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """seeds, positions: int64 [R] (seeds as the signed int64 of their 64 bits) -> [R] of
+    `dtype` in [0, 1): output `positions[r]` of SplitMix64 seeded with seeds[r], its top
+    `bits` bits (the significand's: 24 for fp32, 53 for fp64) over 2**bits, so every value
+    is exact and below 1. int64 sums and products wrap modulo 2**64 (tests/worker/
+    test_sampler.py checks the bits against Python's integers); shifts are made logical by
+    masking off the copied sign bits. Elementwise ops on the inputs' device only: no host
+    sync, capturable in a CUDA graph."""
+    z = seeds + (positions + 1) * _GAMMA
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    bits = 1 - int(math.log2(torch.finfo(dtype).eps))  # the significand's bits
+    return _shift_right(z, 64 - bits).to(dtype) * 2.0**-bits
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 by 0 < n < 64 (torch's >> copies the sign bit)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

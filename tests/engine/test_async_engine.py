@@ -182,7 +182,7 @@ def held(llm, engine=None) -> dict[str, int]:
         "running": len(scheduler.running),
         "kv tables": len(scheduler.kv.tables),
         "state slots": len(scheduler.slots.slots),
-        "generators": len(llm.runner.generators),
+        "seeds": len(llm.runner.seeds),
         "in flight": int(llm.has_unfinished()),
     }
     if engine is not None:

@@ -168,6 +168,26 @@ def test_oversize_body_is_413(gateway):
     assert r.status_code == 413
 
 
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        (lambda vocab: {"stop_token_ids": [10**12]}, "stop_token_ids must be in"),
+        (lambda vocab: {"stop_token_ids": [vocab]}, "stop_token_ids must be in"),
+        (lambda vocab: {"logit_bias": {str(10**12): 1}}, "logit_bias token ids must be in"),
+    ],
+    ids=["stop-1e12", "stop-vocab", "bias-1e12"],
+)
+def test_token_ids_outside_the_vocabulary_are_400(gateway, fields, needle):
+    """Refused as in process, ids past the wire's uint32 fields included."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = gateway[0].post(
+        "/v1/chat/completions",
+        json=body | fields(gateway[2].info.vocab_size),
+        headers={"Authorization": "Bearer plain-key"},
+    )
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
 @settings(
     max_examples=30,
     deadline=None,

@@ -1,15 +1,15 @@
-"""The router over stand-in engines: eligibility (connected, alive, breaker), hand-off to
+"""The router over stand-in workers: eligibility (connected, alive, breaker), hand-off to
 another worker on unreachable or full workers and never on a refused request, the breaker's
-states, mid-stream failures, aborts, the request timeout and the summed stats."""
+states, streams that go on at another worker when theirs fails or is ejected mid-stream,
+aborts, the request timeout from admission and the summed stats."""
 
 import asyncio
 
 import pytest
 
-from sparrow.core.request import FinishReason
+from sparrow.core.request import FinishReason, RequestOutput
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.client import (
-    EngineClient,
     EngineError,
     EngineFull,
     EngineHealth,
@@ -19,6 +19,7 @@ from sparrow.engine.client import (
     InvalidRequest,
 )
 from sparrow.engine.output_processor import OutputDelta
+from sparrow.gateway.metrics import RouterCollector
 from sparrow.gateway.policies import LeastLoad, RoundRobin
 from sparrow.gateway.router import CircuitBreaker, Router, RouterSettings
 
@@ -26,9 +27,20 @@ INFO = EngineInfo(max_model_len=64, vocab_size=100, default_stop_token_ids=(0,))
 PARAMS = SamplingParams(max_tokens=3)
 
 
-class Fake(EngineClient):
-    """Answers every request with three one-token deltas, or raises `refuse` from add, or
-    `broken` after the first delta; `delay` seconds between deltas."""
+NAMES = {"a": 1, "b": 2, "c": 3}
+
+
+def decode(ids: list[int]) -> str:
+    """Worker `name`'s tokens are 10 * NAMES[name] + their output position."""
+    by_number = {n: name for name, n in NAMES.items()}
+    return "".join(by_number[t // 10] for t in ids)
+
+
+class Fake:
+    """A worker: answers request r with one token per output position, from
+    `params.output_offset` to `max_tokens` more (finish LENGTH at the last), or raises
+    `refuse` from generate, or `broken` at its second token; `delay` seconds between tokens.
+    `requests` records (request id, prompt, params)."""
 
     def __init__(self, name: str):
         self.name, self.alive = name, True
@@ -36,6 +48,7 @@ class Fake(EngineClient):
         self.broken: Exception | None = None
         self.delay = 0.0
         self.added: list[str] = []
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
         self.load = EngineStats(0, 0, 0.0)
 
@@ -43,21 +56,24 @@ class Fake(EngineClient):
     def info(self):
         return INFO
 
-    async def add(self, request_id, prompt_token_ids, params, media=()):
+    async def generate(self, request_id, prompt_token_ids, params, media=()):
         if self.refuse is not None:
             raise self.refuse
         self.added.append(request_id)
-        return self._stream(request_id)
+        self.requests.append((request_id, list(prompt_token_ids), params))
+        return self._stream(request_id, params)
 
-    async def _stream(self, rid):
-        for i in range(3):
+    async def _stream(self, rid, params):
+        for i in range(params.max_tokens):
             if i == 1 and self.broken is not None:
                 raise self.broken
             await asyncio.sleep(self.delay)
             if rid in self.aborted:
-                yield OutputDelta(rid, [], "", FinishReason.ABORT)
+                yield RequestOutput(rid, [], FinishReason.ABORT)
                 return
-            yield OutputDelta(rid, [i], self.name, FinishReason.LENGTH if i == 2 else None)
+            last = i == params.max_tokens - 1
+            token = 10 * NAMES[self.name] + params.output_offset + i
+            yield RequestOutput(rid, [token], FinishReason.LENGTH if last else None)
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -80,6 +96,7 @@ def _router(names=("a", "b"), policy=None, **settings) -> tuple[Router, dict[str
         policy or RoundRobin(),
         RouterSettings(**settings),
         wait_s=5,
+        decode=decode,
     )
     for _ in range(200):  # workers connect on background threads
         if all(w.engine is not None for w in router.workers):
@@ -172,19 +189,98 @@ def test_open_breaker_keeps_requests_off_a_failing_worker():
     assert router.workers[0].retries == 2  # tried twice, then left alone
 
 
-def test_failure_mid_stream_ends_the_stream_with_an_error():
-    router, fakes = _router(names=("a",))
-    fakes["a"].broken = EngineUnreachable("the worker died")
+def test_failure_mid_stream_without_another_worker_ends_the_stream_with_an_error():
+    router, fakes = _router(names=("a",), resume_wait_s=0.0)
+    fakes["a"].broken = EngineError("the worker died")
 
     async def run():
         got = []
-        with pytest.raises(EngineError, match="died"):
+        with pytest.raises(EngineError, match="could not be resumed.*died"):
             async for d in await router.add("r0", [1], PARAMS):
                 got.append(d)
         return got
 
     assert len(asyncio.run(run())) == 1
     assert router.workers[0].in_flight == 0
+
+
+def _tokens(deltas: list[OutputDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def test_a_stream_goes_on_at_another_worker_when_its_worker_fails():
+    """Prompt + the tokens so far, the budget left and the same seed at the next worker;
+    the client's stream carries every position once and finishes as an undisturbed one."""
+    router, fakes = _router(names=("a", "b"))
+    fakes["a"].broken = EngineError("the worker died")
+    deltas = asyncio.run(_run(router, "r0"))
+    assert _tokens(deltas) == [10, 21, 22] and "".join(d.text for d in deltas) == "abb"
+    assert deltas[-1].finish_reason == FinishReason.LENGTH
+    (_, first_prompt, first), (_, prompt, params) = fakes["a"].requests + fakes["b"].requests
+    assert prompt == [1, 2, 3, 10] and (params.output_offset, params.max_tokens) == (1, 2)
+    assert params.seed == first.seed is not None  # the router's own seed, kept
+    assert router.workers[0].resumed == 1 and all(w.in_flight == 0 for w in router.workers)
+    text = {m.name: m for m in RouterCollector(router).collect()}
+    assert text["sparrow_gateway_worker_resumed"].samples[0].value == 1
+
+
+def test_a_stream_leaves_a_worker_ejected_while_it_waits():
+    router, fakes = _router(names=("a", "b"))
+    fakes["a"].delay = 0.3
+
+    async def run():
+        stream = await router.add("r0", [1, 2, 3], PARAMS)
+        got = [await anext(stream)]
+        fakes["a"].alive = False  # its health polls fail: ejected
+        got += [d async for d in stream]
+        return got
+
+    assert _tokens(asyncio.run(run())) == [10, 21, 22]
+    assert fakes["a"].aborted == [] or fakes["a"].aborted == ["r0"]
+    assert router.workers[0].load == 0  # not healthy: no reported load
+
+
+def test_a_worker_back_after_an_ejection_starts_with_a_closed_breaker():
+    """One loss fails every stream the worker held; once it answers again it is routed to."""
+    router, fakes = _router(names=("a",), breaker_failures=2)
+    worker = router.workers[0]
+    worker.breaker.failure()
+    worker.breaker.failure()
+    assert worker.breaker.state == "open" and not router.eligible()
+    fakes["a"].alive = False
+    assert not worker.alive  # ejected
+    fakes["a"].alive = True
+    assert router.eligible() == [worker] and worker.breaker.state == "closed"
+
+
+def test_a_stream_waits_for_a_worker_to_take_its_rest():
+    """With no other worker up when its worker dies, the stream goes on at the first that
+    comes back (within `resume_wait_s`)."""
+    router, fakes = _router(names=("a", "b"))
+    fakes["a"].broken = EngineError("the worker died")
+    fakes["b"].alive = False
+
+    async def run():
+        stream = await router.add("r0", [1, 2, 3], PARAMS)
+        got = [await anext(stream)]
+        fakes["a"].alive = False  # gone for good
+
+        async def restart_b():
+            await asyncio.sleep(0.5)
+            fakes["b"].alive = True
+
+        restart = asyncio.ensure_future(restart_b())
+        got += [d async for d in stream]
+        await restart
+        return got
+
+    assert _tokens(asyncio.run(run())) == [10, 21, 22]
+
+
+def test_the_first_worker_that_never_takes_the_request_hands_it_on():
+    router, fakes = _router(names=("a", "b"))
+    fakes["a"].refuse = EngineUnreachable("did not take the request within 5 s")
+    assert _tokens(asyncio.run(_run(router, "r0"))) == [20, 21, 22]
 
 
 def test_abort_reaches_the_worker_running_the_request():
@@ -198,7 +294,7 @@ def test_abort_reaches_the_worker_running_the_request():
         await stream.aclose()
         return first
 
-    assert asyncio.run(run()).text == "a"
+    assert asyncio.run(run()).text == "a"  # from worker a
     assert fakes["a"].aborted == ["r0"]
     router.abort("unknown")  # a no-op
 
@@ -218,8 +314,8 @@ def test_in_flight_ends_with_the_last_delta():
 
 
 def test_request_timeout():
-    router, fakes = _router(names=("a",), request_timeout_s=0.05)
-    fakes["a"].delay = 0.2
+    router, fakes = _router(names=("a",), request_timeout_s=0.3)
+    fakes["a"].delay = 0.5
     with pytest.raises(EngineError, match="limit"):
         asyncio.run(_run(router, "r0"))
     assert fakes["a"].aborted == ["r0"]  # the worker was told to stop it

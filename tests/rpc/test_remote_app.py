@@ -236,3 +236,22 @@ def test_sampling_controls_cross_the_worker_protocol(clients, fields):
     assert got.status_code == want.status_code == 200, (got.text, want.text)
     assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
     assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        lambda vocab: {"stop_token_ids": [vocab]},
+        lambda vocab: {"stop_token_ids": [10**12]},  # past the wire's uint32
+        lambda vocab: {"logit_bias": {str(10**12): 1}},
+        lambda vocab: {"prompt": [1, 10**12]},
+    ],
+    ids=["stop-vocab", "stop-1e12", "bias-1e12", "prompt-1e12"],
+)
+def test_token_ids_outside_the_vocabulary_are_400_as_in_process(clients, worker, fields):
+    """Refused with the in-process engine's message, before the ids meet the proto's fields."""
+    remote, local = clients
+    fields = fields(worker[1].model.config.vocab_size)
+    got, want = complete(remote, **fields), complete(local, **fields)
+    assert got.status_code == want.status_code == 400, (got.text, want.text)
+    assert got.json()["error"]["message"] == want.json()["error"]["message"]

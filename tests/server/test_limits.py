@@ -15,7 +15,7 @@ from test_app import MODEL, CharTokenizer, ScriptedEngine, chat, events  # noqa:
 
 from sparrow.engine.output_processor import OutputDelta  # noqa: E402
 from sparrow.server.app import build_app  # noqa: E402
-from sparrow.server.drain import Drain  # noqa: E402
+from sparrow.server.drain import DRAINED, Drain  # noqa: E402
 
 
 class EndlessEngine(ScriptedEngine):
@@ -230,14 +230,50 @@ def test_neutral_values_of_unsupported_fields_pass(client):
     assert chat(client, max_tokens=1, **neutral).status_code == 200
 
 
+class DecodingTokenizer(CharTokenizer):
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
 def test_api_key_and_no_docs(engine):
-    client = TestClient(build_app(engine, CharTokenizer(), MODEL, api_key="k3y"))
+    client = TestClient(build_app(engine, DecodingTokenizer(), MODEL, api_key="k3y"))
     is_error(chat(client), 401)
     is_error(client.post("/v1/models", headers={"authorization": "Bearer k3"}), 401)
     ok = client.get("/v1/models", headers={"authorization": "Bearer k3y"})
     assert ok.status_code == 200
     for path in ("/docs", "/redoc", "/openapi.json"):
         is_error(client.get(path), 404)
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        is_error(client.post(path, json={"model": MODEL} | body), 401)
+        key = {"authorization": "Bearer k3y"}
+        assert client.post(path, json={"model": MODEL} | body, headers=key).status_code == 200
+    assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "é" * 1025}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 2045}]},
+            "messages",
+        ),
+        ("/tokenize", {"prompt": "x" * 2049}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x" * 2045}]}, "messages"),
+    ],
+)
+def test_prompt_text_over_its_byte_limit_is_400(client, engine, path, body, param):
+    """32 bytes per token of the 64-token context: 2048 bytes of text (UTF-8; a chat's
+    strings, its role names included), refused before it is tokenised."""
+    error = is_error(client.post(path, json={"model": MODEL} | body), 400, "limit is 2048 bytes")
+    assert error["param"] == param and not engine.added
+    fits = (
+        {"prompt": "x" * 2048}
+        if param == "prompt"
+        else {"messages": [{"role": "user", "content": "x" * 2044}]}
+    )
+    assert client.post("/tokenize", json={"model": MODEL} | fits).status_code == 200
 
 
 def _drained(stream: bool) -> tuple[httpx.Response, httpx.Response, EndlessEngine]:
@@ -256,7 +292,9 @@ def _drained(stream: bool) -> tuple[httpx.Response, httpx.Response, EndlessEngin
             asyncio.get_running_loop().call_later(0.1, app.state.drain.begin)
             first = await c.post("/v1/chat/completions", json=body)
             assert (await c.get("/health")).status_code == 503
-            return first, await c.post("/v1/chat/completions", json=body)
+            late = await c.post("/v1/chat/completions", json=body)
+            assert late.headers["retry-after"] == "1"
+            return first, late
 
     return *asyncio.run(run()), engine
 
@@ -276,22 +314,46 @@ def test_drain_answers_whole_requests_503():
     assert engine.aborted == [engine.added[0][0]]
 
 
-def test_drain_begins_on_sigterm_and_chains_the_old_handler():
+def test_sigterm_drains_then_stops_the_server():
+    """The first SIGTERM begins the drain; the handler it replaced (uvicorn's, which stops
+    the server) runs once the last request in flight ends, and at once on a second signal."""
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda *_: seen.append("old"))
     try:
 
-        async def run():
+        async def run(second: bool):
             drain = Drain(5.0)
             drain.hook_signals()
+            drain.enter()  # a request in flight
             signal.raise_signal(signal.SIGTERM)
             await asyncio.sleep(0.01)
+            assert drain.draining and seen == []
+            if second:
+                signal.raise_signal(signal.SIGTERM)
+                assert seen == ["old"]
+            drain.leave()
             drain.stop()
-            return drain.draining
 
-        assert asyncio.run(run()) and seen == ["old"]
+        asyncio.run(run(second=False))
+        assert seen == ["old"]
+        seen.clear()
+        asyncio.run(run(second=True))
+        assert seen == ["old"]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_drain_window_end_stops_the_server_and_ends_open_requests():
+    async def run():
+        drain, stopped, queue = Drain(0.05), asyncio.Event(), asyncio.Queue()
+        drain.on_drained = stopped.set
+        drain.enter()  # never leaves
+        drain.open(queue)
+        drain.begin()
+        await asyncio.wait_for(stopped.wait(), 5)
+        return queue.get_nowait()
+
+    assert asyncio.run(run())[1] is DRAINED
 
 
 def test_whole_request_is_aborted_when_the_client_leaves():

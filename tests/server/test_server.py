@@ -3,7 +3,6 @@ openai client (and raw HTTP for the error cases)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ KEY = "test-key"
 MODEL = "default"
 
 
-def _start(cache_dir) -> tuple[subprocess.Popen, str]:
+def _start(cache_dir, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = os.environ | {"SPARROW_CACHE": str(cache_dir)}
     proc = subprocess.Popen(
@@ -37,6 +36,7 @@ def _start(cache_dir) -> tuple[subprocess.Popen, str]:
             "20000",
             "--max-waiting",
             "64",
+            *flags,
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -296,19 +296,25 @@ def test_logprobs(client):
     )
 
 
-def test_graceful_shutdown_finishes_in_flight_streams(tmp_path):
-    """SIGTERM mid-stream: the stream still runs to its end, then the server exits cleanly
-    and takes no new requests."""
-    proc, base = _start(tmp_path)
+def test_sigterm_drains_with_the_listener_open(tmp_path):
+    """SIGTERM mid-stream: while the stream runs on, new requests get 503 + Retry-After with
+    OpenAI's error body (not a refused connection) and /health 503; the stream runs to its
+    end, then the server exits 0 and the listener is gone."""
+    proc, base = _start(tmp_path, "--drain-timeout", "120")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
-    stream = _chat(client, stream=True, max_tokens=60)
-    first = next(iter(stream))
+    # ~1,000 tokens: seconds on a CPU, against the few ms the checks below take
+    stream = _chat(client, stream=True, max_tokens=1000, extra_body={"ignore_eos": True})
+    chunks = [next(iter(stream))]
     proc.terminate()
-    chunks = [first, *stream]
+    late = _post(base, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert late.status_code == 503 and late.headers["retry-after"] == "1"
+    assert late.json()["error"]["type"] == "server_overloaded"
+    health = httpx.get(f"{base}/health", timeout=10)
+    assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
+    chunks += list(stream)
     assert chunks[-1].choices[0].finish_reason == "length"
-    assert sum(bool(c.choices[0].delta.content) for c in chunks) > 1
-    # uvicorn re-raises the signal it handled once shut down: exit code 0 or -SIGTERM
-    assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    assert sum(bool(c.choices[0].delta.content) for c in chunks) > 100
+    assert proc.wait(timeout=60) == 0
     assert "server stopped" in proc.stdout.read()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{base}/health", timeout=2)

@@ -91,3 +91,14 @@ def test_skip_special_tokens_false_keeps_their_text(served, stream):
         else:
             texts.append(out.choices[0].message.content)
     assert texts == ["", "<|im_start|>" * 2]
+
+
+def test_output_offset_is_not_an_http_field(served):
+    """output_offset is the gateway's to send a worker over gRPC: a client's is ignored (an
+    unknown field, as vLLM has none), so the prompt's tokens are not taken for output."""
+    client, _ = served
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "seed": 3, "temperature": 1.0}
+    plain = client.completions.create(**kw)
+    offset = client.completions.create(**kw, extra_body={"output_offset": 5})
+    assert offset.choices[0].text == plain.choices[0].text
+    assert offset.usage.completion_tokens == plain.usage.completion_tokens

@@ -170,8 +170,8 @@ def test_a_new_request_starts_from_a_zeroed_slot(engine):
 
 
 def test_seeded_sampling_reproduces_per_request(engine):
-    """Two requests with one seed sample the same tokens (each its own generator), batched
-    with a greedy one; another seed samples others."""
+    """Two requests with one seed sample the same tokens, batched with a greedy one; another
+    seed samples others; an unseeded one keeps a seed of its own until it is freed."""
     runner, vocab = engine.runner, engine.model.config.vocab_size
     prompt = _prompt(20, 7, vocab)
     seeded = SamplingParams(max_tokens=64, temperature=1.5, seed=123)
@@ -180,6 +180,7 @@ def test_seeded_sampling_reproduces_per_request(engine):
         "s2": seeded,
         "g": SamplingParams(max_tokens=64),
         "other": SamplingParams(max_tokens=64, temperature=1.5, seed=321),
+        "unseeded": SamplingParams(max_tokens=64, temperature=1.5),
     }
     rids = list(params)
     drive = Driver(
@@ -193,6 +194,7 @@ def test_seeded_sampling_reproduces_per_request(engine):
     assert drive.outputs("s1") == drive.outputs("s2")
     assert drive.outputs("other") != drive.outputs("s1")
     assert drive.outputs("g") == reference(engine.model, prompt, 8)[0]
+    assert list(runner.seeds) == ["unseeded"]
     for rid in rids:
         runner.free(rid)
-    assert not runner.generators
+    assert not runner.seeds

@@ -1,11 +1,14 @@
 """Sampling: greedy is argmax; temperature / top-k / top-p draw from the distribution they
-define; seeded generators reproduce; `sample_rows` mixes greedy and sampled rows."""
+define; the draws are SplitMix64 outputs of (seed, output position) and reproduce;
+`sample_rows` mixes greedy and sampled rows."""
+
+import random
 
 import pytest
 import torch
 
 from sparrow.core.sampling_params import SamplingParams
-from sparrow.worker.sampler import sample, sample_rows, token_logprob
+from sparrow.worker.sampler import _int64, sample, sample_rows, token_logprob, uniforms
 
 V = 1001  # not a power of two
 
@@ -14,13 +17,10 @@ def _logits(rows: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def _frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
-    """Empirical distribution of `draws` samples from the one row `logits` [V]."""
-    picked = sample(logits.expand(draws, -1), params, _gen(0))
+    """Empirical distribution of `draws` samples from the one row `logits` [V] (output
+    positions 0 .. draws - 1 of one seed)."""
+    picked = sample(logits.expand(draws, -1), params, 0)
     return torch.bincount(picked, minlength=logits.shape[-1]).double() / draws
 
 
@@ -53,17 +53,60 @@ def test_greedy_is_argmax():
 def test_filters_that_keep_one_token_are_greedy(params):
     logits = _logits(7, seed=1)
     for seed in range(3):
-        assert torch.equal(sample(logits, params, _gen(seed)), logits.argmax(-1))
+        assert torch.equal(sample(logits, params, seed), logits.argmax(-1))
 
 
-def test_seeded_generators_reproduce():
+def test_seeded_draws_reproduce():
     logits = _logits(6, seed=2)
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-    a = [sample(logits, params, g) for g in [_gen(3)] * 4]  # one generator, four draws
-    b = [sample(logits, params, g) for g in [_gen(3)] * 4]
+    a = [sample(logits, params, 3, 6 * i) for i in range(4)]  # one seed, 24 positions
+    b = [sample(logits, params, 3, 6 * i) for i in range(4)]
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    other = [sample(logits, params, g) for g in [_gen(4)] * 4]
+    other = [sample(logits, params, 4, 6 * i) for i in range(4)]
     assert not all(torch.equal(x, y) for x, y in zip(a, other, strict=True))
+    later = [sample(logits, params, 3, 6 * i + 100) for i in range(4)]
+    assert not all(torch.equal(x, y) for x, y in zip(a, later, strict=True))
+
+
+MASK = 2**64 - 1
+
+
+def _splitmix64(seed: int, j: int) -> int:
+    """Output j of SplitMix64 seeded with `seed`, in Python's unbounded integers."""
+    z = (seed + (j + 1) * 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_uniforms_are_splitmix64_outputs(device):
+    """Bit for bit the reference's top 24 (fp32) or 53 (fp64) bits, across int64 overflow,
+    seeds past 2**63 and large positions."""
+    assert _splitmix64(0, 0) == 0xE220A8397B1DCDAF  # Vigna's splitmix64.c, seed 0
+    rng = random.Random(5)
+    seeds = [rng.getrandbits(64) for _ in range(3001)] + [0, 1, 2**63 - 1, 2**63, MASK]
+    positions = [rng.randrange(2**31) for _ in range(3001)] + [0, 0, 7, 2**31 - 1, 1]
+    keys = torch.tensor([_int64(s) for s in seeds], device=device)
+    at = torch.tensor(positions, device=device)
+    for dtype, bits in ((torch.float32, 24), (torch.float64, 53)):
+        got = uniforms(keys, at, dtype).cpu()
+        pairs = zip(seeds, positions, strict=True)
+        ref = [(_splitmix64(s, j) >> (64 - bits)) / 2**bits for s, j in pairs]
+        assert torch.equal(got, torch.tensor(ref, dtype=dtype)), dtype
+        assert 0 <= got.min() and got.max() < 1
+
+
+def test_uniforms_along_one_stream_are_uniform():
+    """200,000 positions of one seed: 64 bins within ~4.5 standard deviations, no bin empty
+    of its low bits (all 24 are drawn)."""
+    n = 200_000
+    u = uniforms(torch.full((n,), 12345), torch.arange(n), torch.float32).double()
+    counts = torch.histc(u, bins=64, min=0, max=1)
+    expected = n / 64
+    assert (counts - expected).abs().max() < 4.5 * expected**0.5
+    low = (u * 2**24).long() & 0xFF
+    assert torch.bincount(low, minlength=256).min() > 0
 
 
 def test_temperature_samples_softmax_of_scaled_logits():
@@ -107,13 +150,13 @@ def test_sample_rows_mixes_greedy_and_sampled_rows():
         SamplingParams(temperature=0.8, top_k=1),
         sampled,
     ]
-    gens = [None, _gen(9), None, None, _gen(10)]
-    picked = sample_rows(logits, params, gens)
+    seeds, positions = [None, 9, None, None, 10], [0, 4, 0, 0, 7]
+    picked = sample_rows(logits, params, seeds, positions)
     assert picked.dtype == torch.long and picked.shape == (5,)
     greedy = logits.argmax(-1)
     assert picked[[0, 2, 3]].tolist() == greedy[[0, 2, 3]].tolist()
-    assert picked[1] == sample(logits[1:2], sampled, _gen(9))[0]
-    assert picked[4] == sample(logits[4:5], sampled, _gen(10))[0]
+    assert picked[1] == sample(logits[1:2], sampled, 9, 4)[0]
+    assert picked[4] == sample(logits[4:5], sampled, 10, 7)[0]
 
 
 def test_sample_rows_all_greedy_is_argmax():
@@ -138,7 +181,7 @@ def test_token_logprob_is_log_softmax(dtype):
 
 def test_a_seeded_row_does_not_depend_on_the_other_rows():
     """Rows with different filters are sampled together; each seeded row draws what it draws
-    alone with its generator."""
+    alone at its (seed, position)."""
     logits = _logits(6, seed=8)
     params = [
         SamplingParams(temperature=0.9, top_k=20, seed=1),
@@ -149,10 +192,10 @@ def test_a_seeded_row_does_not_depend_on_the_other_rows():
         SamplingParams(temperature=1.1, top_p=0.6, seed=4),
     ]
     for draw in range(3):
-        gens = [_gen(100 * draw + b) for b in range(6)]
-        picked = sample_rows(logits, params, gens)
+        seeds, positions = [100 * draw + b for b in range(6)], [draw * b for b in range(6)]
+        picked = sample_rows(logits, params, seeds, positions)
         for b in (0, 1, 3, 5):
-            alone = sample(logits[b : b + 1], params[b], _gen(100 * draw + b))[0]
+            alone = sample(logits[b : b + 1], params[b], seeds[b], positions[b])[0]
             assert picked[b] == alone, (draw, b)
         assert picked[2] == logits[2].argmax()
 
@@ -221,7 +264,7 @@ def test_logit_bias_moves_greedy_and_sampled_choices():
     best = logits.argmax(-1)
     ban = SamplingParams(logit_bias=((int(best[0]), -100.0),))
     force = SamplingParams(temperature=1.0, logit_bias=((7, 100.0),))
-    picked = sample_rows(logits, [ban, force], [None, _gen(1)])
+    picked = sample_rows(logits, [ban, force], [None, 1])
     assert int(picked[0]) == int(logits[0].topk(2).indices[1]) and int(picked[1]) == 7
     assert torch.equal(logits, _logits(2))  # the caller's logits are not changed
 
@@ -230,7 +273,7 @@ def test_min_tokens_bars_stop_ids_until_reached():
     logits = _logits(3)
     stops = tuple(int(t) for t in logits[0].topk(3).indices)  # the three best of row 0
     p = SamplingParams(min_tokens=2, stop_token_ids=stops)
-    picked = sample_rows(logits[[0, 0, 0]], [p] * 3, [None] * 3, generated=[0, 1, 2])
+    picked = sample_rows(logits[[0, 0, 0]], [p] * 3, [None] * 3, positions=[0, 1, 2])
     assert int(picked[0]) == int(picked[1]) == int(logits[0].topk(4).indices[3])
     assert int(picked[2]) == stops[0]  # two generated: stop ids are allowed again
 
@@ -240,6 +283,10 @@ def test_sampling_controls_are_validated():
         SamplingParams(min_p=1.5)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+    # a resumed request's earlier output counts toward min_tokens
+    assert SamplingParams(max_tokens=4, min_tokens=5, output_offset=1).min_tokens == 5
+    with pytest.raises(ValueError, match="output_offset"):
+        SamplingParams(output_offset=-1)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=((3, 101.0),))
     assert SamplingParams(logit_bias=((3, 1.0), (1, -2.0))).logit_bias == ((1, -2.0), (3, 1.0))
