@@ -188,7 +188,9 @@ class RouterSettings:
     max_attempts: int = 3  # workers tried per request before it fails (each time it starts)
     request_timeout_s: float | None = 1800.0  # from admission: a request running longer ends
     max_resumes: int = 8  # times one stream moves on to another worker
-    resume_wait_s: float = 30.0  # a stream waits this long for a worker to take its rest
+    # a request waits this long for a worker to take it (or a stream its rest) while every
+    # worker is down or does not answer: restarting, frozen, ejected
+    worker_wait_s: float = 30.0
     breaker_failures: int = 5
     breaker_open_s: float = 30.0
 
@@ -263,7 +265,7 @@ class Router(EngineClient):
         params = params.stopping_at(self._info.default_stop_token_ids)
         if params.seed is None:  # a seed of its own: a sampled stream resumes exactly
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        worker, stream = await self._start(request_id, prompt_token_ids, params, media, set())
+        worker, stream = await self._start_waiting(request_id, prompt_token_ids, params, media)
         self._processor.add(request_id, params)
         run = _Run(request_id, list(prompt_token_ids), params, list(media), admitted)
         return self._relay(run, worker, stream)
@@ -312,7 +314,9 @@ class Router(EngineClient):
             self._owner[request_id] = worker
             worker.in_flight += 1
             return worker, stream
-        if isinstance(last, EngineFull) or last is None:
+        if last is None:
+            raise EngineUnreachable(f"no worker is up now ({len(self.workers)} configured)")
+        if isinstance(last, EngineFull):
             raise EngineFull(
                 f"no worker can take the request now ({len(self.workers)} configured)"
             ) from last
@@ -409,19 +413,37 @@ class Router(EngineClient):
             lost.address,
             cause,
         )
-        prompt, tried = run.prompt + run.generated, {lost.address}
-        until = time.monotonic() + self.settings.resume_wait_s
+        try:
+            return await self._start_waiting(
+                run.request_id, run.prompt + run.generated, params, run.media, lost.address, True
+            )
+        except (EngineFull, EngineUnreachable, InvalidRequest) as e:
+            raise EngineError(f"the stream could not be resumed: {cause}; then {e}") from e
+
+    async def _start_waiting(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        media: Sequence[MediaItem],
+        lost: str | None = None,
+        full_waits: bool = False,
+    ) -> tuple[Worker, AsyncIterator[RequestOutput]]:
+        """`_start`, waiting up to `worker_wait_s` while no worker can be reached (every one
+        down or not answering; with `full_waits`, full too: a stream under way is not
+        refused). The worker at `lost` is tried last (once it answers again: restarted)."""
+        until, tried = time.monotonic() + self.settings.worker_wait_s, set()
+        if lost is not None:
+            tried.add(lost)
         while True:
             try:
-                return await self._start(run.request_id, prompt, params, run.media, tried)
+                return await self._start(request_id, prompt_token_ids, params, media, tried)
             except (EngineFull, EngineUnreachable) as e:
-                # every worker down, full or slow to answer its polls: wait for one
-                if time.monotonic() > until:
-                    raise EngineError(f"the stream could not be resumed: {cause}; then {e}") from e
-                tried = set()  # the lost worker too, once it answers again (restarted)
+                waits = isinstance(e, EngineUnreachable) or full_waits
+                if not waits or time.monotonic() > until:
+                    raise
+                tried = set()
                 await asyncio.sleep(WATCH_S)
-            except InvalidRequest as e:
-                raise EngineError(f"the stream could not be resumed: {cause}; then {e}") from e
 
     def _release(self, request_id: str) -> None:
         """The request leaves its worker's count (once: at its last delta or its end)."""

@@ -190,7 +190,7 @@ def test_open_breaker_keeps_requests_off_a_failing_worker():
 
 
 def test_failure_mid_stream_without_another_worker_ends_the_stream_with_an_error():
-    router, fakes = _router(names=("a",), resume_wait_s=0.0)
+    router, fakes = _router(names=("a",), worker_wait_s=0.0)
     fakes["a"].broken = EngineError("the worker died")
 
     async def run():
@@ -255,7 +255,7 @@ def test_a_worker_back_after_an_ejection_starts_with_a_closed_breaker():
 
 def test_a_stream_waits_for_a_worker_to_take_its_rest():
     """With no other worker up when its worker dies, the stream goes on at the first that
-    comes back (within `resume_wait_s`)."""
+    comes back (within `worker_wait_s`)."""
     router, fakes = _router(names=("a", "b"))
     fakes["a"].broken = EngineError("the worker died")
     fakes["b"].alive = False
@@ -275,6 +275,27 @@ def test_a_stream_waits_for_a_worker_to_take_its_rest():
         return got
 
     assert _tokens(asyncio.run(run())) == [10, 21, 22]
+
+
+def test_a_new_request_waits_while_every_worker_is_down():
+    router, fakes = _router(names=("a",))
+    fakes["a"].alive = False
+
+    async def run():
+        async def restart():
+            await asyncio.sleep(0.5)
+            fakes["a"].alive = True
+
+        back = asyncio.ensure_future(restart())
+        got = await _run(router, "r0")
+        await back
+        return got
+
+    assert _tokens(asyncio.run(run())) == [10, 11, 12]
+    router, fakes = _router(names=("a",), worker_wait_s=0.0)
+    fakes["a"].alive = False
+    with pytest.raises(EngineUnreachable, match="no worker is up"):
+        asyncio.run(_run(router, "r1"))
 
 
 def test_the_first_worker_that_never_takes_the_request_hands_it_on():
