@@ -220,7 +220,8 @@ class Router(EngineClient):
         policy: Policy,
         settings: RouterSettings = RouterSettings(),
         wait_s: float = 30.0,
-        decode: Decode = lambda ids: "",
+        *,
+        decode: Decode,
         special_ids: frozenset[int] = frozenset(),
     ):
         if not addresses:

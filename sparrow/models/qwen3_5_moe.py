@@ -24,6 +24,7 @@ from sparrow.config import ConfigError, QuantConfig
 from sparrow.core.cache_spec import CacheSpec
 from sparrow.distributed import group
 from sparrow.distributed.shard import (
+    Rule,
     ShardPlan,
     cols,
     expert_rules,
@@ -69,8 +70,8 @@ LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
 # from the ModelArgs defaults (the released checkpoint's values).
 _HF_MISSING = {"rope_theta": 10_000.0, "max_position_embeddings": 32768}
 
-# ModelArgs field -> key of the HF text_config holding it (scalars only).
-_HF_TEXT_KEYS = {
+# ModelArgs field -> key of the HF text_config holding it (scalars only; Qwen3-Next's too).
+HF_TEXT_KEYS = {
     "vocab_size": "vocab_size",
     "hidden_size": "hidden_size",
     "num_layers": "num_hidden_layers",
@@ -92,7 +93,7 @@ _HF_TEXT_KEYS = {
     "initializer_range": "initializer_range",
 }
 # Keys of the RoPE parameters block, same names on both sides.
-_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
+ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
 
 
 class HybridArgs:
@@ -217,13 +218,13 @@ class ModelArgs(HybridArgs):
         eos = 248046 if eos is None or eos == [] else eos  # HF leaves it null by default
         values: dict[str, Any] = dict(_HF_MISSING)
         try:
-            for name, key in _HF_TEXT_KEYS.items():
+            for name, key in HF_TEXT_KEYS.items():
                 kind = type(getattr(cls, name))  # int, float or bool
                 if key == "tie_word_embeddings" and key in raw:  # HF ties by the top level
                     values[name] = bool(raw[key])
                 elif key in text:
                     values[name] = kind(text[key])
-            for key in _ROPE_KEYS:
+            for key in ROPE_KEYS:
                 if key in rope or key in text:
                     values[key] = float(rope.get(key, text.get(key)))
             if "mrope_section" in rope:
@@ -249,7 +250,7 @@ class ModelArgs(HybridArgs):
 
     def to_hf_text_config(self) -> dict[str, Any]:
         """The `text_config` dict of an HF `config.json` (model_type `qwen3_5_moe_text`)."""
-        text = {key: getattr(self, f) for f, key in _HF_TEXT_KEYS.items()}
+        text = {key: getattr(self, f) for f, key in HF_TEXT_KEYS.items()}
         return text | {
             "model_type": "qwen3_5_moe_text",
             "layer_types": list(self.layer_types),
@@ -259,7 +260,7 @@ class ModelArgs(HybridArgs):
             "attn_output_gate": True,
             "rope_parameters": {
                 "rope_type": "default",
-                **{key: getattr(self, key) for key in _ROPE_KEYS},
+                **{key: getattr(self, key) for key in ROPE_KEYS},
                 "mrope_section": list(self.mrope_section),
                 "mrope_interleaved": True,
             }
@@ -495,17 +496,26 @@ def shard_plan(cfg: ModelArgs, expert_parallel: bool) -> ShardPlan:
     """Attention heads (q rows hold each head's [q | gate]), Gated DeltaNet key and value
     heads (with their conv channels, gates and decay), the shared expert's and (tensor
     parallel) every routed expert's intermediate columns, the vocabulary rows."""
-    d, kd, vd, hv = (
-        cfg.head_dim,
-        cfg.linear_key_dim,
-        cfg.linear_value_dim,
-        cfg.linear_num_value_heads,
-    )
+    kd, vd, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+    mixer = [
+        (r"\.linear_attn\.(in_proj_qkv|conv1d)\.", rows(kd, kd, vd)),
+        (r"\.linear_attn\.in_proj_z\.", rows(vd)),
+        (r"\.linear_attn\.(in_proj_b\.|in_proj_a\.|dt_bias$|A_log$)", rows(hv)),
+        (r"\.linear_attn\.out_proj\.", cols(vd)),
+    ]
+    return hybrid_shard_plan(cfg, expert_parallel, mixer)
+
+
+def hybrid_shard_plan(cfg: Any, expert_parallel: bool, mixer: list[Rule]) -> ShardPlan:
+    """The plan of a Gated DeltaNet hybrid (Qwen3.5/3.6, Qwen3-Next) around the `mixer`
+    rules of its Gated DeltaNet projections: the heads and widths divided by the ranks, gated
+    attention's heads, the routed and shared experts, the vocabulary rows."""
+    d = cfg.head_dim
     fields = ["num_attention_heads", "num_kv_heads", "linear_num_key_heads"]
     fields += ["linear_num_value_heads", "shared_expert_intermediate_size"]
     inputs = {
         "attention heads x head_dim": cfg.num_attention_heads * d,
-        "value heads x linear_value_head_dim": vd,
+        "value heads x linear_value_head_dim": cfg.linear_value_dim,
         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
     }
     if not expert_parallel:
@@ -516,10 +526,7 @@ def shard_plan(cfg: ModelArgs, expert_parallel: bool) -> ShardPlan:
         (r"\.self_attn\.q_proj\.", rows(2 * cfg.num_attention_heads * d)),
         (r"\.self_attn\.(k_proj|v_proj)\.", rows(cfg.num_kv_heads * d)),
         (r"\.self_attn\.o_proj\.", cols(cfg.num_attention_heads * d)),
-        (r"\.linear_attn\.(in_proj_qkv|conv1d)\.", rows(kd, kd, vd)),
-        (r"\.linear_attn\.in_proj_z\.", rows(vd)),
-        (r"\.linear_attn\.(in_proj_b\.|in_proj_a\.|dt_bias$|A_log$)", rows(hv)),
-        (r"\.linear_attn\.out_proj\.", cols(vd)),
+        *mixer,
         *expert_rules(cfg.num_experts, cfg.moe_intermediate_size, expert_parallel),
         *gated_mlp_rules(r"\.mlp\.shared_expert", cfg.shared_expert_intermediate_size),
     ]

@@ -22,10 +22,7 @@ from sparrow.config import ConfigError, QuantConfig
 from sparrow.distributed.shard import (
     ShardPlan,
     cols,
-    expert_rules,
-    gated_mlp_rules,
     rows,
-    vocab_rules,
 )
 from sparrow.layers.attention import GatedAttention
 from sparrow.layers.decoder import DecoderStack
@@ -55,29 +52,6 @@ _LEGACY_LAYER_TYPES = {
     "mamba": LINEAR_ATTENTION,
     "attention": FULL_ATTENTION,
 }
-# ModelArgs field -> config.json key (scalars only).
-_HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_attention_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "linear_conv_kernel": "linear_conv_kernel_dim",
-    "linear_num_key_heads": "linear_num_key_heads",
-    "linear_num_value_heads": "linear_num_value_heads",
-    "linear_key_head_dim": "linear_key_head_dim",
-    "linear_value_head_dim": "linear_value_head_dim",
-    "num_experts": "num_experts",
-    "num_experts_per_tok": "num_experts_per_tok",
-    "moe_intermediate_size": "moe_intermediate_size",
-    "shared_expert_intermediate_size": "shared_expert_intermediate_size",
-    "rms_norm_eps": "rms_norm_eps",
-    "max_position_embeddings": "max_position_embeddings",
-    "tie_word_embeddings": "tie_word_embeddings",
-    "initializer_range": "initializer_range",
-}
-_ROPE_KEYS = ("rope_theta", "partial_rotary_factor")
 _EOS = 151645  # <|im_end|>
 
 
@@ -160,10 +134,10 @@ class ModelArgs(qwen3_5_moe.HybridArgs):
         eos = _EOS if eos is None or eos == [] else eos  # HF leaves it null by default
         values: dict[str, Any] = dict(_HF_MISSING)
         try:
-            for name, key in _HF_KEYS.items():
+            for name, key in qwen3_5_moe.HF_TEXT_KEYS.items():
                 if key in raw:
                     values[name] = type(getattr(cls, name))(raw[key])  # int, float or bool
-            for key in _ROPE_KEYS:
+            for key in qwen3_5_moe.ROPE_KEYS:
                 if key in rope or key in raw:
                     values[key] = float(rope.get(key, raw.get(key)))
             if "full_attention_interval" in raw:
@@ -192,10 +166,13 @@ class ModelArgs(qwen3_5_moe.HybridArgs):
 
     def to_hf_config(self) -> dict[str, Any]:
         """An HF `config.json` of model_type `qwen3_next` (every layer sparse)."""
-        rope = {"rope_type": "default", **{key: getattr(self, key) for key in _ROPE_KEYS}}
+        rope = {
+            "rope_type": "default",
+            **{key: getattr(self, key) for key in qwen3_5_moe.ROPE_KEYS},
+        }
         scaling = self.rope_scaling.to_hf() if self.rope_scaling is not None else {}
         eos = self.eos_token_ids
-        return {key: getattr(self, f) for f, key in _HF_KEYS.items()} | {
+        return {key: getattr(self, f) for f, key in qwen3_5_moe.HF_TEXT_KEYS.items()} | {
             "architectures": ["Qwen3NextForCausalLM"],
             "model_type": NAME,
             "layer_types": list(self.layer_types),
@@ -287,41 +264,19 @@ init = qwen3_5_moe.init
 
 
 def shard_plan(cfg: ModelArgs, expert_parallel: bool) -> ShardPlan:
-    """Attention heads (q rows hold each head's [q | gate]); Gated DeltaNet key heads with
-    their value heads: the in-projections' rows are grouped by key head, so a rank's heads
-    are one contiguous block of them, and the conv's [q | k | v] channels, the decay and the
-    out-projection's columns follow; the shared expert's and (tensor parallel) every routed
-    expert's intermediate columns; the vocabulary rows."""
-    d, kd, vd, hv = (
-        cfg.head_dim,
-        cfg.linear_key_dim,
-        cfg.linear_value_dim,
-        cfg.linear_num_value_heads,
-    )
-    fields = ["num_attention_heads", "num_kv_heads", "linear_num_key_heads"]
-    fields += ["linear_num_value_heads", "shared_expert_intermediate_size"]
-    inputs = {
-        "attention heads x head_dim": cfg.num_attention_heads * d,
-        "value heads x linear_value_head_dim": vd,
-        "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
-    }
-    if not expert_parallel:
-        fields.append("moe_intermediate_size")
-        inputs["moe_intermediate_size"] = cfg.moe_intermediate_size
-    rules = [
-        *vocab_rules(cfg.vocab_size),
-        (r"\.self_attn\.q_proj\.", rows(2 * cfg.num_attention_heads * d)),
-        (r"\.self_attn\.(k_proj|v_proj)\.", rows(cfg.num_kv_heads * d)),
-        (r"\.self_attn\.o_proj\.", cols(cfg.num_attention_heads * d)),
+    """As Qwen3.5/3.6's, but the Gated DeltaNet key heads go with their value heads: the
+    in-projections' rows are grouped by key head, so a rank's heads are one contiguous block
+    of them, and the conv's [q | k | v] channels, the decay and the out-projection's columns
+    follow."""
+    kd, vd, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+    mixer = [
         (r"\.linear_attn\.in_proj_qkvz\.", rows(2 * kd + 2 * vd)),
         (r"\.linear_attn\.in_proj_ba\.", rows(2 * hv)),
         (r"\.linear_attn\.conv1d\.", rows(kd, kd, vd)),
         (r"\.linear_attn\.(dt_bias|A_log)$", rows(hv)),
         (r"\.linear_attn\.out_proj\.", cols(vd)),
-        *expert_rules(cfg.num_experts, cfg.moe_intermediate_size, expert_parallel),
-        *gated_mlp_rules(r"\.mlp\.shared_expert", cfg.shared_expert_intermediate_size),
     ]
-    return ShardPlan(tuple(fields), inputs, tuple(rules))
+    return qwen3_5_moe.hybrid_shard_plan(cfg, expert_parallel, mixer)
 
 
 PRESETS = {

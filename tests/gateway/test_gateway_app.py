@@ -45,6 +45,8 @@ def gateway():
         lambda a: RemoteEngine(a, llm.tokenizer.decode, poll_s=0.05),
         make_policy("least_load"),
         wait_s=30,
+        decode=llm.tokenizer.decode,
+        special_ids=llm.tokenizer.skipped_ids,
     )
     pool = media_pool(1)
     media = MediaPipeline(QWEN3_5_MOE, QWEN3_5_MOE_VIDEO, MediaLimits())

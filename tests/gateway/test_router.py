@@ -357,4 +357,4 @@ def test_no_worker_answering_fails_at_start():
         raise EngineUnreachable("down")
 
     with pytest.raises(EngineError, match="no worker answered"):
-        Router(["x:1"], never, RoundRobin(), wait_s=0.2)
+        Router(["x:1"], never, RoundRobin(), wait_s=0.2, decode=decode)
