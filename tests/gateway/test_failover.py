@@ -15,7 +15,8 @@ from tests.gateway.test_gateway_processes import Cluster, _worker
 
 pytest.importorskip("openai")
 
-MAX_TOKENS = 48
+# long enough that generation is still running when a reader behind it strikes early on
+MAX_TOKENS = 256
 
 
 def _bodies() -> list[tuple[str, dict]]:
@@ -121,7 +122,7 @@ def test_streams_survive_their_worker_killed_or_frozen(cluster):
     faults = 0
     for i, ((endpoint, body), ref) in enumerate(zip(bodies, reference, strict=True)):
         Cluster._wait(lambda: _healthy(cluster), 180)
-        at = rng.randint(1, max(1, len(ref["tokens"]) // 2))
+        at = rng.randint(1, max(1, len(ref["tokens"]) // 8))
         frozen = i % 2 == 1
         struck = []
 
