@@ -1,9 +1,71 @@
+import importlib.metadata
+import json
 import os
+import platform
+import subprocess
+import time
 
 import pytest
 import torch
 
 from sparrow.eval.measure import rel_err  # noqa: F401 (tests import it from here)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record",
+        metavar="PATH",
+        help="write the run's summary as JSON (commit, device, versions, outcomes, failures)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("record"):
+        config.pluginmanager.register(_Record(config.getoption("record")), "sparrow-record")
+
+
+class _Record:
+    """`--record PATH`: what a GPU test record under docs/bench/ holds."""
+
+    def __init__(self, path: str):
+        self.path, self.start = path, time.time()
+        self.outcomes: dict[str, int] = {}
+        self.failures: list[dict] = []
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call":
+            outcome = report.outcome
+        elif report.failed or report.skipped:
+            outcome = "error" if report.failed else "skipped"
+        else:
+            return
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if report.failed:
+            message = str(report.longrepr).strip().splitlines() or [""]
+            self.failures.append({"test": report.nodeid, "message": message[-1][:500]})
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        def git(*args: str) -> str:
+            run = subprocess.run(["git", *args], capture_output=True, text=True)
+            return run.stdout.strip()
+
+        versions = {"python": platform.python_version()}
+        for name in ("torch", "triton", "transformers"):
+            versions[name] = importlib.metadata.version(name)
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        summary = {
+            "commit": git("rev-parse", "--short", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "command": "python -m pytest " + " ".join(session.config.invocation_params.args),
+            "device": device,
+            "versions": versions,
+            "exit_status": int(exitstatus),
+            "seconds": round(time.time() - self.start, 1),
+            "outcomes": self.outcomes,
+            "failures": self.failures,
+        }
+        with open(self.path, "w") as f:
+            json.dump(summary, f, indent=1)
 
 
 def pytest_collection_modifyitems(config, items):
