@@ -1,4 +1,4 @@
-"""MSA block selection: index scores per key block in Triton, the top-k in torch.
+"""MSA block selection: index scores per key block in Triton, then the top-k.
 
 `select_blocks` (a prompt or prompt chunk of one sequence) and `decode_select_blocks` (one
 query per sequence, the whole batch in one launch, no host reads) have the contracts of their
@@ -22,6 +22,22 @@ own row. The buffer is bounded by chunking queries: SCORE_BYTES (128 MiB) per ch
 8,192 queries per chunk at 128K context (W = 1,024) and 1,024 at 1M (W = 8,192). Decode needs
 B x Hi x W x 4 bytes: 8 MiB for 64 sequences at 1M.
 
+Decode (`decode_select_blocks`, one query per sequence) takes either that kernel (one query
+per tile) or `_decode_scores_kernel`, as `DecodeSelectTiles` says (DECODE_TILES for keys in
+the query dtype, DECODE_TILES_FP8 for fp8 codes). The decode kernel puts the keys on the M
+side of the dot ([BLOCK_N keys, Di] x [Di, 16 head rows]: the key tile goes from shared
+memory straight into the tensor cores), can load its NB page ids as one vector up front
+(sm_90 TTGIR: with a page id loaded per block the pipelined loop waits for every copy, one
+key block in flight; preloaded, two at 3 stages), writes every score of its blocks (-inf
+past the query's block: no memset of the buffer), and for fp8 codes can quantise the query
+per (sequence, head) to e4m3 (fp8 x fp8 dot) or to fp16 (codes converted exactly) with an
+fp32 scale (the row's largest |element| / 448) that multiplies the block max (max(s x) =
+s max(x) for s > 0), after each key's own scale. Its block loop is a `tl.range` with its own
+stage count, so the pipeliner prefetches the key scales too (a plain `range` leaves them a
+synchronous load per block). The top-k is torch.topk or `_top_blocks_kernel` (one program
+per row: k rounds of max over (score, block) packed in an int64, ties to the lower block).
+The options are timed on the H200 by a sweep script (1M context, batch 1 and 8).
+
 `decode_select.py` fuses the top-k into the scoring launch for decode; this unfused form is
 faster on the H200 (bench/msa.py) and is what `kernels.decode_select_blocks` takes.
 
@@ -32,6 +48,8 @@ contract (compare selections as sets).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +58,7 @@ from sparrow.kernels.launch import fast
 
 SCORE_BYTES = 1 << 27  # score buffer per prompt chunk
 KV_BLOCKS = 16  # key blocks per program
+DOT_DTYPES = ("query", "fp16", "fp8")  # what the decode kernel's dot takes (DecodeSelectTiles)
 
 
 @triton.jit(do_not_specialize=["T"])  # see kernels/launch.py
@@ -100,6 +119,115 @@ def _block_scores_kernel(
         tl.store(out_ptr + i_q * stride_ot + head * stride_oh + j, b_max, mask=m_r)
 
 
+@triton.jit
+def _decode_scores_kernel(
+    iq_ptr,
+    ik_ptr,
+    scale_ptr,
+    tables_ptr,
+    pos_ptr,
+    out_ptr,
+    width,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_sb,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    HI: tl.constexpr,
+    ROWS: tl.constexpr,
+    DI: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    NB_P2: tl.constexpr,
+    LOCAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    QUANT: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    i_b, i_j = tl.program_id(0), tl.program_id(1)
+    pos = tl.load(pos_ptr + i_b)
+    q_block = pos // BS
+    o_h = tl.arange(0, ROWS)
+    m_h = o_h < HI
+    o_d = tl.arange(0, DI)
+    p_q = iq_ptr + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_h[:, None], other=0.0)
+    if QUANT == 0:
+        b_qt = tl.trans(b_q)  # [DI, ROWS]
+    else:  # per head row: b_q ~ codes * q_scale, |codes| <= 448 (the largest e4m3)
+        b_qf = b_q.to(tl.float32)
+        b_amax = tl.max(tl.abs(b_qf), axis=1)
+        q_scale = tl.where(b_amax > 0, b_amax / 448.0, 1.0)
+        b_c = tl.clamp(tl.div_rn(b_qf, q_scale[:, None]), -448.0, 448.0)
+        if QUANT == 1:
+            b_qt = tl.trans(b_c.to(tl.float16))
+        else:
+            b_qt = tl.trans(b_c.to(tl.float8e4nv))
+    j_lo = i_j * NB
+    j_end = tl.minimum(j_lo + NB, width)
+    j_hi = tl.minimum(j_end, q_block + 1)
+    p_table = tables_ptr + i_b.to(tl.int64) * stride_tb
+    o_p = tl.arange(0, NB_P2)
+    if PRELOAD:  # the program's page ids as one vector; each step picks its own
+        b_pages = tl.load(p_table + j_lo + o_p, mask=j_lo + o_p < j_hi, other=0)
+    p_out = out_ptr + i_b * stride_ob + o_h * stride_oh
+    o_n = tl.arange(0, BLOCK_N)
+    # a loop with its own stage count: the pipeliner also prefetches the key scales
+    for j in tl.range(j_lo, j_hi, num_stages=STAGES):
+        if PRELOAD:
+            page = tl.sum(tl.where(o_p == j - j_lo, b_pages, 0)).to(tl.int64)
+        else:
+            page = tl.load(p_table + j).to(tl.int64)
+        b_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        for n0 in tl.static_range(0, BS, BLOCK_N):
+            p_k = ik_ptr + page * stride_kb + (n0 + o_n)[:, None] * stride_kt + o_d[None, :]
+            b_k = tl.load(p_k).to(b_qt.dtype)  # fp8 x fp8: no conversion
+            b_s = tl.dot(b_k, b_qt, input_precision=PRECISION)  # [BLOCK_N, ROWS]
+            if SCALED:
+                b_s *= tl.load(scale_ptr + page * stride_sb + n0 + o_n)[:, None]
+            causal = (j * BS + n0 + o_n)[:, None] <= pos
+            b_max = tl.maximum(b_max, tl.max(tl.where(causal, b_s, float("-inf")), axis=0))
+        if QUANT != 0:
+            b_max *= q_scale
+        b_max = tl.where(q_block - j < LOCAL, float("inf"), b_max)
+        tl.store(p_out + j, b_max, mask=m_h)
+    o_j = j_lo + o_p  # the program's blocks past the query's own: -inf
+    m_past = m_h[:, None] & ((o_j > q_block) & (o_j < j_end))[None, :]
+    b_inf = tl.full([ROWS, NB_P2], float("-inf"), dtype=tl.float32)
+    tl.store(p_out[:, None] + o_j[None, :], b_inf, mask=m_past)
+
+
+@triton.jit
+def _top_blocks_kernel(
+    scores_ptr,
+    out_ptr,
+    width,
+    stride_row,
+    TOPK: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    NEG_INF_KEY: tl.constexpr,
+):
+    """One row of scores [width] per program -> its top TOPK ids, -1 where -inf."""
+    i_r = tl.program_id(0)
+    o_w = tl.arange(0, BLOCK_W)
+    p_s = scores_ptr + i_r.to(tl.int64) * stride_row + o_w
+    b_s = tl.load(p_s, mask=o_w < width, other=float("-inf"))
+    bits = b_s.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the scores
+    b_p = (key.to(tl.int64) << 32) | (BLOCK_W - 1 - o_w).to(tl.int64)  # ties: lower id
+    for r in tl.static_range(TOPK):
+        top = tl.max(b_p, axis=0)
+        block = BLOCK_W - 1 - (top - ((top >> 32) << 32))
+        tl.store(out_ptr + i_r * TOPK + r, tl.where((top >> 32) > NEG_INF_KEY, block, -1))
+        b_p = tl.where(b_p == top, -(2**63), b_p)
+
+
 def block_scores(
     iq: torch.Tensor,
     ik_cache: torch.Tensor,
@@ -110,20 +238,19 @@ def block_scores(
     block_m: int,
     kv_blocks: int = KV_BLOCKS,
     ik_scale: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """iq: [Q, Hi, Di]; ik_cache: [pages, bs, Di] (fp8 codes if ik_scale [pages, bs] is
     given); tables: [W'] one sequence's pages (every query reads it) or [Q, W'] one row per
     query (then block_m must be 1); positions: [Q]. Returns fp32 block scores [Q, Hi, width],
     -inf past each query's own block, +inf on its local blocks. Launches one kernel; reads
-    nothing on the host."""
+    nothing on the host. block_n (keys per dot, at most bs), num_warps, num_stages: the
+    launch (Triton's defaults)."""
     nq, hi, di = iq.shape
     bs = ik_cache.shape[1]
-    if ik_cache.shape[-1] != di or iq.stride(-1) != 1 or ik_cache.stride(-1) != 1:
-        raise ValueError(
-            f"iq {list(iq.shape)}, ik_cache {list(ik_cache.shape)}: expected "
-            "[Q, Hi, Di] and [pages, bs, Di] with unit stride on Di"
-        )
-    check_index_scales(ik_cache, ik_scale)
+    _check_shapes(iq, ik_cache, ik_scale)
     if tables.dim() == 2 and block_m != 1:
         raise ValueError("per-query tables need one query per tile (block_m = 1)")
     out = torch.full((nq, hi, width), -torch.inf, device=iq.device, dtype=torch.float32)
@@ -153,13 +280,133 @@ def block_scores(
         ROWS=max(16, triton.next_power_of_2(block_m * hi)),
         BLOCK_M=block_m,
         BS=bs,
-        BLOCK_N=min(bs, 64),
+        BLOCK_N=min(bs, block_n),
         NB=kv_blocks,
         LOCAL=local_blocks,
         SCALED=ik_scale is not None,
         PRECISION="ieee" if iq.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
+
+
+@dataclass(frozen=True)
+class DecodeSelectTiles:
+    """How decode selection runs (module docstring). kv_blocks: key blocks per program (the
+    grid is B x cdiv(W, kv_blocks)); block_n: keys per dot (at most a cache block);
+    keys_major: `_decode_scores_kernel` (else `_block_scores_kernel`, one query per tile);
+    dot (keys_major only): "query" converts the keys to the query's dtype, "fp16" / "fp8"
+    quantise the query per (sequence, head) and convert fp8 codes to fp16 / use them as
+    they are (fp8 index keys only); preload_pages (keys_major only): the program's page ids
+    as one vector load; triton_topk: `_top_blocks_kernel` instead of torch.topk."""
+
+    kv_blocks: int = KV_BLOCKS
+    block_n: int = 64
+    keys_major: bool = False
+    dot: str = "query"
+    preload_pages: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+    triton_topk: bool = False
+
+    def __post_init__(self):
+        if self.dot not in DOT_DTYPES:
+            raise ValueError(f"dot {self.dot!r}: expected one of {DOT_DTYPES}")
+        if not self.keys_major and (self.dot != "query" or self.preload_pages):
+            raise ValueError("dot and preload_pages are options of the keys-major kernel")
+        if self.kv_blocks < 1 or self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"kv_blocks {self.kv_blocks}, block_n {self.block_n}")
+
+
+# The engine's decode selection: the rows-major kernel as measured in bench/msa.py until
+# the sweep of the DecodeSelectTiles options on the H200 picks others.
+DECODE_TILES = DecodeSelectTiles()  # index keys in the query dtype
+DECODE_TILES_FP8 = DecodeSelectTiles()  # fp8 codes + scales
+
+
+def decode_block_scores(
+    iq: torch.Tensor,
+    ik_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    width: int,
+    local_blocks: int,
+    ik_scale: torch.Tensor | None = None,
+    tiles: DecodeSelectTiles | None = None,
+) -> torch.Tensor:
+    """One query per sequence: iq [B, Hi, Di]; ik_cache [pages, bs, Di] (fp8 codes if
+    ik_scale [pages, bs] is given); block_tables [B, W]; positions [B]; width >= W. Returns
+    fp32 block scores [B, Hi, width] as `block_scores`. One launch, no host reads. tiles:
+    DECODE_TILES (DECODE_TILES_FP8 with ik_scale) unless given."""
+    if tiles is None:
+        tiles = DECODE_TILES if ik_scale is None else DECODE_TILES_FP8
+    if not tiles.keys_major:
+        return block_scores(
+            iq,
+            ik_cache,
+            block_tables,
+            positions,
+            width,
+            local_blocks,
+            1,
+            tiles.kv_blocks,
+            ik_scale,
+            tiles.block_n,
+            tiles.num_warps,
+            tiles.num_stages,
+        )
+    bsz, hi, di = iq.shape
+    bs = ik_cache.shape[1]
+    _check_shapes(iq, ik_cache, ik_scale)
+    if tiles.dot != "query" and ik_scale is None:
+        raise ValueError(f"dot {tiles.dot!r} takes fp8 index keys (ik_scale)")
+    out = torch.empty(bsz, hi, width, device=iq.device, dtype=torch.float32)
+    if bsz == 0:
+        return out
+    scale = ik_cache if ik_scale is None else ik_scale  # not read unless SCALED
+    fast(_decode_scores_kernel)[(bsz, triton.cdiv(width, tiles.kv_blocks))](
+        iq,
+        ik_cache,
+        scale,
+        block_tables,
+        positions,
+        out,
+        width,
+        iq.stride(0),
+        iq.stride(1),
+        ik_cache.stride(0),
+        ik_cache.stride(1),
+        scale.stride(0),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        HI=hi,
+        ROWS=max(16, triton.next_power_of_2(hi)),
+        DI=di,
+        BS=bs,
+        BLOCK_N=min(bs, tiles.block_n),
+        NB=tiles.kv_blocks,
+        NB_P2=triton.next_power_of_2(tiles.kv_blocks),
+        LOCAL=local_blocks,
+        SCALED=ik_scale is not None,
+        QUANT=DOT_DTYPES.index(tiles.dot),
+        PRELOAD=tiles.preload_pages,
+        PRECISION="ieee" if iq.dtype == torch.float32 and tiles.dot == "query" else "tf32",
+        STAGES=tiles.num_stages,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def _check_shapes(iq: torch.Tensor, ik_cache: torch.Tensor, ik_scale: torch.Tensor | None):
+    if ik_cache.shape[-1] != iq.shape[-1] or iq.stride(-1) != 1 or ik_cache.stride(-1) != 1:
+        raise ValueError(
+            f"iq {list(iq.shape)}, ik_cache {list(ik_cache.shape)}: expected "
+            "[Q, Hi, Di] and [pages, bs, Di] with unit stride on Di"
+        )
+    check_index_scales(ik_cache, ik_scale)
 
 
 def check_index_scales(ik_cache: torch.Tensor, ik_scale: torch.Tensor | None) -> None:
@@ -181,6 +428,32 @@ def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """scores [.., W] (W >= topk) -> int64 ids [.., topk] best first, -1 where -inf."""
     values, ids = scores.topk(topk, dim=-1)
     return ids.masked_fill(values == -torch.inf, -1)
+
+
+NEG_INF_KEY = -2139095041  # `_top_blocks_kernel`'s order key of -inf (0xff800000 ^ 0x7fffffff)
+
+
+def top_blocks_triton(scores: torch.Tensor, topk: int, num_warps: int = 8) -> torch.Tensor:
+    """`top_blocks` in one launch (`_top_blocks_kernel`): scores [.., W] fp32 with unit
+    stride on W; ties go to the lower id."""
+    width = scores.shape[-1]
+    rows = scores.reshape(-1, width)
+    out = torch.empty(*scores.shape[:-1], topk, device=scores.device, dtype=torch.int64)
+    if rows.shape[0] == 0:
+        return out
+    if scores.dtype != torch.float32 or rows.stride(-1) != 1 or width < topk:
+        raise ValueError(f"scores {scores.dtype} {list(scores.shape)}: fp32 [.., W >= {topk}]")
+    fast(_top_blocks_kernel)[(rows.shape[0],)](
+        rows,
+        out,
+        width,
+        rows.stride(0),
+        TOPK=topk,
+        BLOCK_W=triton.next_power_of_2(width),
+        NEG_INF_KEY=NEG_INF_KEY,
+        num_warps=num_warps,
+    )
+    return out
 
 
 def _device_positions(q_pos: list[int] | range, device: torch.device) -> torch.Tensor:
@@ -239,14 +512,34 @@ def decode_select_blocks(
     positions: torch.Tensor,
     topk: int,
     local_blocks: int,
-    kv_blocks: int = KV_BLOCKS,
+    kv_blocks: int | None = None,
     ik_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`naive.decode_select_blocks` in Triton: one query per sequence, one scoring launch for
-    the batch and a torch.topk, no host reads (capturable). iq: [B, Hi, Di]; block_tables:
-    [B, W]; positions: [B]; ik_scale: as `select_blocks`. Returns int64 [B, Hi, topk]."""
-    width = max(block_tables.shape[1], topk)
-    scores = block_scores(
-        iq, ik_cache, block_tables, positions, width, local_blocks, 1, kv_blocks, ik_scale
+    the batch and a top-k, no host reads (capturable). iq: [B, Hi, Di]; block_tables:
+    [B, W]; positions: [B]; ik_scale: as `select_blocks`. Returns int64 [B, Hi, topk]. The
+    launch: DECODE_TILES (DECODE_TILES_FP8 with ik_scale), kv_blocks overriding theirs."""
+    tiles = DECODE_TILES if ik_scale is None else DECODE_TILES_FP8
+    if kv_blocks is not None:
+        tiles = replace(tiles, kv_blocks=kv_blocks)
+    return decode_select_with(
+        tiles, iq, ik_cache, block_tables, positions, topk, local_blocks, ik_scale
     )
-    return top_blocks(scores, topk)
+
+
+def decode_select_with(
+    tiles: DecodeSelectTiles,
+    iq: torch.Tensor,
+    ik_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    local_blocks: int,
+    ik_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_select_blocks` run as `tiles` says."""
+    width = max(block_tables.shape[1], topk)
+    scores = decode_block_scores(
+        iq, ik_cache, block_tables, positions, width, local_blocks, ik_scale, tiles
+    )
+    return top_blocks_triton(scores, topk) if tiles.triton_topk else top_blocks(scores, topk)
