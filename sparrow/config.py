@@ -110,6 +110,7 @@ class QuantConfig:
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 INDEX_CACHE_DTYPES = ("auto", "fp8_e4m3")
+RECURRENT_STATE_DTYPES = ("float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -148,7 +149,11 @@ class CacheConfig:
     from (models with recurrent layers; None: one per sequence the scheduler may run, 0 with
     prefix caching off). `index_cache_dtype`: how MSA layers keep their index keys, "auto" in
     the activation dtype, "fp8_e4m3" as e4m3 codes with an fp32 scale per token (about half
-    the bytes decode's block selection reads; models without MSA layers take "auto" only)."""
+    the bytes decode's block selection reads; models without MSA layers take "auto" only).
+    `recurrent_state_dtype`: how recurrent (Gated DeltaNet) layers keep their state between
+    steps, "float32" (as HF) or "bfloat16" (half the bytes a decode step reads and writes
+    for it; the kernels update it in fp32 and round it when they store it; models without
+    recurrent layers take "float32" only)."""
 
     block_size: int | None = None  # tokens per KV block
     num_blocks: int | None = None
@@ -157,6 +162,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_state_snapshots: int | None = None
     index_cache_dtype: str = "auto"
+    recurrent_state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "num_blocks", "num_state_slots")
@@ -164,6 +170,11 @@ class CacheConfig:
             raise ConfigError(
                 f"index_cache_dtype {self.index_cache_dtype!r}: expected one of "
                 f"{list(INDEX_CACHE_DTYPES)}"
+            )
+        if self.recurrent_state_dtype not in RECURRENT_STATE_DTYPES:
+            raise ConfigError(
+                f"recurrent_state_dtype {self.recurrent_state_dtype!r}: expected one of "
+                f"{list(RECURRENT_STATE_DTYPES)}"
             )
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ConfigError(f"num_state_snapshots must be >= 0, got {self.num_state_snapshots}")

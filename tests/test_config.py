@@ -38,6 +38,10 @@ def test_keywords_land_in_their_sections():
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
         ({"dtype": "int8"}, "dtype 'int8'"),
         ({"index_cache_dtype": "fp8"}, "index_cache_dtype 'fp8'"),
+        (
+            {"recurrent_state_dtype": "float16"},
+            r"recurrent_state_dtype 'float16': expected one of \['float32', 'bfloat16'\]",
+        ),
         ({"device": "tpu"}, "device 'tpu'"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
         ({"load_format": "gguf"}, "load_format 'gguf'"),

@@ -45,3 +45,27 @@ def test_bf16_against_fp32_reports_hfs_own_rounding(tmp_path):
     for pair in ("sparrow_vs_hf", "hf_bfloat16_vs_hf"):
         assert 0.5 < report[pair]["top1_agreement"] <= 1.0
         assert abs(report[pair]["perplexity_ratio"] - 1) < 0.05
+
+
+def test_bf16_recurrent_state_reports_its_cost(tmp_path):
+    """`--recurrent-state-dtype bfloat16`: Sparrow keeps its Gated DeltaNet state in bf16, and
+    one more pair states what that costs against Sparrow with fp32 state: not zero, small."""
+    out = tmp_path / "consistency.json"
+    main(
+        [
+            "--recurrent-state-dtype",
+            "bfloat16",
+            "--positions",
+            "24",
+            "--context",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert report["recurrent_state_dtype"] == "bfloat16"
+    cost = report["sparrow_bfloat16_state_vs_float32_state"]
+    assert 0 < cost["kl_mean"] < 1e-3 and cost["top1_agreement"] >= 0.9
+    assert abs(cost["perplexity_ratio"] - 1) < 0.01
+    assert report["sparrow_vs_hf"]["top1_agreement"] >= 0.9

@@ -1,10 +1,12 @@
 """The offline engine (scheduler + runner, reference path on CPU) against the plain
-generation loop: same greedy tokens whatever the batching, chunking or preemption."""
+generation loop: same greedy tokens whatever the batching, chunking or preemption; bf16
+recurrent state against fp32 on the built-in model."""
 
 import pytest
 import torch
 
 from sparrow.config import QuantConfig
+from sparrow.core.cache_spec import RecurrentStateSpec
 from sparrow.core.request import FinishReason
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
@@ -81,11 +83,20 @@ def test_seeded_sampling_is_reproducible(ckpt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantize", [None, "4bit"])
-def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the gathered path
+@pytest.mark.parametrize(
+    "quantize, state_dtype", [(None, "float32"), ("4bit", "float32"), ("4bit", "bfloat16")]
+)
+def test_graph_decode_matches_eager_gpu(ckpt, quantize, state_dtype):  # float experts: gathered
     """Decode steps replayed from CUDA graphs (batch padded to a captured size) give the
-    eager path's greedy tokens, with requests joining and leaving mid-batch (fp32)."""
-    config = {"block_size": 16, "num_blocks": 256, "max_num_seqs": 3, "max_model_len": 512}
+    eager path's greedy tokens, with requests joining and leaving mid-batch (fp32
+    activations; recurrent state in fp32 or bf16)."""
+    config = {
+        "block_size": 16,
+        "num_blocks": 256,
+        "max_num_seqs": 3,
+        "max_model_len": 512,
+        "recurrent_state_dtype": state_dtype,
+    }
     prompts = PROMPTS + [list(range(50, 70))]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 16, 7)]
     outs = {}
@@ -96,6 +107,28 @@ def test_graph_decode_matches_eager_gpu(ckpt, quantize):  # float experts: the g
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
     assert [len(t) for t in outs[True]] == [12, 5, 9, 16, 7]
+
+
+def test_bf16_recurrent_state_on_the_builtin_model():
+    """`recurrent_state_dtype="bfloat16"`: the Gated DeltaNet pools and their snapshots are
+    bf16 and greedy decoding of the built-in model follows the fp32-state run (every token
+    equal here; asked: 90%, as a state rounded at every step may flip a near tie)."""
+    prompts = ["import os\n", "def fibonacci(n):\n", "class Foo:\n    def __init__(self"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(device="cpu", max_num_seqs=3, recurrent_state_dtype=dtype)
+        cache = llm.runner.cache
+        states = [
+            (layer[1], saved[1])
+            for spec, layer, saved in zip(cache.specs, cache.layers, cache.snapshots, strict=True)
+            if isinstance(spec, RecurrentStateSpec)
+        ]
+        assert states and all(t.dtype == getattr(torch, dtype) for pair in states for t in pair)
+        tokens[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
+    pairs = zip(tokens["float32"], tokens["bfloat16"], strict=True)
+    same = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
+    assert same >= 0.9 * 3 * 16
 
 
 def test_warmup_leaves_the_engine_idle(ckpt):

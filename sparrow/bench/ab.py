@@ -10,6 +10,11 @@ does the timing, so both sides measure the same way.
 
     python -m sparrow.bench.ab --old /tmp/old --new . --lengths 4096,131072 --concurrency 8
 
+`--recurrent-state-dtype` sets how both sides keep Gated DeltaNet state between steps, or
+each side's as OLD,NEW: one tree with two state dtypes is
+
+    python -m sparrow.bench.ab --old . --new . --recurrent-state-dtype float32,bfloat16
+
 `--profile` adds one profiled eager prefill step per side and shape: per-kernel CUDA time
 and count, host launch time against wall time (where two checkouts differ, and why).
 """
@@ -24,6 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sparrow.config import RECURRENT_STATE_DTYPES
 from sparrow.eval.report import write_report
 
 # Runs inside each checkout's process (its own `sparrow` on sys.path): builds the engine,
@@ -33,20 +39,27 @@ import json, sys, torch
 from sparrow.bench.e2e import VOCAB, run_engine
 from sparrow.loader.random_checkpoint import PRESETS, random_model
 from sparrow.config import QuantConfig
+most, max_len, preset, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+state_dtype = sys.argv[5]
 try:
     from sparrow.engine.llm import LLM
     from dataclasses import fields
     from sparrow.config import CacheConfig
+    cache_fields = {f.name for f in fields(CacheConfig)}
     # rounds repeat their prompts: no prefix caching where the checkout has it
-    off = {"enable_prefix_caching": False} if "enable_prefix_caching" in {
-        f.name for f in fields(CacheConfig)} else {}
+    off = {"enable_prefix_caching": False} if "enable_prefix_caching" in cache_fields else {}
+    if "recurrent_state_dtype" in cache_fields:
+        off["recurrent_state_dtype"] = state_dtype
+    elif state_dtype != "float32":
+        raise SystemExit(f"this checkout keeps recurrent state in fp32 only, not {state_dtype}")
     settings = lambda n, l, b: {"max_num_seqs": n, "max_model_len": l, "num_blocks": b} | off
 except ImportError:
+    if state_dtype != "float32":
+        raise SystemExit(f"this checkout keeps recurrent state in fp32 only, not {state_dtype}")
     from sparrow.llm import LLM
     from sparrow.core.scheduler import SchedulerConfig
     settings = lambda n, l, b: {"scheduler": SchedulerConfig(max_num_seqs=n, max_model_len=l,
                                                              num_blocks=b)}
-most, max_len, preset, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 if device == "cpu":  # the smoke test: run_engine syncs the GPU between phases
     torch.cuda.synchronize = lambda *a: None
 torch.manual_seed(0)
@@ -96,9 +109,11 @@ for line in sys.stdin:
 class Side:
     """One checkout's engine process."""
 
-    def __init__(self, tree: Path, most: int, max_len: int, preset: str, device: str):
+    def __init__(
+        self, tree: Path, most: int, max_len: int, preset: str, device: str, state_dtype: str
+    ):
         env = os.environ | {"PYTHONPATH": str(tree.resolve())}
-        argv = [str(most), str(max_len), preset, device]
+        argv = [str(most), str(max_len), preset, device, state_dtype]
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WORKER, *argv],
             env=env,
@@ -155,19 +170,33 @@ def main(argv: list[str] | None = None) -> dict:
         help="also profile one eager prefill step per length <= 16K and per "
         "concurrency on each side (per-kernel CUDA time, host launch time)",
     )
+    p.add_argument(
+        "--recurrent-state-dtype",
+        default="float32",
+        metavar="DTYPE[,DTYPE]",
+        help="how both sides keep Gated DeltaNet state between steps, or OLD,NEW: each "
+        f"side's (of {', '.join(RECURRENT_STATE_DTYPES)})",
+    )
     p.add_argument("--out", default="bench-out/ab.json")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     concurrency = [int(x) for x in args.concurrency.split(",") if x]
+    state_dtypes = _state_dtypes(p, args.recurrent_state_dtype)
     most = max(concurrency + [1])
     max_len = max(max(lengths) + args.decode, 512 + 64) + 2
     sides = {
-        name: Side(Path(tree), most, max_len, args.preset, args.device)
+        name: Side(Path(tree), most, max_len, args.preset, args.device, state_dtypes[name])
         for name, tree in (("old", args.old), ("new", args.new))
     }
     for side in sides.values():
         side.ready()
-    report: dict = {"old": str(args.old), "new": str(args.new), "batch1": {}, "concurrency": {}}
+    report: dict = {
+        "old": str(args.old),
+        "new": str(args.new),
+        "recurrent_state_dtype": state_dtypes,
+        "batch1": {},
+        "concurrency": {},
+    }
     for length in lengths:
         job = {"length": length, "batch": 1, "decode": args.decode + 1, "seed": length}
         runs = _alternate(sides, job, args.rounds, warm=1 if length <= 16384 else 0)
@@ -193,6 +222,19 @@ def main(argv: list[str] | None = None) -> dict:
         side.proc.wait(timeout=60)
     write_report(args.out, report)
     return report
+
+
+def _state_dtypes(parser: argparse.ArgumentParser, value: str) -> dict[str, str]:
+    """{"old": dtype, "new": dtype} from `--recurrent-state-dtype` (one for both, or OLD,NEW)."""
+    names = value.split(",")
+    if len(names) == 1:
+        names = names * 2
+    if len(names) != 2 or any(n not in RECURRENT_STATE_DTYPES for n in names):
+        parser.error(
+            f"--recurrent-state-dtype {value!r}: expected DTYPE or OLD,NEW, each one of "
+            f"{', '.join(RECURRENT_STATE_DTYPES)}"
+        )
+    return dict(zip(("old", "new"), names, strict=True))
 
 
 def _print_profile(shape: str, row: dict[str, dict]) -> None:

@@ -9,7 +9,8 @@ layers of a step read their own weights from HBM).
 
 `--engine`: the full-size 4-bit model through the engine, C requests of 512 tokens decoding
 together (output tok/s, median of rounds); then one eager decode step at each size profiled
-by kernel group.
+by kernel group. `--recurrent-state-dtype bfloat16` keeps the engine's Gated DeltaNet state in
+bf16 (half the state bytes a step reads and writes).
 
     python -m sparrow.bench.batch --kernels moe,dense --engine --out bench-out/batch.json
 """
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from sparrow.bench.e2e import VOCAB, engine_settings, run_engine
 from sparrow.bench.gemv import weight_copies
 from sparrow.bench.timing import HBM_BYTES_PER_S, graph_time_us, kernel_profile
-from sparrow.config import QuantConfig
+from sparrow.config import RECURRENT_STATE_DTYPES, QuantConfig
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
 from sparrow.eval.report import write_report
@@ -233,11 +234,12 @@ def profile_batch(llm: LLM, batch: int, context: int = 512) -> dict:
     return prof
 
 
-def bench_engine(sizes: list[int], rounds: int) -> dict:
+def bench_engine(sizes: list[int], rounds: int, state_dtype: str = "float32") -> dict:
     """Output tok/s of C requests of 512 tokens decoding 64 tokens together (median of
-    rounds), and one eager decode step at each size profiled."""
+    rounds), and one eager decode step at each size profiled; Gated DeltaNet state in
+    `state_dtype`."""
     model = random_model(QWEN, 0, "cuda", quantize=QuantConfig.from_name("4bit"))
-    llm = LLM(model, **engine_settings(1024, max(sizes), 16384))
+    llm = LLM(model, **engine_settings(1024, max(sizes), 16384, state_dtype))
     gen = torch.Generator().manual_seed(0)
     tok_s, profiles = {}, {}
     for c in sizes:
@@ -258,7 +260,7 @@ def bench_engine(sizes: list[int], rounds: int) -> dict:
             + ", ".join(f"{k} {us:.0f}" for k, us in g.items()),
             flush=True,
         )
-    return {"decode_tok_s": tok_s, "profiles": profiles}
+    return {"recurrent_state_dtype": state_dtype, "decode_tok_s": tok_s, "profiles": profiles}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -268,6 +270,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sizes", default=",".join(map(str, SIZES)))
     p.add_argument("--moe-tokens", default=",".join(map(str, MOE_TOKENS)))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--recurrent-state-dtype",
+        choices=RECURRENT_STATE_DTYPES,
+        default="float32",
+        help="how the --engine run keeps Gated DeltaNet state between steps",
+    )
     p.add_argument("--out", default="bench-out/batch.json")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -278,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "dense" in kernels:
         report["dense"] = bench_dense(sorted({8, 16, *sizes}))
     if args.engine:
-        report["engine"] = bench_engine(sizes, args.rounds)
+        report["engine"] = bench_engine(sizes, args.rounds, args.recurrent_state_dtype)
     write_report(args.out, report)
     return report
 

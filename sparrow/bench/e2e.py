@@ -14,6 +14,9 @@ the native context the model takes the card's YaRN scaling (factor 4 over 262,14
 positions). Each engine's KV cache then holds the longest row: ~20 KB a token in bf16, 21 GB
 at 1M, so run one variant at a time there (`--variants 4bit --hf-max-len 0`).
 
+`--recurrent-state-dtype bfloat16` runs Sparrow's engines with their Gated DeltaNet state in
+bf16 between steps (HF keeps it in fp32).
+
     python -m sparrow.bench.e2e --out bench-out/e2e.json
     python -m sparrow.bench.e2e --long --lengths 4096 --variants 4bit --hf-max-len 0
     python -m sparrow.bench.plot bench-out/e2e.json   # the PNG (needs matplotlib)
@@ -29,7 +32,7 @@ from collections import defaultdict
 import torch
 
 from sparrow.bench.timing import HBM_BYTES_PER_S, kernel_profile
-from sparrow.config import QuantConfig, SchedulerConfig
+from sparrow.config import RECURRENT_STATE_DTYPES, QuantConfig, SchedulerConfig
 from sparrow.core.cache_spec import paged_bytes_per_block
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
@@ -63,10 +66,10 @@ def model_for(cfg: ModelArgs, max_len: int) -> ModelArgs:
     return cfg.replace(rope_scaling=yarn)
 
 
-def engine_settings(max_len: int, most: int, budget: int) -> dict:
+def engine_settings(max_len: int, most: int, budget: int, state_dtype: str = "float32") -> dict:
     """LLM settings that hold one request of `max_len` tokens (or `most` short ones)
-    without preemption; prompts are prefilled in chunks of `budget` tokens. No prefix
-    caching: rounds repeat their prompts."""
+    without preemption; prompts are prefilled in chunks of `budget` tokens; Gated DeltaNet
+    state kept in `state_dtype`. No prefix caching: rounds repeat their prompts."""
     return {
         "max_num_seqs": most,
         "max_model_len": max_len,
@@ -74,6 +77,7 @@ def engine_settings(max_len: int, most: int, budget: int) -> dict:
         "block_size": BLOCK_SIZE,
         "enable_prefix_caching": False,
         "num_blocks": -(-max_len // BLOCK_SIZE) + 8 * most,
+        "recurrent_state_dtype": state_dtype,
     }
 
 
@@ -162,6 +166,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-decode", type=int, default=8, help="HF decode tokens per round")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the full 40")
+    p.add_argument(
+        "--recurrent-state-dtype",
+        choices=RECURRENT_STATE_DTYPES,
+        default="float32",
+        help="how the engines keep Gated DeltaNet state between steps",
+    )
     p.add_argument("--out", default="bench-out/e2e.json")
     return p.parse_args(argv)
 
@@ -183,7 +193,7 @@ def build_engines(
 
         hf = build_hf(cfg, torch.bfloat16)
         engines["hf"] = hf
-    settings = engine_settings(max_len, most, args.chunk)
+    settings = engine_settings(max_len, most, args.chunk, args.recurrent_state_dtype)
     for variant in args.variants.split(","):
         if variant == "bf16":
             from sparrow.eval.hf_compare import ours_from_hf
@@ -265,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_skipped_above": args.hf_max_len or None,
         "long_rounds": args.long_rounds,
         "prefill_chunk": args.chunk,
+        "recurrent_state_dtype": args.recurrent_state_dtype,
         "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
         "batch1": results,
         "concurrency_decode_tok_s": conc,

@@ -9,6 +9,7 @@ from sparrow.config import (
     DTYPES,
     INDEX_CACHE_DTYPES,
     LOAD_FORMATS,
+    RECURRENT_STATE_DTYPES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -94,6 +95,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=args.enable_expert_parallel,
         enable_prefix_caching=not args.no_prefix_caching,
         index_cache_dtype=args.index_cache_dtype,
+        recurrent_state_dtype=args.recurrent_state_dtype,
         **settings,
     )
 
@@ -122,6 +124,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="MSA index keys: auto (the activation dtype) or fp8_e4m3 (e4m3 "
         "codes, a scale per token); models with MSA layers only",
+    )
+    group.add_argument(
+        "--recurrent-state-dtype",
+        choices=RECURRENT_STATE_DTYPES,
+        default=CacheConfig.recurrent_state_dtype,
+        help="Gated DeltaNet state between steps: float32 (as HF) or bfloat16 (half the "
+        "bytes decode reads and writes for it, updated in fp32); models with GDN layers only",
     )
     group.add_argument(
         "--enable-expert-parallel",

@@ -7,8 +7,8 @@ nothing). Two kinds of storage follow from them:
   that every paged layer addresses through the same per-request block table; the block manager
   (`core/block_pool.py`) counts blocks, the worker's `ModelCache` holds one tensor set per
   layer;
-- per request slot: recurrent state (the GDN conv window and matrix state), one slot per
-  running request, reset when a request starts.
+- per request slot: recurrent state (the GDN conv window and matrix state, the latter in
+  fp32 or bf16), one slot per running request, reset when a request starts.
 Specs are plain data: sizes here, tensors in `sparrow/worker/cache.py`.
 """
 
@@ -31,19 +31,25 @@ class PagedKVSpec:
         return 2 * self.num_kv_heads * self.head_dim * itemsize
 
 
+# bytes per element of each recurrent-state dtype (`CacheConfig.recurrent_state_dtype`)
+STATE_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+
+
 @dataclass(frozen=True)
 class RecurrentStateSpec:
     """Per request: the conv window [conv_channels, conv_kernel - 1] in the activation dtype
-    and the recurrent state `state_shape` (GDN: [Hv, Dk, Dv]) in fp32."""
+    and the recurrent state `state_shape` (GDN: [Hv, Dk, Dv]) in `state_dtype`, "float32" or
+    "bfloat16" (kept in that dtype between steps, updated in fp32)."""
 
     paged: ClassVar[bool] = False
     conv_channels: int
     conv_kernel: int
     state_shape: tuple[int, ...]
+    state_dtype: str = "float32"
 
     def bytes_per_slot(self, itemsize: int) -> int:
         conv = self.conv_channels * (self.conv_kernel - 1) * itemsize
-        state = 4
+        state = STATE_ITEMSIZE[self.state_dtype]
         for n in self.state_shape:
             state *= n
         return conv + state
@@ -93,6 +99,25 @@ def with_index_dtype(specs: Sequence[CacheSpec | None], index_dtype: str) -> lis
         )
     return [
         replace(s, index_dtype=index_dtype) if isinstance(s, SparseKVSpec) else s for s in specs
+    ]
+
+
+def with_state_dtype(specs: Sequence[CacheSpec | None], state_dtype: str) -> list[CacheSpec | None]:
+    """The specs with every recurrent layer's state kept as `state_dtype` ("float32" or
+    "bfloat16"); ValueError for another dtype, or for one other than "float32" when no layer
+    has recurrent state."""
+    if state_dtype not in STATE_ITEMSIZE:
+        raise ValueError(
+            f"recurrent state dtype {state_dtype!r}: expected one of {list(STATE_ITEMSIZE)}"
+        )
+    if state_dtype != "float32" and not any(isinstance(s, RecurrentStateSpec) for s in specs):
+        raise ValueError(
+            f"recurrent state dtype {state_dtype!r} applies to recurrent (Gated DeltaNet) "
+            "state, and this model has no recurrent layers (use 'float32')"
+        )
+    return [
+        replace(s, state_dtype=state_dtype) if isinstance(s, RecurrentStateSpec) else s
+        for s in specs
     ]
 
 

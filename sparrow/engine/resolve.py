@@ -6,7 +6,7 @@ per-request slots (one per sequence the scheduler may run), the block size (the 
 block where it has one, which is then the only size allowed, else 128) and the number of KV
 blocks: what fits in `gpu_memory_utilization` of the GPU's memory after the weights and the
 per-slot states (on a CPU: 8K tokens' worth), a block's bytes counting MSA index keys in the
-index cache dtype.
+index cache dtype and a slot's the recurrent state in its dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from sparrow.core.cache_spec import (
     required_block_size,
     slot_bytes,
     with_index_dtype,
+    with_state_dtype,
 )
 
 if TYPE_CHECKING:
@@ -53,10 +54,12 @@ def resolve_device(device: DeviceConfig) -> tuple[str, torch.dtype]:
 def resolve(config: EngineConfig, model: torch.nn.Module) -> tuple[SchedulerConfig, CacheConfig]:
     """The scheduler and cache settings with every None filled in for `model` (loaded: its
     weights already take their memory). Prints the KV cache budget. ConfigError for an index
-    cache dtype on a model without MSA layers."""
+    cache dtype on a model without MSA layers, or a recurrent state dtype other than fp32 on
+    a model without recurrent layers."""
     args, sched, cache = model.config, config.scheduler, config.cache
     try:
         specs = with_index_dtype(model.cache_specs(), cache.index_cache_dtype)
+        specs = with_state_dtype(specs, cache.recurrent_state_dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     limit = args.max_context

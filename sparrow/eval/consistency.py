@@ -19,6 +19,10 @@ On a CPU both sides run in fp32 and Sparrow takes its reference path; on a GPU, 
 Triton kernels (`--dtype` and `--hf-dtype` choose otherwise). Where HF runs in another dtype
 than Sparrow, one more pair: HF itself in Sparrow's dtype against HF in its own, how far that
 dtype's rounding alone moves the predictions.
+
+`--recurrent-state-dtype bfloat16` keeps Sparrow's Gated DeltaNet state in bf16 between steps
+(every Sparrow side above then does) and adds one more pair: Sparrow with bf16 state against
+itself with fp32 state, what the state's rounding alone costs.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 
 from sparrow.assets import default_checkpoint
-from sparrow.config import QuantConfig
+from sparrow.config import RECURRENT_STATE_DTYPES, QuantConfig
 from sparrow.eval.quant_error import logits_run
 from sparrow.eval.report import write_report
 from sparrow.kernels import set_backend
@@ -116,6 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="HF's dtype (default: Sparrow's); float32 against a bf16 Sparrow "
         "measures both bf16 sides against the same fp32 truth",
     )
+    p.add_argument(
+        "--recurrent-state-dtype",
+        choices=RECURRENT_STATE_DTYPES,
+        default="float32",
+        help="how Sparrow keeps Gated DeltaNet state between steps; bfloat16 adds the pair "
+        "Sparrow with bf16 state against Sparrow with fp32 state",
+    )
     p.add_argument("--out", default="bench-out/consistency.json")
     args = p.parse_args(argv)
     if args.positions < 2 or args.context < 1:
@@ -131,17 +142,22 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.tensor(ids, device=args.device)
     targets, teacher = ids[args.context :], ids[args.context : -1].tolist()
 
-    def ours(model: torch.nn.Module) -> torch.Tensor:
-        return logits_run(model, ids[: args.context], teacher).float()
+    def ours(model: torch.nn.Module, state_dtype: str = args.recurrent_state_dtype) -> torch.Tensor:
+        return logits_run(model, ids[: args.context], teacher, state_dtype).float()
 
     hf = load_hf(model_dir, getattr(torch, args.hf_dtype) if args.hf_dtype else dtype, args.device)
     cfg = load_model_args(model_dir)
     state = hf.state_dict()
     ref = hf_logits(hf, ids, args.context)
     state = {name: t.to(dtype) for name, t in state.items()}  # Sparrow's dtype
-    pairs = {
-        "sparrow_vs_hf": compare(ours(load_tensors(cfg, state, args.device, dtype)), ref, targets)
-    }
+    model = load_tensors(cfg, state, args.device, dtype)
+    logits = ours(model)
+    pairs = {"sparrow_vs_hf": compare(logits, ref, targets)}
+    if args.recurrent_state_dtype != "float32":  # the state's rounding alone
+        pairs[f"sparrow_{args.recurrent_state_dtype}_state_vs_float32_state"] = compare(
+            logits, ours(model, "float32"), targets
+        )
+    del model, logits
     if hf.dtype != dtype:  # HF's own rounding in Sparrow's dtype, against the same truth
         pairs[f"hf_{str(dtype).removeprefix('torch.')}_vs_hf"] = compare(
             hf_logits(load_hf(model_dir, dtype, args.device), ids, args.context).float(),
@@ -164,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": args.device,
         "dtype": str(dtype),
         "hf_dtype": str(hf.dtype),
+        "recurrent_state_dtype": args.recurrent_state_dtype,
         "positions": args.positions,
         "context": args.context,
         "text": args.text or "held-out standard library files",

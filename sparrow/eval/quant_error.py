@@ -22,9 +22,12 @@ from sparrow.worker.sequences import SequenceBatch
 
 
 @torch.inference_mode()
-def logits_run(model, prompt: torch.Tensor, decode: list[int]) -> torch.Tensor:
-    """Last-position prefill logits and teacher-forced decode logits [1 + len(decode), V]."""
-    batch = SequenceBatch(model, 1, len(prompt) + len(decode))
+def logits_run(
+    model, prompt: torch.Tensor, decode: list[int], state_dtype: str = "float32"
+) -> torch.Tensor:
+    """Last-position prefill logits and teacher-forced decode logits [1 + len(decode), V];
+    recurrent states kept in `state_dtype` (`CacheConfig.recurrent_state_dtype`)."""
+    batch = SequenceBatch(model, 1, len(prompt) + len(decode), state_dtype=state_dtype)
     out = [model.logits(batch.forward([prompt])[-1:])[0]]
     for tok in decode:
         ids = torch.tensor([tok], device=prompt.device)

@@ -81,8 +81,8 @@ class GatedDeltaNet(Projections, nn.Module):
         self, x: torch.Tensor, meta: StepMetadata, cache: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         """x: [T, hidden] (the step's new tokens); cache: this layer's conv pool
-        [slots, C, K - 1] and recurrent pool [slots, Hv, Dk, Dv] fp32, indexed by
-        meta.state_slots and updated in place."""
+        [slots, C, K - 1] and recurrent pool [slots, Hv, Dk, Dv] (fp32 or bf16: updated in
+        fp32, rounded when stored), indexed by meta.state_slots and updated in place."""
         conv_pool, state_pool = cache
         fused = self._gemv_fusions(x, meta, conv_pool)
         if fused is not None:

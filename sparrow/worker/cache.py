@@ -8,8 +8,9 @@ layers (`SparseKVSpec`) keep an index-key pool [num_blocks, block_size, Di] besi
 `block_size` to be their MSA block;
 slot layers (`RecurrentStateSpec`) keep conv and recurrent states in slot pools ([num_slots,
 ...] per layer, one slot per running request; the conv pool position-major in memory,
-`state_pool`). Which block and which slot a request owns is decided on the CPU
-(`sparrow.core`); this module holds the tensors and turns a step's plan into `StepMetadata`.
+`state_pool`; the recurrent pool in the spec's state dtype, fp32 or bf16). Which block and
+which slot a request owns is decided on the CPU (`sparrow.core`); this module holds the
+tensors and turns a step's plan into `StepMetadata`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from sparrow.core.cache_spec import (
 from sparrow.kernels.causal_conv1d.conv import state_pool
 from sparrow.layers.metadata import StepMetadata, to_device
 
+# the tensor dtype of each `RecurrentStateSpec.state_dtype`
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 class ModelCache:
     """`layers[i]`: what layer i keeps, per its spec: (k, v) block pools for a paged layer,
@@ -38,7 +42,8 @@ class ModelCache:
     One block and one state slot beyond those the scheduler hands out (`pad_block`,
     `pad_slot`) are scratch: padding rows of a captured decode step write there.
     `snapshots[i]`: a recurrent layer's saved states (`num_snapshots` of them, laid out like
-    its slots), what prefix caching resumes from; None for other layers."""
+    its slots and in their dtypes), what prefix caching resumes from; None for other
+    layers."""
 
     def __init__(
         self,
@@ -96,7 +101,8 @@ class ModelCache:
             raise ValueError(f"index dtype {spec.index_dtype!r}: expected 'auto' or 'fp8_e4m3'")
         if isinstance(spec, RecurrentStateSpec):
             conv = state_pool(num_slots, spec.conv_channels, spec.conv_kernel, device, dtype)
-            state = torch.zeros(num_slots, *spec.state_shape, device=device, dtype=torch.float32)
+            state_dtype = STATE_DTYPES[spec.state_dtype]
+            state = torch.zeros(num_slots, *spec.state_shape, device=device, dtype=state_dtype)
             return conv, state
         raise TypeError(f"no cache storage for spec {spec!r}")
 
@@ -108,7 +114,8 @@ class ModelCache:
                     t.index_fill_(0, slots, 0)
 
     def restore(self, slots: torch.Tensor, snapshots: torch.Tensor) -> None:
-        """Load saved states into slots (both [n] int64 on the device)."""
+        """Load saved states into slots (both [n] int64 on the device): exact copies, the
+        snapshots being in their pools' dtypes."""
         for tensors, saved in zip(self.layers, self.snapshots, strict=True):
             for t, s in zip(tensors, saved or (), strict=False):
                 t.index_copy_(0, slots, s.index_select(0, snapshots))

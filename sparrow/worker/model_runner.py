@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sparrow.config import CacheConfig, SchedulerConfig
-from sparrow.core.cache_spec import with_index_dtype
+from sparrow.core.cache_spec import with_index_dtype, with_state_dtype
 from sparrow.core.request import Request
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
 from sparrow.core.scheduler import SchedulerOutput
@@ -114,6 +114,7 @@ class ModelRunner:
         eagerly."""
         self.model = model
         specs = with_index_dtype(model.cache_specs(), cache.index_cache_dtype)
+        specs = with_state_dtype(specs, cache.recurrent_state_dtype)
         self.cache = ModelCache(
             specs,
             cache.num_blocks,

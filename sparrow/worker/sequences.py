@@ -7,14 +7,15 @@ from collections.abc import Sequence
 
 import torch
 
-from sparrow.core.cache_spec import required_block_size, with_index_dtype
+from sparrow.core.cache_spec import required_block_size, with_index_dtype, with_state_dtype
 from sparrow.worker.cache import ModelCache, build_metadata
 
 
 class SequenceBatch:
     """Sequence b owns a contiguous run of blocks and recurrent-state slot b. Blocks are of
     `block_size` tokens (None: the model's MSA block if it has one, else 16); MSA index keys
-    are kept as `index_dtype` (`CacheConfig.index_cache_dtype`)."""
+    are kept as `index_dtype` (`CacheConfig.index_cache_dtype`), recurrent states as
+    `state_dtype` (`CacheConfig.recurrent_state_dtype`)."""
 
     def __init__(
         self,
@@ -23,9 +24,10 @@ class SequenceBatch:
         max_len: int,
         block_size: int | None = None,
         index_dtype: str = "auto",
+        state_dtype: str = "float32",
     ):
         self.model = model
-        specs = with_index_dtype(model.cache_specs(), index_dtype)
+        specs = with_state_dtype(with_index_dtype(model.cache_specs(), index_dtype), state_dtype)
         block_size = block_size or required_block_size(specs) or 16
         per_seq = -(-max_len // block_size)
         self.cache = ModelCache(

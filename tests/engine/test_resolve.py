@@ -1,6 +1,7 @@
 """The context limit: max_model_len up to what the model's positions reach (YaRN's original
 length x factor), longer an error, as in vLLM; and the CLI's `--max-model-len 1010000`.
-An fp8 index cache on a model without MSA layers is refused."""
+An fp8 index cache on a model without MSA layers is refused, as is bf16 recurrent state on a
+model without recurrent layers."""
 
 import json
 
@@ -8,10 +9,12 @@ import pytest
 import torch
 
 from sparrow.cli import main
+from sparrow.cli.args import build_parser, engine_config
 from sparrow.config import ConfigError, EngineConfig
 from sparrow.engine.resolve import resolve
 from sparrow.layers.rotary import YarnScaling
 from sparrow.loader.random_checkpoint import PRESETS
+from sparrow.models import minimax_m3
 from sparrow.models.qwen3_5_moe import Model
 
 TINY = PRESETS["qwen3.6-tiny"].replace(num_layers=2)  # max_position_embeddings 262144
@@ -98,3 +101,39 @@ def test_fp8_index_cache_needs_msa_layers(tmp_path, capsys):
         ]
     )
     assert status == 2 and "no MSA layers" in capsys.readouterr().err
+
+
+def test_bf16_recurrent_state_needs_recurrent_layers(tmp_path, capsys):
+    """`--recurrent-state-dtype` reaches the cache settings from every engine command; bf16
+    state resolves on a model with Gated DeltaNet layers, its snapshots at half the state's
+    bytes, and is refused on one without (MiniMax M3)."""
+    for command in (["generate", "--prompt", "hi"], ["serve"], ["worker"]):
+        args = build_parser().parse_args([*command, "--recurrent-state-dtype", "bfloat16"])
+        assert engine_config(args).cache.recurrent_state_dtype == "bfloat16"
+    default = engine_config(build_parser().parse_args(["serve"]))
+    assert default.cache.recurrent_state_dtype == "float32"
+    with torch.device("meta"):
+        model = Model(TINY)
+    config = EngineConfig.from_kwargs(num_blocks=8, recurrent_state_dtype="bfloat16")
+    assert resolve(config, model)[1].recurrent_state_dtype == "bfloat16"
+    m3 = minimax_m3.PRESETS["minimax-m3-tiny"]
+    with torch.device("meta"):
+        model = minimax_m3.Model(m3)
+    with pytest.raises(ConfigError, match="'bfloat16'.*no recurrent layers"):
+        resolve(config, model)
+    (tmp_path / "config.json").write_text(json.dumps(m3.to_hf_config()))
+    status = main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--load-format",
+            "dummy",
+            "--recurrent-state-dtype",
+            "bfloat16",
+            "--prompt",
+            "hi",
+            "--raw",
+        ]
+    )
+    assert status == 2 and "no recurrent layers" in capsys.readouterr().err

@@ -125,6 +125,12 @@ CASES = {
         {"RATIO": 2, "DK": 128, "DV": 128, "COLS": 16, "BV": 16, "NORM": False},
         {"num_warps": 1},
     ),  # batch 1, fused GEMVs
+    "gdn_decode_step_bf16_state": (
+        fused_recurrent._recurrent_step_kernel,
+        {"*": "bf16", "alog_ptr": "fp32", "dtb_ptr": "fp32", "slot_ptr": "i32"},
+        {"RATIO": 2, "DK": 128, "DV": 128, "COLS": 128, "BV": 32, "NORM": True},
+        {"num_warps": 4},
+    ),  # recurrent_state_dtype="bfloat16"
     "gdn_gates": (
         fused_recurrent._gates_kernel,
         {"*": "bf16", "alog_ptr": "fp32", "g_ptr": "fp32", "beta_ptr": "fp32"},
@@ -169,6 +175,12 @@ CASES = {
         BF16_QKV | {"BV": 32, "STAGES": 4},
         {"num_warps": 4},
     ),
+    "gdn_state_bf16_state": (
+        chunk._state_kernel,
+        {"*": "bf16", "gc_ptr": "fp32", "kinv_ptr": "fp32", "slot_ptr": "i32", "cu_ptr": "i32"},
+        BF16_QKV | {"BV": 32, "STAGES": 4},
+        {"num_warps": 4},
+    ),  # recurrent_state_dtype="bfloat16"
     "gdn_output": (
         chunk._output_kernel,
         {"*": "bf16", "gc_ptr": "fp32", "kinv_ptr": "fp32", "cu_ptr": "i32"},

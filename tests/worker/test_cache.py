@@ -1,5 +1,6 @@
 """Per-step metadata from hand-made plans (positions, slot mapping, cu_seqlens, padded block
-tables) and the cache tensors: scratch block and slot, slot resets, fp8 index keys."""
+tables) and the cache tensors: scratch block and slot, slot resets, fp8 index keys, fp32 and
+bf16 recurrent state (pools and prefix-cache snapshots)."""
 
 import random
 
@@ -8,12 +9,15 @@ import torch
 
 from sparrow.core.cache_spec import (
     PagedKVSpec,
+    RecurrentStateSpec,
     SparseKVSpec,
     paged_bytes_per_block,
+    slot_bytes,
     with_index_dtype,
+    with_state_dtype,
 )
 from sparrow.loader.weights import load_checkpoint
-from sparrow.worker.cache import ModelCache, build_metadata
+from sparrow.worker.cache import STATE_DTYPES, ModelCache, build_metadata
 
 
 def test_metadata_of_a_prompt_and_a_decode():
@@ -137,3 +141,45 @@ def test_fp8_index_keys_layout_and_bytes(dtype):
     assert fp8[0].bytes_per_token(2) == 2 * 2 * 8 * 2 + 20 + 4
     with pytest.raises(ValueError, match="no MSA layers"):
         with_index_dtype(specs[1:], "fp8_e4m3")
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_recurrent_state_and_snapshots_take_the_state_dtype(state_dtype):
+    """The recurrent pool and its snapshots are kept in the state dtype (the conv windows in
+    the activation dtype); a slot's bytes as the specs count them are the bytes the tensors
+    take; saved states come back bit for bit."""
+    specs = with_state_dtype(
+        [RecurrentStateSpec(12, 4, (2, 8, 16)), PagedKVSpec(2, 8)], state_dtype
+    )
+    cache = ModelCache(specs, 5, 16, 3, "cpu", torch.float16, num_snapshots=2)
+    conv, state = cache.layers[0]
+    saved_conv, saved_state = cache.snapshots[0]
+    assert state.dtype == saved_state.dtype == STATE_DTYPES[state_dtype]
+    assert conv.dtype == saved_conv.dtype == torch.float16
+    assert state.shape == (4, 2, 8, 16) and saved_state.shape == (2, 2, 8, 16)
+    assert conv.nbytes + state.nbytes == 4 * slot_bytes(specs, 2)
+    gen = torch.Generator().manual_seed(0)
+    for t in (conv, state):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    before = [conv.clone(), state.clone()]
+    cache.save(torch.tensor([2, 0]), torch.tensor([1, 0]))  # slot 2 -> snapshot 1, 0 -> 0
+    cache.reset_slots(torch.tensor([0, 1, 2]))
+    cache.restore(torch.tensor([1, 0]), torch.tensor([1, 0]))
+    for now, was in zip((conv, state), before, strict=True):
+        assert torch.equal(now[1], was[2]) and torch.equal(now[0], was[0])
+        assert not now[2].any()
+
+
+def test_state_dtype_needs_recurrent_layers():
+    """bf16 halves the state's bytes per slot; a model without recurrent layers takes
+    "float32" only, and other dtypes are refused."""
+    specs = [RecurrentStateSpec(12, 4, (2, 8, 16)), PagedKVSpec(2, 8), None]
+    assert with_state_dtype(specs[1:], "float32") == specs[1:]
+    assert (
+        specs[0].bytes_per_slot(2) - with_state_dtype(specs, "bfloat16")[0].bytes_per_slot(2)
+        == 2 * 8 * 16 * 2
+    )
+    with pytest.raises(ValueError, match="no recurrent layers"):
+        with_state_dtype(specs[1:], "bfloat16")
+    with pytest.raises(ValueError, match="'float16'"):
+        with_state_dtype(specs, "float16")

@@ -32,7 +32,8 @@ activation dtype (bf16 in the model: half the traffic; fp32 in the exactness tes
 tensor cores for 16-bit inputs (tf32 in the inverses and for T; T k, T v and the state and
 output dots round their operands to the stored dtype, as W, U and the chunk states already
 are, and as flash-linear-attention rounds its (I + A)^-1) and exact fp32 (`ieee`) for fp32
-inputs; the carried state and the decay math are fp32.
+inputs; the carried state and the decay math are fp32 (the state pool fp32 or bf16: loaded
+once per sequence, stored once).
 """
 
 from __future__ import annotations
@@ -315,7 +316,8 @@ def _state_kernel(
     STAGES: tl.constexpr,
 ):
     """The sequential scan of one sequence's chunks. Program (BV columns, v-head, sequence);
-    the state S [DK, BV] stays in registers the whole way."""
+    the state S [DK, BV] stays in registers in fp32 the whole way (loaded from and stored to
+    an fp32 or bf16 pool)."""
     DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, length = tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
@@ -330,7 +332,7 @@ def _state_kernel(
         + o_dk[:, None] * DV
         + o_v[None, :]
     )
-    b_s = tl.load(p_s)  # [DK, BV] fp32, carried in registers across all chunks
+    b_s = tl.load(p_s).to(tl.float32)  # [DK, BV], carried in registers across all chunks
     p_h = (
         h_ptr
         + _first_chunk(cu_ptr, i_b) * stride_hc
@@ -358,7 +360,7 @@ def _state_kernel(
         b_u -= _mm_as(b_w, b_s, DT)  # u = U - W S
         tl.store(u_seq + t[:, None] * stride_ut, b_u.to(u_ptr.dtype.element_ty))
         b_s = tl.exp(g_last) * b_s + _mm_as(tl.trans(b_k), b_u * b_f[:, None], DT)
-    tl.store(p_s, b_s)
+    tl.store(p_s, b_s.to(state_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -513,8 +515,9 @@ def chunk_gated_delta_rule_varlen(
     tiles: ChunkTiles = ChunkTiles(),
 ) -> torch.Tensor:
     """q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (log-decay, write strength);
-    sequences back to back (cu_seqlens [B + 1] int32); states: [S, Hv, Dk, Dv] fp32 pool, each
-    sequence starts from states[slots[b]] and its final state is written back there.
+    sequences back to back (cu_seqlens [B + 1] int32); states: [S, Hv, Dk, Dv] fp32 or bf16
+    pool, each sequence starts from states[slots[b]] and its final state (carried in fp32) is
+    written back there in the pool's dtype.
     max_len bounds the longest sequence (default T; known on the host, no device read).
     Returns o: [T, Hv, Dv] in v's dtype. q/k are L2-normalised and q scaled by Dk^-0.5 here."""
     t, hk, dk = q.shape
@@ -524,8 +527,10 @@ def chunk_gated_delta_rule_varlen(
             f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, g {list(g.shape)}, "
             f"beta {list(beta.shape)}: expected k like q, g and beta [T, Hv], Hv % Hk == 0"
         )
-    if states.shape[1:] != (hv, dk, dv) or states.dtype != torch.float32:
-        raise ValueError(f"states {list(states.shape)} must be fp32 [S, {hv}, {dk}, {dv}]")
+    if states.shape[1:] != (hv, dk, dv) or states.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"states {list(states.shape)} {states.dtype} must be fp32 or bf16 [S, {hv}, {dk}, {dv}]"
+        )
     # q, k, v may be views of the conv output (rows of 2 Hk Dk + Hv Dv): the kernels take a
     # token stride (q and k share one) and need each row's heads packed
     rows_packed = all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (q, k, v))

@@ -110,10 +110,11 @@ def _recurrent_step_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Program (column block, v-head, sequence): COLS columns of the state [DK, DV], held as
-    a tile [COLS // BV, DK, BV]: stored rows are read whole by a warp's threads (BV columns
-    each). NORM (COLS = DV, a whole head): the output gets the layer's gated norm. Else the
-    columns' o * w * silu(z) and their sum of o^2 (fp32, sq [B, Hv, DV // COLS]) are stored:
-    the norm's parts, finished by the reader that scales each head by its 1 / rms.
+    a tile [COLS // BV, DK, BV] in fp32 (the pool fp32 or bf16, rounded when stored): stored
+    rows are read whole by a warp's threads (BV columns each). NORM (COLS = DV, a whole
+    head): the output gets the layer's gated norm. Else the columns' o * w * silu(z) and
+    their sum of o^2 (fp32, sq [B, Hv, DV // COLS]) are stored: the norm's parts, finished
+    by the reader that scales each head by its 1 / rms.
     With PDL the state (and the layer's A_log, dt_bias, norm weight) is loaded before
     waiting for the previous kernel: a state pool is written only by this kernel, once per
     layer and step, and by PyTorch and prefill kernels launched without PDL, and between two
@@ -134,7 +135,7 @@ def _recurrent_step_kernel(
         + o_dk[None, :, None] * DV
         + o_col[:, None, :]
     )
-    b_s = tl.load(p_s)
+    b_s = tl.load(p_s).to(tl.float32)
     a_log, dt_bias = tl.load(alog_ptr + i_h), tl.load(dtb_ptr + i_h)
     b_w = tl.load(w_ptr + o_col)
     wait_previous(USE_PDL)  # q, k, v, z, a, b come from the kernels just before
@@ -150,7 +151,7 @@ def _recurrent_step_kernel(
     )
     b_z = tl.load(z_ptr + i_b * stride_zt + i_h * DV + o_col)
     b_s, b_o = _delta_step(b_q[None, :, None], b_k[None, :, None], b_v, b_s, g, beta, DK)
-    tl.store(p_s, b_s)
+    tl.store(p_s, b_s.to(state_ptr.dtype.element_ty))
     if NORM:
         b_y = _gated_norm(b_o, b_z, b_w, eps, DV, y_ptr.dtype.element_ty, None)
     else:
@@ -192,7 +193,8 @@ def fused_recurrent_step(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """qkv: [B, 2 * Hk * Dk + Hv * Dv] (after the conv); a, b: [B, Hv] (projections);
     z: [B, Hv, Dv] (heads packed, any row stride); a_log, dt_bias: [Hv]; norm_weight: [Dv];
-    states: [S, Hv, Dk, Dv] fp32 pool, updated in place at slots [B].
+    states: [S, Hv, Dk, Dv] fp32 or bf16 pool, updated in place at slots [B] (in fp32, the
+    output from the fp32 state, rounded to the pool's dtype only when stored).
     Returns the gated-normed output [B, Hv, Dv] in z's dtype: a program per (head,
     sequence), block_v state columns per thread group (tiles: `RecurrentTiles.for_shape`).
     normed=False: a program owns block_v columns, so no program sees a whole head; returns
@@ -215,8 +217,8 @@ def fused_recurrent_step(
             f"qkv {list(qkv.shape)}, a {list(a.shape)}, b {list(b.shape)}, z {list(z.shape)} "
             f"do not fit states {list(states.shape)} with {num_k_heads} q/k heads"
         )
-    if states.dtype != torch.float32 or not states.is_contiguous():
-        raise ValueError("the state pool must be contiguous fp32")
+    if states.dtype not in (torch.float32, torch.bfloat16) or not states.is_contiguous():
+        raise ValueError(f"the state pool must be contiguous fp32 or bf16, got {states.dtype}")
     qkv = qkv.contiguous()
     a, b = _one_row_stride(a, b)
     z = _heads_packed(z)

@@ -4,8 +4,10 @@ For one sequence, with per-v-head decay g_t = log(alpha_t) <= 0 and write streng
 
     S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
 
-State S is [Hv, Dk, Dv] in fp32. q/k have Hk heads; v-head h reads q/k head h // (Hv / Hk).
-q and k are L2-normalised here (eps 1e-6 inside the rsqrt) and q is scaled by Dk^-0.5.
+State S is [Hv, Dk, Dv], computed in fp32; a pool may keep it in bf16 between calls (read
+into fp32, rounded once when stored, as the kernels do). q/k have Hk heads; v-head h reads
+q/k head h // (Hv / Hk). q and k are L2-normalised here (eps 1e-6 inside the rsqrt) and q
+is scaled by Dk^-0.5.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def recurrent_gated_delta_rule(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token form. q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv];
-    state: [Hv, Dk, Dv] fp32. Returns (o [T, Hv, Dv] fp32, new state)."""
+    state: [Hv, Dk, Dv] (fp32 or bf16). Returns (o [T, Hv, Dv] fp32, new state fp32)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     s = state.float()
     out = torch.empty_like(v)
@@ -109,8 +111,9 @@ def recurrent_step_batched(
 ) -> torch.Tensor:
     """One decode token for each of B sequences at once, with no host reads (it can be
     captured in a CUDA graph). q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv];
-    state_pool: [S, Hv, Dk, Dv] fp32, rows `slots` [B] read and updated in place.
-    Returns o [B, Hv, Dv] fp32: `recurrent_gated_delta_rule` with T = 1 per sequence."""
+    state_pool: [S, Hv, Dk, Dv] fp32 or bf16, rows `slots` [B] read and updated in place (in
+    fp32, rounded to the pool's dtype when stored). Returns o [B, Hv, Dv] fp32 (from the fp32
+    state): `recurrent_gated_delta_rule` with T = 1 per sequence."""
     rows = slots.long()
     q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [Hv, B, D] and [Hv, B]
     s = state_pool[rows].float() * g.t().exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
