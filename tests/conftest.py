@@ -54,7 +54,8 @@ class _Record:
             versions[name] = importlib.metadata.version(name)
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         summary = {
-            "commit": git("rev-parse", "--short", "HEAD"),
+            # SPARROW_COMMIT: a copy of the tree whose .git is stale (the GPU machine's)
+            "commit": os.environ.get("SPARROW_COMMIT") or git("rev-parse", "--short", "HEAD"),
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "command": "python -m pytest " + " ".join(session.config.invocation_params.args),
             "device": device,

@@ -465,6 +465,45 @@ CASES = {
         },
         {"num_warps": 4},
     ),
+    "msa_decode_scores_fp8": (
+        msa_select._decode_scores_kernel,
+        {
+            "*": "fp8e4nv",
+            "iq_ptr": "bf16",
+            "scale_ptr": "fp32",
+            "tables_ptr": "i32",
+            "pos_ptr": "i64",
+            "out_ptr": "fp32",
+        },
+        {
+            "HI": 4,
+            "ROWS": 16,
+            "DI": 128,
+            "BS": 128,
+            "BLOCK_N": 128,
+            "NB": 8,
+            "NB_P2": 8,
+            "LOCAL": 1,
+            "SCALED": True,
+            "QUANT": 2,
+            "PRELOAD": True,
+            "PRECISION": "tf32",
+            "STAGES": 3,
+        },
+        {"num_warps": 4, "num_stages": 3},
+    ),  # the engine's decode selection on fp8 index keys (select.DECODE_TILES_FP8)
+    "msa_chunk_top": (
+        msa_select._chunk_top_kernel,
+        {"*": "fp32", "out_ptr": "i64"},
+        {"TOPK": 16, "CHUNK": 8192, "FINAL": True, "NEG_INF_KEY": msa_select.NEG_INF_KEY},
+        {"num_warps": 8},
+    ),
+    "msa_merge_top": (
+        msa_select._merge_top_kernel,
+        {"*": "i64"},
+        {"TOPK": 16, "BLOCK_C": 256, "NEG_INF_KEY": msa_select.NEG_INF_KEY},
+        {"num_warps": 8},
+    ),
     "msa_decode_select_topk": (
         msa_decode_select._select_topk_kernel,
         {

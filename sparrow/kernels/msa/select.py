@@ -34,8 +34,9 @@ per (sequence, head) to e4m3 (fp8 x fp8 dot) or to fp16 (codes converted exactly
 fp32 scale (the row's largest |element| / 448) that multiplies the block max (max(s x) =
 s max(x) for s > 0), after each key's own scale. Its block loop is a `tl.range` with its own
 stage count, so the pipeliner prefetches the key scales too (a plain `range` leaves them a
-synchronous load per block). The top-k is torch.topk or `_top_blocks_kernel` (one program
-per row: k rounds of max over (score, block) packed in an int64, ties to the lower block).
+synchronous load per block). The top-k is torch.topk or `top_blocks_triton` (k rounds of
+max over (score, block) packed in an int64, ties to the lower block: a program per row,
+or per chunk of a row and then per row).
 The options are timed on the H200 by a sweep script (1M context, batch 1 and 8).
 
 `decode_select.py` fuses the top-k into the scoring launch for decode; this unfused form is
@@ -204,26 +205,55 @@ def _decode_scores_kernel(
 
 
 @triton.jit
-def _top_blocks_kernel(
+def _chunk_top_kernel(
     scores_ptr,
     out_ptr,
     width,
     stride_row,
+    n_chunks,
     TOPK: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FINAL: tl.constexpr,
     NEG_INF_KEY: tl.constexpr,
 ):
-    """One row of scores [width] per program -> its top TOPK ids, -1 where -inf."""
-    i_r = tl.program_id(0)
-    o_w = tl.arange(0, BLOCK_W)
+    """Program (row, chunk): the top TOPK of CHUNK scores of a row, by k rounds of max over
+    packed keys (the score's order bits over 2^31 - 1 - id: ties go to the lower id). FINAL
+    (one chunk a row): their ids -> out [row, TOPK], -1 where -inf; else the keys -> out
+    [row, chunk, TOPK] for `_merge_top_kernel`."""
+    i_r, i_c = tl.program_id(0), tl.program_id(1)
+    o_w = i_c * CHUNK + tl.arange(0, CHUNK)
     p_s = scores_ptr + i_r.to(tl.int64) * stride_row + o_w
     b_s = tl.load(p_s, mask=o_w < width, other=float("-inf"))
     bits = b_s.to(tl.int32, bitcast=True)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # ordered as the scores
-    b_p = (key.to(tl.int64) << 32) | (BLOCK_W - 1 - o_w).to(tl.int64)  # ties: lower id
+    b_p = (key.to(tl.int64) << 32) | (2**31 - 1 - o_w).to(tl.int64)
+    p_out = out_ptr + (i_r.to(tl.int64) * n_chunks + i_c) * TOPK
     for r in tl.static_range(TOPK):
         top = tl.max(b_p, axis=0)
-        block = BLOCK_W - 1 - (top - ((top >> 32) << 32))
+        if FINAL:
+            block = 2**31 - 1 - (top - ((top >> 32) << 32))
+            tl.store(p_out + r, tl.where((top >> 32) > NEG_INF_KEY, block, -1))
+        else:
+            tl.store(p_out + r, top)
+        b_p = tl.where(b_p == top, -(2**63), b_p)
+
+
+@triton.jit
+def _merge_top_kernel(
+    cand_ptr,
+    out_ptr,
+    n_cand,
+    TOPK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    NEG_INF_KEY: tl.constexpr,
+):
+    """One row's candidates (packed keys) per program -> its top TOPK ids, -1 where -inf."""
+    i_r = tl.program_id(0)
+    o_c = tl.arange(0, BLOCK_C)
+    b_p = tl.load(cand_ptr + i_r.to(tl.int64) * n_cand + o_c, mask=o_c < n_cand, other=-(2**63))
+    for r in tl.static_range(TOPK):
+        top = tl.max(b_p, axis=0)
+        block = 2**31 - 1 - (top - ((top >> 32) << 32))
         tl.store(out_ptr + i_r * TOPK + r, tl.where((top >> 32) > NEG_INF_KEY, block, -1))
         b_p = tl.where(b_p == top, -(2**63), b_p)
 
@@ -299,7 +329,7 @@ class DecodeSelectTiles:
     dot (keys_major only): "query" converts the keys to the query's dtype, "fp16" / "fp8"
     quantise the query per (sequence, head) and convert fp8 codes to fp16 / use them as
     they are (fp8 index keys only); preload_pages (keys_major only): the program's page ids
-    as one vector load; triton_topk: `_top_blocks_kernel` instead of torch.topk."""
+    as one vector load; triton_topk: `top_blocks_triton` instead of torch.topk."""
 
     kv_blocks: int = KV_BLOCKS
     block_n: int = 64
@@ -319,10 +349,13 @@ class DecodeSelectTiles:
             raise ValueError(f"kv_blocks {self.kv_blocks}, block_n {self.block_n}")
 
 
-# The engine's decode selection: the rows-major kernel as measured in bench/msa.py until
-# the sweep of the DecodeSelectTiles options on the H200 picks others.
-DECODE_TILES = DecodeSelectTiles()  # index keys in the query dtype
-DECODE_TILES_FP8 = DecodeSelectTiles()  # fp8 codes + scales
+# The engine's decode selection, as the sweep on the H200 picked (1M context, batch 1 and 8;
+# docs/PERF.md "MSA"): keys-major scoring, 8 blocks a program, page ids preloaded, the
+# Triton top-k; on fp8 codes an fp8 x fp8 dot.
+DECODE_TILES = DecodeSelectTiles(
+    kv_blocks=8, block_n=128, keys_major=True, preload_pages=True, triton_topk=True
+)
+DECODE_TILES_FP8 = replace(DECODE_TILES, dot="fp8")
 
 
 def decode_block_scores(
@@ -430,11 +463,16 @@ def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
     return ids.masked_fill(values == -torch.inf, -1)
 
 
-NEG_INF_KEY = -2139095041  # `_top_blocks_kernel`'s order key of -inf (0xff800000 ^ 0x7fffffff)
+NEG_INF_KEY = -2139095041  # the order key of -inf (0xff800000 ^ 0x7fffffff)
+TOPK_CHUNK = 8192  # scores per program of the first top-k pass (one pass up to 8,192 blocks)
 
 
-def top_blocks_triton(scores: torch.Tensor, topk: int, num_warps: int = 8) -> torch.Tensor:
-    """`top_blocks` in one launch (`_top_blocks_kernel`): scores [.., W] fp32 with unit
+def top_blocks_triton(
+    scores: torch.Tensor, topk: int, chunk: int = TOPK_CHUNK, num_warps: int = 8
+) -> torch.Tensor:
+    """`top_blocks` in Triton: a program per row (rows of at most `chunk` scores), or per
+    row and chunk of `chunk` scores, each picking its own top k, and a program per row
+    merging them (`_chunk_top_kernel`, `_merge_top_kernel`). scores [.., W] fp32 with unit
     stride on W; ties go to the lower id."""
     width = scores.shape[-1]
     rows = scores.reshape(-1, width)
@@ -443,16 +481,32 @@ def top_blocks_triton(scores: torch.Tensor, topk: int, num_warps: int = 8) -> to
         return out
     if scores.dtype != torch.float32 or rows.stride(-1) != 1 or width < topk:
         raise ValueError(f"scores {scores.dtype} {list(scores.shape)}: fp32 [.., W >= {topk}]")
-    fast(_top_blocks_kernel)[(rows.shape[0],)](
+    chunk = max(min(chunk, triton.next_power_of_2(width)), triton.next_power_of_2(topk))
+    n_chunks = triton.cdiv(width, chunk)
+    final = n_chunks == 1
+    cand = out if final else rows.new_empty(rows.shape[0], n_chunks * topk, dtype=torch.int64)
+    fast(_chunk_top_kernel)[(rows.shape[0], n_chunks)](
         rows,
-        out,
+        cand,
         width,
         rows.stride(0),
+        n_chunks,
         TOPK=topk,
-        BLOCK_W=triton.next_power_of_2(width),
+        CHUNK=chunk,
+        FINAL=final,
         NEG_INF_KEY=NEG_INF_KEY,
         num_warps=num_warps,
     )
+    if not final:
+        fast(_merge_top_kernel)[(rows.shape[0],)](
+            cand,
+            out,
+            n_chunks * topk,
+            TOPK=topk,
+            BLOCK_C=triton.next_power_of_2(n_chunks * topk),
+            NEG_INF_KEY=NEG_INF_KEY,
+            num_warps=num_warps,
+        )
     return out
 
 

@@ -16,7 +16,12 @@ from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
 from sparrow.kernels.msa import naive
 from sparrow.kernels.msa.decode_select import fused_decode_select_blocks
-from sparrow.kernels.msa.select import decode_select_blocks, select_blocks
+from sparrow.kernels.msa.select import (
+    DecodeSelectTiles,
+    decode_select_blocks,
+    decode_select_with,
+    select_blocks,
+)
 from sparrow.worker.sequences import SequenceBatch
 from tests.conftest import rel_err
 from tests.kernels.msa.test_msa_kernels import caches, device
@@ -90,17 +95,17 @@ def test_select_blocks_fp8(case):
     ],
 )
 def test_decode_select_blocks_fp8(bs, lengths, hi, di, local, kv_blocks, dtype):
-    """Unfused and fused decode selection on fp8 codes; fp16 queries take the codes
-    converted to fp16 in registers."""
+    """Unfused and fused decode selection on fp8 codes with the query as it is (fp16
+    queries take the codes converted to fp16 in registers); the engine's fp8 x fp8 tiles
+    quantise the query too (test_msa_select_tiles.py)."""
     gen = torch.Generator().manual_seed(len(lengths))
     _, codes, scale, tables = fp8_caches(lengths, bs, di, gen)
     iq = torch.randn(len(lengths), hi, di, generator=gen).to(device(), dtype)
     pos = torch.tensor(lengths, device=device()) - 1
     ref = naive.decode_select_blocks(iq, codes, tables, pos, 16, local, ik_scale=scale)
     fused = fused_decode_select_blocks(iq, codes, tables, pos, 16, local, kv_blocks, ik_scale=scale)
-    unfused = decode_select_blocks(
-        iq, codes, tables, pos, 16, local, kv_blocks or 16, ik_scale=scale
-    )
+    tiles = DecodeSelectTiles(kv_blocks=kv_blocks or 16)
+    unfused = decode_select_with(tiles, iq, codes, tables, pos, 16, local, ik_scale=scale)
     for ours in (fused, unfused):
         assert torch.equal(sorted_blocks(ours, 16), sorted_blocks(ref, 16))
 

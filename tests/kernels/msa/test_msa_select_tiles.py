@@ -159,6 +159,9 @@ def test_top_blocks_triton():
     ties = torch.zeros(2, 40, device=device())
     ties[:, 5] = 1.0
     assert top_blocks_triton(ties, 4).tolist() == [[5, 0, 1, 2]] * 2
+    for chunk in (16, 32):  # several chunks a row, the last one partial
+        assert torch.equal(top_blocks_triton(scores, 16, chunk=chunk), ours)
+        assert top_blocks_triton(ties, 4, chunk=16).tolist() == [[5, 0, 1, 2]] * 2
 
 
 def test_tiles_are_checked():
