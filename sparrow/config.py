@@ -94,19 +94,6 @@ class QuantConfig:
             raise ConfigError(f"bad quantization block: {e}") from e
         return cls(bits, group, tuple(overrides))
 
-    def to_mlx(self, module_paths: list[str]) -> dict[str, Any]:
-        """The MLX `quantization` block, with an entry for each module that differs."""
-        block: dict[str, Any] = {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
-        default = QuantSpec(self.bits, self.group_size)
-        for path in module_paths:
-            spec = self.spec_for(path)
-            if spec != default:
-                key = "language_model." + (path if path == "lm_head" else "model." + path)
-                block[key] = (
-                    False if spec is None else {"group_size": spec.group_size, "bits": spec.bits}
-                )
-        return block
-
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 INDEX_CACHE_DTYPES = ("auto", "fp8_e4m3")

@@ -10,9 +10,10 @@ BPE tokenizer (HF `tokenizers`) is trained on it with Qwen's special tokens, so 
 model also answers in ChatML: half of the training sequences are plain source, half one chat
 turn whose user message is the start of a file and whose reply (after the empty think block
 the template writes when thinking is off) continues it. Training runs HF transformers'
-`Qwen3_5MoeForCausalLM` (the oracle the engine matches); the checkpoint is its
-`save_pretrained` in bf16 with `tokenizer.json` and the chat template, and loads in the
-engine like any HF checkpoint.
+`Qwen3_5MoeForCausalLM` (the oracle the engine matches); the checkpoint is written as the
+Qwen3.5/3.6 releases are laid out (`loader.writer.save_checkpoint`: nested config.json,
+`model.language_model.*`, fused experts) in bf16 with `tokenizer.json`, the chat template
+and HF's generation config, so the engine, HF transformers and mlx-lm read it unchanged.
 
     pip install -e '.[test]'   # transformers
     python -m sparrow.train --out trained-model --minutes 8   # or --steps N: reproducible
@@ -144,6 +145,20 @@ def held_out_loss(model, tok, texts: tuple[str, ...], length: int, windows: int 
     return model(input_ids=x, labels=x).loss.item()
 
 
+def save_release(model, out: Path) -> None:
+    """HF's trained model in bf16 as the release layout of its family, and its generation
+    config."""
+    from sparrow.loader.weights import load_tensors
+    from sparrow.loader.writer import save_checkpoint
+    from sparrow.models import model_args_from_hf
+
+    model = model.to("cpu", torch.bfloat16)
+    cfg = model_args_from_hf(model.config.to_dict())
+    ours = load_tensors(cfg, model.state_dict(), "cpu", torch.bfloat16, where="trained model")
+    save_checkpoint(ours, out, torch.bfloat16)
+    model.generation_config.save_pretrained(out)
+
+
 def main(argv: list[str] | None = None) -> Path:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -194,7 +209,7 @@ def main(argv: list[str] | None = None) -> Path:
     model.eval()
     held_loss = held_out_loss(model, tok, held, args.length)
     out = Path(args.out)
-    model.to("cpu", torch.bfloat16).save_pretrained(out)
+    save_release(model, out)
     save_tokenizer(tok, out / "tokenizer.json")
     (out / "chat_template.jinja").write_text(CHATML_TEMPLATE)
     (out / "training.json").write_text(

@@ -1,11 +1,12 @@
-"""`python -m sparrow.train` on a slice of the corpus for two steps: it writes an HF
-checkpoint (bf16 weights, tokenizer.json with Qwen's special tokens, the chat template) that
-the engine loads and decodes greedily as HF transformers does."""
+"""`python -m sparrow.train` on a slice of the corpus for two steps: it writes a checkpoint
+in the Qwen3.5/3.6 release layout (bf16 weights, tokenizer.json with Qwen's special tokens,
+the chat template) that the engine loads and decodes greedily as HF transformers does."""
 
 import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from sparrow import LLM, SamplingParams
 from sparrow.train import SPECIAL, main
@@ -32,6 +33,12 @@ def test_two_steps_give_a_checkpoint_the_engine_runs_as_hf(tmp_path):
     )
     info = json.loads((out / "training.json").read_text())
     assert info["steps"] == 2 and info["vocab"] <= 600 and info["held_out_loss"] > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe" and config["dtype"] == "bfloat16"
+    assert config["text_config"]["model_type"] == "qwen3_5_moe_text"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    assert (out / "generation_config.json").is_file()
     llm = LLM(model=str(out), dtype="float32", max_model_len=256)
     assert all(llm.tokenizer.token_id(t) is not None for t in SPECIAL)
     prompt = llm.tokenizer.encode("def fibonacci(n):\n    ")

@@ -346,7 +346,9 @@ def _add_checkpoint(sub) -> None:
     from sparrow.loader.random_checkpoint import PRESETS
 
     rnd = sub.add_parser(
-        "random", help="write a random-weight checkpoint in exact HF layout (with tokenizer)"
+        "random",
+        help="write a random-weight checkpoint in the layout of the family's release "
+        "(with tokenizer)",
     )
     rnd.add_argument("out", help="output directory")
     rnd.add_argument("--preset", choices=sorted(PRESETS), default="qwen3.6-35b-a3b")
@@ -367,7 +369,8 @@ def _add_checkpoint(sub) -> None:
     rnd.add_argument(
         "--per-expert",
         action="store_true",
-        help="write experts.E.{gate,up,down}_proj instead of fused tensors",
+        help="experts the release keeps fused (Qwen3.5/3.6) as experts.E.{gate,up,down}_proj, "
+        "as HF's save_pretrained writes them",
     )
     rnd.set_defaults(func="checkpoint_random")
 

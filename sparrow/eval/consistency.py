@@ -1,11 +1,12 @@
-"""Teacher-forced consistency with HF transformers on identical weights.
+"""Teacher-forced consistency with a reference engine on identical weights: HF transformers
+(`--reference hf`, the default) or mlx-lm (`--reference mlx-lm`).
 
 Both sides read the same checkpoint and predict the next token from the same reference
 prefix at `--positions` positions of held-out text (default: the Python standard library
 files `sparrow.train` holds out, which every machine has): Sparrow prefills `--context`
 tokens and then decodes the reference tokens one step at a time (its prefill and decode
-paths), HF runs one forward over the same tokens. Reported per pair of sides: top-1
-agreement, each side's perplexity on the reference tokens and their ratio, and the KL
+paths), the reference runs one forward over the same tokens. Reported per pair of sides:
+top-1 agreement, each side's perplexity on the reference tokens and their ratio, and the KL
 divergence from the reference side's next-token distribution (mean and p99).
 
 With `--quantize 4bit` two more pairs: Sparrow on the 4-bit weights against HF on the same
@@ -20,6 +21,15 @@ Triton kernels (`--dtype` and `--hf-dtype` choose otherwise). Where HF runs in a
 than Sparrow, one more pair: HF itself in Sparrow's dtype against HF in its own, how far that
 dtype's rounding alone moves the predictions.
 
+`--reference mlx-lm`: Sparrow and mlx-lm load the same bytes, an MLX-quantised checkpoint:
+`--model` itself when its config.json has MLX's `quantization` block, else `--model`
+quantised (`--quantize`, 4bit by default) into a temporary directory by `--writer`: Sparrow's
+MLX writer (`sparrow checkpoint quantize`) or `mlx_lm.convert`. Both sides run in `--dtype`;
+mlx-lm on mlx's default device (the report names it), Sparrow on `--device`. One pair,
+sparrow_vs_mlx_lm. mlx's CPU backend is meaningful in float32 only; bf16 belongs on a GPU.
+
+    python -m sparrow.eval.consistency --reference mlx-lm [--writer mlx-lm] [--model DIR]
+
 `--recurrent-state-dtype bfloat16` keeps Sparrow's Gated DeltaNet state in bf16 between steps
 (every Sparrow side above then does) and adds one more pair: Sparrow with bf16 state against
 itself with fp32 state, what the state's rounding alone costs.
@@ -30,19 +40,29 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from argparse import Namespace
 from pathlib import Path
 
 import torch
 
 from sparrow.assets import default_checkpoint
 from sparrow.config import RECURRENT_STATE_DTYPES, QuantConfig
+from sparrow.eval import mlx_reference as mlx
 from sparrow.eval.quant_error import logits_run
 from sparrow.eval.report import write_report
 from sparrow.kernels import set_backend
-from sparrow.loader.weights import WeightAssembler, build_empty_model, load_tensors
+from sparrow.loader.weights import (
+    WeightAssembler,
+    build_empty_model,
+    load_checkpoint,
+    load_tensors,
+)
 from sparrow.models import load_model_args
 from sparrow.quant.affine import dequantize, quantize
 from sparrow.tokenizer import load_tokenizer
+
+REFERENCES = ("hf", "mlx-lm")
+Pairs = dict[str, dict[str, float]]
 
 
 def held_out_text() -> str:
@@ -83,6 +103,14 @@ def hf_logits(hf: torch.nn.Module, ids: torch.Tensor, context: int) -> torch.Ten
     return hf(ids[None, :-1]).logits[0, context - 1 :].float()
 
 
+def sparrow_logits(
+    model: torch.nn.Module, ids: torch.Tensor, context: int, state_dtype: str
+) -> torch.Tensor:
+    """fp32 logits [len(ids) - context, V] predicting ids[context:]: prefill ids[:context],
+    then decode the rest teacher-forced."""
+    return logits_run(model, ids[:context], ids[context:-1].tolist(), state_dtype).float()
+
+
 def compare(ours: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     """Logits [N, V] of a side and of its reference, the reference tokens [N]."""
     lp, lq = ours.float().log_softmax(-1), ref.float().log_softmax(-1)
@@ -99,19 +127,104 @@ def compare(ours: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dic
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def sparrow_pairs(
+    name: str, model: torch.nn.Module, ref: torch.Tensor, ids: torch.Tensor, args: Namespace
+) -> Pairs:
+    """Sparrow's `model` against the reference logits `ref`, and with bf16 recurrent state
+    against itself with fp32 state."""
+    state_dtype = args.recurrent_state_dtype
+    logits = sparrow_logits(model, ids, args.context, state_dtype)
+    targets = ids[args.context :]
+    pairs = {name: compare(logits, ref, targets)}
+    if state_dtype != "float32":  # the state's rounding alone
+        pairs[f"sparrow_{state_dtype}_state_vs_float32_state"] = compare(
+            logits, sparrow_logits(model, ids, args.context, "float32"), targets
+        )
+    return pairs
+
+
+def against_hf(
+    args: Namespace, model_dir: Path, dtype: torch.dtype, ids: torch.Tensor
+) -> tuple[dict, Pairs]:
+    """(report fields, pairs) with HF transformers as the reference."""
+    targets = ids[args.context :]
+    hf = load_hf(model_dir, getattr(torch, args.hf_dtype) if args.hf_dtype else dtype, args.device)
+    cfg = load_model_args(model_dir)
+    state = hf.state_dict()
+    ref = hf_logits(hf, ids, args.context)
+    state = {name: t.to(dtype) for name, t in state.items()}  # Sparrow's dtype
+    model = load_tensors(cfg, state, args.device, dtype)
+    pairs = sparrow_pairs("sparrow_vs_hf", model, ref, ids, args)
+    del model
+    if hf.dtype != dtype:  # HF's own rounding in Sparrow's dtype, against the same truth
+        pairs[f"hf_{str(dtype).removeprefix('torch.')}_vs_hf"] = compare(
+            hf_logits(load_hf(model_dir, dtype, args.device), ids, args.context).float(),
+            ref,
+            targets,
+        )
+    if args.quantize:
+        q = load_tensors(
+            cfg, state, args.device, dtype, quantize=QuantConfig.from_name(args.quantize)
+        )
+        q_logits = sparrow_logits(q, ids, args.context, args.recurrent_state_dtype)
+        hf_q = copy.deepcopy(hf)
+        hf_q.load_state_dict(dequantised(state, q, hf.dtype))
+        pairs[f"sparrow_{args.quantize}_vs_hf_dequantised"] = compare(
+            q_logits, hf_logits(hf_q, ids, args.context), targets
+        )
+        pairs[f"sparrow_{args.quantize}_vs_hf_original"] = compare(q_logits, ref, targets)
+    return {"hf_dtype": str(hf.dtype)}, pairs
+
+
+def against_mlx_lm(
+    args: Namespace, model_dir: Path, dtype: torch.dtype, ids: torch.Tensor
+) -> tuple[dict, Pairs]:
+    """(report fields, pairs) with mlx-lm as the reference, both on the same MLX bytes."""
+    name = str(dtype).removeprefix("torch.")
+    fields = mlx.environment(name)
+    if "note" in fields:
+        print(f"note: {fields['note']}")
+    bits = args.quantize or "4bit"
+    writer = args.writer or "sparrow"
+    with mlx.mlx_checkpoint(model_dir, writer, bits, args.device, dtype) as (ckpt, by):
+        ref = mlx.mlx_lm_logits(ckpt, ids.tolist(), args.context, name).to(ids.device)
+        model = load_checkpoint(ckpt, args.device, dtype, progress=False)
+        quant = json.loads((ckpt / "config.json").read_text())["quantization"]
+        pairs = sparrow_pairs("sparrow_vs_mlx_lm", model, ref, ids, args)
+    fields |= {
+        "quantized_by": by,
+        "quantization": {k: v for k, v in quant.items() if not isinstance(v, dict)},
+    }
+    return fields, pairs
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
-    p.add_argument("--quantize", choices=["4bit", "8bit"], default=None)
+    p.add_argument("--reference", choices=REFERENCES, default="hf", help="the engine to match")
+    p.add_argument(
+        "--quantize",
+        choices=["4bit", "8bit"],
+        default=None,
+        help="hf: add the quantised pairs; mlx-lm: how a float checkpoint is quantised "
+        "(default 4bit)",
+    )
+    p.add_argument(
+        "--writer",
+        choices=mlx.WRITERS,
+        default=None,
+        help="mlx-lm: who quantises a float checkpoint: Sparrow's MLX writer (default) or "
+        "mlx_lm.convert",
+    )
     p.add_argument("--positions", type=int, default=192, help="next-token predictions")
     p.add_argument("--context", type=int, default=64, help="prompt tokens before the first")
     p.add_argument("--text", default=None, help="a text file (default: held-out stdlib files)")
-    p.add_argument("--device", default="cpu", help="cpu (fp32, reference path) or cuda")
+    p.add_argument("--device", default="cpu", help="Sparrow's: cpu (fp32, reference path) or cuda")
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
         default=None,
-        help="Sparrow's dtype (default: float32 on a CPU, bfloat16 on a GPU)",
+        help="Sparrow's dtype, and mlx-lm's (default: float32 on a CPU, bfloat16 on a GPU)",
     )
     p.add_argument(
         "--hf-dtype",
@@ -128,9 +241,17 @@ def main(argv: list[str] | None = None) -> dict:
         "Sparrow with bf16 state against Sparrow with fp32 state",
     )
     p.add_argument("--out", default="bench-out/consistency.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     if args.positions < 2 or args.context < 1:
         raise SystemExit("--positions must be >= 2 and --context >= 1")
+    if args.reference != "hf" and args.hf_dtype:
+        raise SystemExit("--hf-dtype applies to --reference hf only")
+    if args.reference != "mlx-lm" and args.writer:
+        raise SystemExit("--writer applies to --reference mlx-lm only")
     model_dir = Path(args.model) if args.model else default_checkpoint()
     cpu = args.device == "cpu"
     dtype = getattr(torch, args.dtype) if args.dtype else torch.float32 if cpu else torch.bfloat16
@@ -140,46 +261,14 @@ def main(argv: list[str] | None = None) -> dict:
     if len(ids) < args.context + args.positions:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than --context + --positions")
     ids = torch.tensor(ids, device=args.device)
-    targets, teacher = ids[args.context :], ids[args.context : -1].tolist()
-
-    def ours(model: torch.nn.Module, state_dtype: str = args.recurrent_state_dtype) -> torch.Tensor:
-        return logits_run(model, ids[: args.context], teacher, state_dtype).float()
-
-    hf = load_hf(model_dir, getattr(torch, args.hf_dtype) if args.hf_dtype else dtype, args.device)
-    cfg = load_model_args(model_dir)
-    state = hf.state_dict()
-    ref = hf_logits(hf, ids, args.context)
-    state = {name: t.to(dtype) for name, t in state.items()}  # Sparrow's dtype
-    model = load_tensors(cfg, state, args.device, dtype)
-    logits = ours(model)
-    pairs = {"sparrow_vs_hf": compare(logits, ref, targets)}
-    if args.recurrent_state_dtype != "float32":  # the state's rounding alone
-        pairs[f"sparrow_{args.recurrent_state_dtype}_state_vs_float32_state"] = compare(
-            logits, ours(model, "float32"), targets
-        )
-    del model, logits
-    if hf.dtype != dtype:  # HF's own rounding in Sparrow's dtype, against the same truth
-        pairs[f"hf_{str(dtype).removeprefix('torch.')}_vs_hf"] = compare(
-            hf_logits(load_hf(model_dir, dtype, args.device), ids, args.context).float(),
-            ref,
-            targets,
-        )
-    if args.quantize:
-        q = load_tensors(
-            cfg, state, args.device, dtype, quantize=QuantConfig.from_name(args.quantize)
-        )
-        q_logits = ours(q)
-        hf_q = copy.deepcopy(hf)
-        hf_q.load_state_dict(dequantised(state, q, hf.dtype))
-        pairs[f"sparrow_{args.quantize}_vs_hf_dequantised"] = compare(
-            q_logits, hf_logits(hf_q, ids, args.context), targets
-        )
-        pairs[f"sparrow_{args.quantize}_vs_hf_original"] = compare(q_logits, ref, targets)
+    against = against_hf if args.reference == "hf" else against_mlx_lm
+    fields, pairs = against(args, model_dir, dtype, ids)
     report = {
         "model": str(model_dir),
+        "reference": args.reference,
         "device": args.device,
         "dtype": str(dtype),
-        "hf_dtype": str(hf.dtype),
+        **fields,
         "recurrent_state_dtype": args.recurrent_state_dtype,
         "positions": args.positions,
         "context": args.context,

@@ -1,48 +1,50 @@
-"""Write a model (quantised or not) as an MLX-layout checkpoint.
+"""Write a model (quantised or not) as an MLX-layout checkpoint, the layout mlx-lm reads and
+writes for the family (`Architecture.release_tensors` with `mlx`: names as mlx-lm's model
+has them after its `sanitize`, e.g. Qwen3.5/3.6 under `language_model.model.` with experts
+as `mlp.switch_mlp.{gate,up,down}_proj` stacked over experts, the depthwise conv as
+[C, K, 1] and +1 baked into the zero-centred RMSNorm weights).
 
-The layout mlx-lm / mlx-vlm use for Qwen3.5/3.6 MoE: keys under `language_model.model.` (and
-`language_model.lm_head.`), experts as `mlp.switch_mlp.{gate,up,down}_proj` stacked over
-experts, the depthwise conv as [C, K, 1], +1 baked into the zero-centred RMSNorm weights,
-packed weights as uint32 with `.scales` / `.biases`, and a `quantization` block in
-config.json. `load_checkpoint` reads it back (and real mlx-community checkpoints) unchanged.
+Packed weights are uint32 with `.scales` / `.biases`; config.json is the release's with a
+`quantization` block that describes exactly the tensors stored: the default width, an entry
+for each module quantised otherwise (the 8-bit routers), and `false` for each module mlx-lm
+could quantise that is stored in float (M3's routers, layers whose input is not a whole
+number of groups). `load_checkpoint` reads it back (and real mlx-community checkpoints)
+unchanged.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from sparrow.loader.writer import ShardWriter
+from sparrow.layers.quantized import companion
+from sparrow.loader.writer import ShardWriter, release_config, text_parameters
 from sparrow.models import get_architecture
+from sparrow.quant.affine import QuantSpec
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# Copied beside the weights from `tokenizer_dir`, as mlx-lm's `save` copies them.
+_COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
-def mlx_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(MLX name, tensor) for every parameter of `model`, in the MLX layout."""
-    arch = get_architecture(model.config.architecture)
-    inter = model.config.moe_intermediate_size
-    for param, t in model.state_dict().items():
-        t = t.view(torch.uint32) if t.dtype == torch.int32 else t
-        if param.startswith("lm_head."):
-            yield f"language_model.{param}", t
-            continue
-        if ".mlp.experts." in param:
-            mlp, _, rest = param.partition(".experts.")
-            fused, _, kind = rest.partition("_proj")
-            kind = kind.lstrip("_") or "weight"
-            projs = ("gate_proj", "up_proj") if fused == "gate_up" else ("down_proj",)
-            for proj in projs:
-                rows = arch.expert_slice(proj, inter)
-                name = f"language_model.model.{mlp}.switch_mlp.{proj}.{kind}"
-                yield name, t[:, rows].contiguous()
-            continue
-        yield f"language_model.model.{param}", arch.to_mlx(param, t)
+def _specs(model: nn.Module) -> dict[str, QuantSpec]:
+    """Quantised parameter (packed words, scales and biases) -> its module's spec."""
+    specs = {}
+    for path, module in model.named_modules():
+        for name in getattr(module, "logical_shapes", ()):
+            param = f"{path}.{name}" if path else name
+            for p in (param, companion(param, "scales"), companion(param, "biases")):
+                specs[p] = module.spec
+    return specs
 
 
 def save_mlx_checkpoint(
@@ -51,22 +53,44 @@ def save_mlx_checkpoint(
     tokenizer_dir: str | Path | None = None,
     shard_bytes: int = 4 << 30,
 ) -> Path:
-    """Write config.json (with the quantization block), safetensors shards, and the tokenizer
-    files found in `tokenizer_dir`."""
+    """Write safetensors shards, config.json (with the quantization block of a quantised
+    model), and the tokenizer and generation config files found in `tokenizer_dir`."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    config = cfg.to_hf_config()
+    arch = get_architecture(cfg.architecture)
+    specs = _specs(model)
+    block: dict[str, Any] | None = None
     if cfg.quantization is not None:
-        paths = [p for p, m in model.named_modules() if hasattr(m, "weight")]
-        config["quantization"] = cfg.quantization.to_mlx(paths)
-        config["quantization_config"] = config["quantization"]
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        q = cfg.quantization
+        block = {"group_size": q.group_size, "bits": q.bits, "mode": "affine"}
     with ShardWriter(out, shard_bytes) as writer:
-        for name, t in mlx_tensors(model):
-            writer.add(name, t)
+        for param, t in text_parameters(model):
+            spec = specs.get(param)
+            for name, piece in arch.release_tensors(param, t, True):
+                writer.add(name, piece.view(torch.uint32) if piece.dtype == torch.int32 else piece)
+                if block is not None:
+                    conv = arch.is_mlx_conv(param, tuple(piece.shape))
+                    _describe(block, name, piece, spec, conv)
+    config = release_config(cfg)
+    if block is not None:
+        config["quantization"] = config["quantization_config"] = block
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer_dir is not None:
-        for name in _TOKENIZER_FILES:
+        for name in _COPIED_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copy(Path(tokenizer_dir) / name, out / name)
     return out
+
+
+def _describe(
+    block: dict[str, Any], name: str, tensor: torch.Tensor, spec: QuantSpec | None, conv: bool
+) -> None:
+    """Enter one written tensor's module into the MLX quantization block: its spec where it
+    differs from the default (on its `.scales`), `false` for a float matrix (a module mlx-lm
+    would otherwise take for quantised by default)."""
+    module, _, kind = name.rpartition(".")
+    if spec is not None and kind == "scales":
+        if (spec.bits, spec.group_size) != (block["bits"], block["group_size"]):
+            block[module] = {"group_size": spec.group_size, "bits": spec.bits}
+    elif spec is None and kind == "weight" and tensor.dim() >= 2 and not conv:
+        block[module] = False

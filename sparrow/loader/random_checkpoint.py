@@ -1,13 +1,13 @@
-"""Random weights in the exact HF layout, for tests and benchmarks.
+"""Random weights for tests and benchmarks.
 
 Each parameter is drawn as its architecture's `init` says (HF's `_init_weights` of the
 family, so activations stay finite through 40-60 layers: matrices N(0, initializer_range),
 norm weights 0 or 1 by the norm's kind, and the like).
 
-Weights can be written as a checkpoint directory (`write_random_checkpoint`, what
-`sparrow checkpoint random` runs) or materialised directly on a device with no file
-(`random_model`), which is how full-size benchmarks run on a GPU whose disk is smaller
-than the bf16 checkpoint.
+Weights can be written as a checkpoint directory in the layout of the family's release
+(`write_random_checkpoint`, what `sparrow checkpoint random` runs) or materialised directly
+on a device with no file (`random_model`), which is how full-size benchmarks run on a GPU
+whose disk is smaller than the bf16 checkpoint.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from sparrow.config import QuantConfig
 from sparrow.loader.weights import build_empty_model, load_tensors
-from sparrow.loader.writer import ShardWriter
+from sparrow.loader.writer import release_config, release_tensors, write_checkpoint
 from sparrow.models import PRESETS, get_architecture
 from sparrow.models.interface import Init, ModelArgs
 
@@ -46,45 +45,41 @@ def _init(
     return torch.empty(shape, **kw).normal_(0.0, std, generator=gen)
 
 
-def _hf_name(param: str, prefix: str) -> str:
-    return param if param == "lm_head.weight" else prefix + param
-
-
 def random_tensors(
     cfg: ModelArgs,
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
-    per_expert: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF checkpoint name, tensor) one at a time, seeded and in a fixed order.
-    With `per_expert`, fused expert tensors are split into `experts.E.{gate,up,down}_proj`."""
+    """Yield (parameter name, tensor) one at a time, seeded and in a fixed order (the names of
+    the model's parameters, which `load_tensors` takes as they are)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    arch = get_architecture(cfg.architecture)
-    init, prefix = arch.init, arch.HF_PREFIX
+    init = get_architecture(cfg.architecture).init
     model = build_empty_model(cfg)
     for param, p in model.named_parameters():
         if param == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         # Generate in fp32 and round, so bf16 and fp32 checkpoints of one seed agree.
         t = _init(init(param), tuple(p.shape), cfg.initializer_range, gen, device=device)
-        t = t.to(dtype)
-        if per_expert and param.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            yield from _split_experts(_hf_name(param, prefix), t, cfg.moe_intermediate_size)
-        else:
-            yield _hf_name(param, prefix), t
+        yield param, t.to(dtype)
 
 
 def _split_experts(
-    name: str, fused: torch.Tensor, inter: int
+    tensors: Iterable[tuple[str, torch.Tensor]], inter: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    base = name.rsplit(".", 1)[0]
-    for e, w in enumerate(fused):
-        if name.endswith("gate_up_proj"):
-            yield f"{base}.{e}.gate_proj.weight", w[:inter].clone()
-            yield f"{base}.{e}.up_proj.weight", w[inter:].clone()
-        else:
-            yield f"{base}.{e}.down_proj.weight", w.clone()
+    """Fused expert tensors (`experts.gate_up_proj`, `experts.down_proj`) as HF's
+    `save_pretrained` writes them: `experts.E.{gate,up,down}_proj.weight`."""
+    for name, fused in tensors:
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            yield name, fused
+            continue
+        base = name.rsplit(".", 1)[0]
+        for e, w in enumerate(fused):
+            if name.endswith("gate_up_proj"):
+                yield f"{base}.{e}.gate_proj.weight", w[:inter].clone()
+                yield f"{base}.{e}.up_proj.weight", w[inter:].clone()
+            else:
+                yield f"{base}.{e}.down_proj.weight", w.clone()
 
 
 def random_model(
@@ -117,14 +112,16 @@ def write_random_checkpoint(
     progress: bool = True,
 ) -> Path:
     """Write config.json, safetensors shard(s) (+ index when more than one) and tokenizer
-    files to `out_dir`. Tensors are generated and written shard by shard."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2) + "\n")
-    names = random_tensors(cfg, seed, "cpu", dtype, per_expert)
-    with ShardWriter(out, shard_bytes) as writer:
-        for name, t in tqdm(names, desc="writing weights", unit="tensor", disable=not progress):
-            writer.add(name, t)
+    files to `out_dir`, in the layout of the family's release (`writer.release_tensors`).
+    Tensors are generated and written shard by shard. The config keeps the family's
+    `vision_config` (the tower is not written: loads leave it out, dummy loads draw it).
+    `per_expert`: experts the release keeps fused (Qwen3.5/3.6) are written one tensor per
+    expert, as HF's `save_pretrained` writes them."""
+    tensors = release_tensors(cfg, random_tensors(cfg, seed, "cpu", dtype))
+    if per_expert:
+        tensors = _split_experts(tensors, cfg.moe_intermediate_size)
+    config = release_config(cfg, dtype, vision=True)
+    out = write_checkpoint(out_dir, config, tensors, shard_bytes, progress)
     if tokenizer:
         from sparrow.tokenizer import write_tokenizer_files
 

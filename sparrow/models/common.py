@@ -1,11 +1,12 @@
 """Weight-name pieces several model files share: the text model's prefixes in HF and MLX
 checkpoints, routed experts stored per expert (HF) or stacked (MLX's `switch_mlp`) filling
-our fused [E, 2I, hidden] / [E, hidden, I] tensors, and the MLX hooks of a model whose MLX
-layout is HF's."""
+our fused [E, 2I, hidden] / [E, hidden, I] tensors and laid out back that way (`lay_out`),
+and the MLX hooks of a model whose MLX layout is HF's."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import torch
 
@@ -70,3 +71,53 @@ def from_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def to_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+# Our fused routed experts: gate_up [E, 2I, hidden] (gate rows first), down [E, hidden, I];
+# quantised, the packed words keep the name and `_scales` / `_biases` sit beside them.
+_FUSED_EXPERTS = re.compile(r"^(.+)\.experts\.(gate_up_proj|down_proj)(?:_(scales|biases))?$")
+# Names of one expert's projections in HF's per-expert layout.
+HF_EXPERT_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+
+def expert_projections(
+    param: str, tensor: torch.Tensor
+) -> tuple[str, str, list[tuple[str, torch.Tensor]]] | None:
+    """A fused routed-expert parameter split by projection: (the MLP's path, kind in
+    weight/scales/biases, [(projection, [E, rows, cols])]); None for other parameters."""
+    m = _FUSED_EXPERTS.match(param)
+    if m is None:
+        return None
+    mlp, fused, kind = m.group(1), m.group(2), m.group(3) or "weight"
+    if fused == "down_proj":
+        return mlp, kind, [("down_proj", tensor)]
+    gate, up = tensor.chunk(2, dim=-2)
+    return mlp, kind, [("gate_proj", gate), ("up_proj", up)]
+
+
+def lay_out(
+    param: str,
+    tensor: torch.Tensor,
+    prefix: str,
+    head_prefix: str,
+    experts: str,
+    expert_names: dict[str, str] = HF_EXPERT_NAMES,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for one parameter: under `prefix` (the lm_head under
+    `head_prefix`), routed experts as they are ("fused": `experts.gate_up_proj`), one tensor
+    per expert and projection ("per_expert": `experts.E.<expert_names[proj]>.<kind>`) or
+    stacked by projection ("switch_mlp": MLX's `switch_mlp.<proj>.<kind>`)."""
+    if param.startswith("lm_head."):
+        yield head_prefix + param, tensor
+        return
+    split = expert_projections(param, tensor) if experts != "fused" else None
+    if split is None:
+        yield prefix + param, tensor
+        return
+    mlp, kind, pieces = split
+    for proj, t in pieces:
+        if experts == "switch_mlp":
+            yield f"{prefix}{mlp}.switch_mlp.{proj}.{kind}", t
+        else:
+            for e, w in enumerate(t):
+                yield f"{prefix}{mlp}.experts.{e}.{expert_names[proj]}.{kind}", w

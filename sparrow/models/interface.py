@@ -10,7 +10,7 @@ registered module against these protocols. Nothing outside `models/` branches on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -75,7 +75,8 @@ class Speaks:
 @runtime_checkable
 class ModelArgs(Protocol):
     """A frozen dataclass parsed from an HF config.json (`from_hf`), written back by
-    `to_hf_config`. Fields every architecture has, whatever else it adds."""
+    `to_hf_config` as the family's released checkpoint lays its config.json out. Fields every
+    architecture has, whatever else it adds."""
 
     architecture: str  # the registry name of its module
     vocab_size: int
@@ -151,11 +152,11 @@ class Model(Protocol):
 @runtime_checkable
 class Architecture(Protocol):
     """A model file as a module: its config, model, presets, weight names, MLX layout hooks,
-    formats and tensor-parallel plan."""
+    release layout, formats and tensor-parallel plan."""
 
     NAME: str  # the registry key; equals ModelArgs.architecture
     MODEL_TYPES: tuple[str, ...]  # the HF model_type values it runs
-    HF_PREFIX: str  # where HF's checkpoints keep the text model ("model.language_model.")
+    HF_PREFIX: str  # where the family's released checkpoints keep the text model ("model.")
     ModelArgs: type
     Model: type
     PRESETS: dict[str, Any]  # `sparrow checkpoint random --preset` name -> ModelArgs
@@ -170,6 +171,10 @@ class Architecture(Protocol):
     is_mlx_conv: Callable[[str, tuple[int, ...]], bool]
     from_mlx: Callable[[str, torch.Tensor], torch.Tensor]
     to_mlx: Callable[[str, torch.Tensor], torch.Tensor]
+    # How the family's releases store a parameter (or a quantised one's packed words, scales
+    # or biases): (name, tensor) pairs as the float release has them (mlx False) or as
+    # mlx-lm's MLX layout has them (mlx True), for the writers in `loader/`.
+    release_tensors: Callable[[str, torch.Tensor, bool], Iterator[tuple[str, torch.Tensor]]]
     # How random weights draw a parameter.
     init: Callable[[str], Init]
     # How a tensor- (or expert-) parallel rank splits the model (`distributed.shard`).

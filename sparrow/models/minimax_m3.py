@@ -6,7 +6,9 @@ SwiGLU-OAI MLP ("dense") or the sigmoid-routed MoE ("sparse"). The released chec
 layers 0-2 full + dense and 3-59 sparse + MoE. Parameters are named like the HF text model
 without its prefix (`layers.3.self_attn.indexer.q_proj.weight`); `checkpoint_name` maps the
 HF-native names and the original MiniMax ones (`block_sparse_moe`, `index_q_proj`, per-expert
-`w1/w3/w2`, separate `gate_proj/up_proj`) onto them. Vision and MTP weights are ignored.
+`w1/w3/w2`, separate `gate_proj/up_proj`) onto them, and `release_tensors` writes the
+original ones (the release's config.json: `ModelArgs.to_hf_config`). Vision and MTP weights
+are ignored.
 
 Caches: paged K/V for every layer, plus one index key per token on sparse layers, in pages of
 exactly `index_block_size` tokens (one page per MSA block; `ModelCache` rejects other sizes).
@@ -19,9 +21,11 @@ in float: all norms and the routers (`mlp.gate`: weight and e_score_correction_b
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from torch import nn
 
 from sparrow.config import ConfigError, QuantConfig
@@ -49,7 +53,7 @@ from sparrow.multimodal.video import MINIMAX_M3_VIDEO
 
 NAME = "minimax_m3"
 MODEL_TYPES = ("minimax_m3_vl", "minimax_m3_vl_text")
-HF_PREFIX = "model.language_model."
+HF_PREFIX = "language_model.model."  # the release's (HF's own classes: model.language_model.)
 # The checkpoint's special tokens at its ids (bos, eos, role marker, vision); regular tokens
 # take the ids below 200,000.
 SPECIAL_TOKENS = {
@@ -221,34 +225,60 @@ class ModelArgs:
         return ModelArgs(**values)
 
     def to_hf_text_config(self) -> dict[str, Any]:
-        """The `text_config` dict of an HF `config.json` (model_type `minimax_m3_vl_text`)."""
-        text = {key: getattr(self, f) for f, key in _HF_TEXT_KEYS.items()}
+        """The `text_config` of the released config.json (model_type `minimax_m3_vl_text`) in
+        MiniMax's keys: `sparse_attention_config` (the indexer and which layers are sparse),
+        `moe_layer_freq`, `rope_theta`, `partial_rotary_factor` and `rotary_dim` (HF reads
+        the factor, mlx-lm and llama.cpp the dim), `scoring_func`, `n_shared_experts`."""
+        flat = set(_LEGACY_SPARSE)
+        text = {key: getattr(self, f) for f, key in _HF_TEXT_KEYS.items() if f not in flat}
+        eos = self.eos_token_ids
         return text | {
             "model_type": "minimax_m3_vl_text",
-            "layer_types": list(self.layer_types),
-            "mlp_layer_types": list(self.mlp_layer_types),
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": self.rope_theta,
-                "partial_rotary_factor": self.partial_rotary_factor,
-            },
+            "hidden_act": "swigluoai",
+            "rope_theta": self.rope_theta,
+            "partial_rotary_factor": self.partial_rotary_factor,
             "rotary_dim": self.rotary_dim,
-            "eos_token_id": list(self.eos_token_ids)
-            if len(self.eos_token_ids) > 1
-            else self.eos_token_ids[0],
+            "sparse_attention_config": self.sparse_attention_config(),
+            "moe_layer_freq": self.moe_layer_freq(),
+            "scoring_func": "sigmoid",
+            "use_routing_bias": True,
+            "n_shared_experts": 1,
+            "qk_norm_type": "per_head",
+            "use_gemma_norm": True,
+            "eos_token_id": list(eos) if len(eos) > 1 else eos[0],
             "bos_token_id": 200034,
         }
 
+    def sparse_attention_config(self) -> dict[str, Any]:
+        """MiniMax's `sparse_attention_config`: the indexer's settings and, per layer, 1 for
+        MiniMax Sparse Attention, 0 for full attention."""
+        legacy = {key: getattr(self, f) for f, key in _LEGACY_SPARSE.items()}
+        return legacy | {
+            "sparse_init_block": 0,
+            "sparse_score_type": "max",
+            "sparse_attention_freq": [int(t == SPARSE_ATTENTION) for t in self.layer_types],
+        }
+
+    def moe_layer_freq(self) -> list[int]:
+        """MiniMax's `moe_layer_freq`: per layer, 1 for the MoE, 0 for a dense MLP."""
+        return [int(t == MOE) for t in self.mlp_layer_types]
+
     def to_hf_config(self) -> dict[str, Any]:
-        """A full HF `config.json` of model_type `minimax_m3_vl` (text config nested)."""
+        """The released config.json (model_type `minimax_m3_vl`, text config nested), with
+        `sparse_attention_config` and `moe_layer_freq` also at the top level, where
+        llama.cpp's converter finds them (HF's config class drops them from the text
+        config it keeps)."""
+        text = self.to_hf_text_config()
         return {
             "architectures": ["MiniMaxM3SparseForConditionalGeneration"],
             "model_type": "minimax_m3_vl",
-            "text_config": self.to_hf_text_config(),
+            "text_config": text,
             "vision_config": {"model_type": "minimax_m3_vl_vision"},
             "image_token_index": 200025,
             "video_token_index": 200026,
             "tie_word_embeddings": self.tie_word_embeddings,
+            "sparse_attention_config": text["sparse_attention_config"],
+            "moe_layer_freq": text["moe_layer_freq"],
         }
 
 
@@ -475,6 +505,42 @@ def expert_target(name: str) -> tuple[str, int | None, str, str] | None:
 expert_slice = common.expert_slice
 # M3's MLX layout is HF's (no conv, no shifted norms).
 is_mlx_conv, from_mlx, to_mlx = common.is_mlx_conv, common.from_mlx, common.to_mlx
+
+# Parameter names -> MiniMax's (the inverse of `_RENAMES`): the MoE block of a layer is
+# `block_sparse_moe` (a dense layer's MLP stays `mlp`), the router's correction bias sits on
+# the block, the indexer's projections and norms on the attention.
+_RELEASE_RENAMES = (
+    (re.compile(r"\.mlp\.(gate|experts|shared_experts)\."), r".block_sparse_moe.\1."),
+    (re.compile(r"\.gate\.e_score_correction_bias$"), ".e_score_correction_bias"),
+    (re.compile(r"\.self_attn\.indexer\.(q|k)_(proj|norm)\."), r".self_attn.index_\1_\2."),
+)
+# A dense MLP's or the shared expert's fused [gate | up] rows (weight, scales or biases).
+_FUSED_GATE_UP = re.compile(r"^(.+)\.gate_up_proj\.(weight|scales|biases)$")
+_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def release_tensors(
+    param: str, tensor: torch.Tensor, mlx: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """How MiniMax M3's releases store a parameter, in MiniMax's names under
+    `language_model.model.` (`language_model.lm_head.weight`): `block_sparse_moe.gate`,
+    `block_sparse_moe.e_score_correction_bias`, `self_attn.index_{q,k}_{proj,norm}`, dense and
+    shared-expert MLPs as separate `gate_proj` / `up_proj` / `down_proj`. Routed experts: one
+    tensor per expert in the float release (`experts.E.{w1,w3,w2}.weight`: gate, up, down),
+    stacked as `switch_mlp.{gate,up,down}_proj.*` in mlx-lm's layout (its names after
+    `sanitize`)."""
+    for pattern, target in _RELEASE_RENAMES:
+        param = pattern.sub(target, param)
+    m = _FUSED_GATE_UP.match(param)
+    if m is not None:
+        gate, up = tensor.chunk(2, dim=-2)
+        pieces = [(f"{m.group(1)}.gate_proj.{m.group(2)}", gate)]
+        pieces.append((f"{m.group(1)}.up_proj.{m.group(2)}", up))
+    else:
+        pieces = [(param, tensor)]
+    experts = "switch_mlp" if mlx else "per_expert"
+    for name, t in pieces:
+        yield from common.lay_out(name, t, HF_PREFIX, "language_model.", experts, _EXPERT_NAMES)
 
 
 def init(param: str) -> Init:

@@ -14,6 +14,7 @@ the same `forward`.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -480,6 +481,21 @@ def to_mlx(param: str, tensor: torch.Tensor) -> torch.Tensor:
     if _SHIFTED_NORMS.search(param) or param == "norm.weight":
         return (tensor.float() + 1.0).to(tensor.dtype)
     return tensor
+
+
+def release_tensors(
+    param: str, tensor: torch.Tensor, mlx: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """How Qwen3.5/3.6's releases store a parameter. The float release: under
+    `model.language_model.` (`lm_head.weight` apart), experts fused as we hold them
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], no `.weight`). MLX
+    (mlx-community): under `language_model.model.` (`language_model.lm_head.*`), experts as
+    `mlp.switch_mlp.{gate,up,down}_proj.*`, `to_mlx`'s conv and norm changes."""
+    if mlx:
+        return common.lay_out(
+            param, to_mlx(param, tensor), "language_model.model.", "language_model.", "switch_mlp"
+        )
+    return common.lay_out(param, tensor, HF_PREFIX, "", "fused")
 
 
 def init(param: str) -> Init:

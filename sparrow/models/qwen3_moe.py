@@ -11,8 +11,10 @@ a checkpoint maps onto them by `checkpoint_name`: HF's per-expert names (what tr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from sparrow.config import ConfigError, QuantConfig
@@ -83,8 +85,8 @@ SPEAKS = Speaks(
     ),
 )
 EOS_TOKEN_ID = 151645  # <|im_end|>: HF leaves eos_token_id null by default
-# Where HF's Qwen3MoeForCausalLM keeps the text model's parameters (random checkpoints write
-# their names under it).
+_DENSE_INTERMEDIATE = 6144  # the release's dense MLP width (no layer is dense)
+# Where the release (and HF's Qwen3MoeForCausalLM) keeps the text model's parameters.
 HF_PREFIX = "model."
 
 # ModelArgs field -> key of the HF config holding it (scalars only).
@@ -180,7 +182,9 @@ class ModelArgs:
         )
 
     def to_hf_config(self) -> dict[str, Any]:
-        """An HF `config.json` of model_type `qwen3_moe` (`Qwen3MoeForCausalLM`)."""
+        """The released config.json (model_type `qwen3_moe`, `Qwen3MoeForCausalLM`), in its
+        keys: `rope_theta` and `rope_scaling` at the top level (what mlx-lm reads; HF reads
+        them too), the dense `intermediate_size` no layer uses."""
         config = {key: getattr(self, f) for f, key in _HF_KEYS.items()}
         return config | {
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -193,8 +197,9 @@ class ModelArgs:
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
             "norm_topk_prob": True,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta}
-            | (self.rope_scaling.to_hf() if self.rope_scaling is not None else {}),
+            "intermediate_size": _DENSE_INTERMEDIATE,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling.to_hf() if self.rope_scaling is not None else None,
             "eos_token_id": self.eos_token_ids[0]
             if len(self.eos_token_ids) == 1
             else list(self.eos_token_ids),
@@ -343,8 +348,8 @@ class Qwen3MoeModel(DecoderStack):
         return [layer.self_attn.cache_spec() for layer in self.layers]
 
 
-# Checkpoint names -> parameter names: HF's `model.` prefix, and the `language_model.`
-# forms this repository's random and MLX writers use.
+# Checkpoint names -> parameter names: HF's `model.` prefix, and the `model.language_model.`
+# and `language_model.model.` forms of checkpoints that nest the text model.
 def checkpoint_name(name: str) -> str | None:
     """Map an HF or MLX checkpoint tensor name to our parameter name (nothing is ignored):
     `model.layers.0.mlp.gate.weight` -> `layers.0.mlp.gate.weight`. Expert names keep their
@@ -356,6 +361,15 @@ def checkpoint_name(name: str) -> str | None:
 # Routed experts: HF per-expert names or MLX's stacked switch_mlp; the MLX layout is HF's.
 expert_target, expert_slice = common.expert_target, common.expert_slice
 is_mlx_conv, from_mlx, to_mlx = common.is_mlx_conv, common.from_mlx, common.to_mlx
+
+
+def release_tensors(
+    param: str, tensor: torch.Tensor, mlx: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """How Qwen3-MoE's releases store a parameter: under `model.` (`lm_head.weight` apart);
+    experts one tensor per expert (`mlp.experts.E.{gate,up,down}_proj.weight`) in the float
+    release, stacked as `mlp.switch_mlp.*` in mlx-lm's layout."""
+    return common.lay_out(param, tensor, HF_PREFIX, "", "switch_mlp" if mlx else "per_expert")
 
 
 def init(param: str) -> Init:

@@ -6,16 +6,19 @@ each followed by the sparse MoE with a gated shared expert; zero-centred RMSNorm
 plain 1-D partial RoPE; text only. Unlike Qwen3.5, the checkpoint fuses each Gated DeltaNet's
 input projections into `in_proj_qkvz` and `in_proj_ba`, rows grouped by key head (HF's
 `fix_query_key_value_ordering`): the layer holds them as stored (`GatedDeltaNet(fused_qkvz=
-True)`) and regroups the projection's output. Weight names, expert layout, MLX layout and
-the random init are Qwen3.5's; multi-token-prediction weights (`mtp.*`) are not loaded.
+True)`) and regroups the projection's output. Weight names read, MLX layout changes and the
+random init are Qwen3.5's; the release keeps the text model under `model.` with one tensor
+per expert (`release_tensors`); multi-token-prediction weights (`mtp.*`) are not loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from sparrow.config import ConfigError, QuantConfig
@@ -29,7 +32,7 @@ from sparrow.layers.decoder import DecoderStack
 from sparrow.layers.gated_deltanet import GatedDeltaNet
 from sparrow.layers.norms import ZeroCenteredRMSNorm
 from sparrow.layers.rotary import ROPE_TYPES, RotaryEmbedding, YarnScaling
-from sparrow.models import qwen3_5_moe, qwen3_moe
+from sparrow.models import common, qwen3_5_moe, qwen3_moe
 from sparrow.models.qwen3_5_moe import FULL_ATTENTION, LINEAR_ATTENTION, sparse_moe
 
 NAME = "qwen3_next"
@@ -53,6 +56,7 @@ _LEGACY_LAYER_TYPES = {
     "attention": FULL_ATTENTION,
 }
 _EOS = 151645  # <|im_end|>
+_DENSE_INTERMEDIATE = 5120  # the release's dense MLP width (no layer is dense)
 
 
 @dataclass(frozen=True)
@@ -165,13 +169,11 @@ class ModelArgs(qwen3_5_moe.HybridArgs):
             raise ConfigError(f"malformed config: {e}") from e
 
     def to_hf_config(self) -> dict[str, Any]:
-        """An HF `config.json` of model_type `qwen3_next` (every layer sparse)."""
-        rope = {
-            "rope_type": "default",
-            **{key: getattr(self, key) for key in qwen3_5_moe.ROPE_KEYS},
-        }
-        scaling = self.rope_scaling.to_hf() if self.rope_scaling is not None else {}
+        """The released config.json (model_type `qwen3_next`, every layer sparse), in its
+        keys: `rope_theta`, `partial_rotary_factor` and `rope_scaling` at the top level (what
+        mlx-lm reads; HF reads them too), the dense `intermediate_size` no layer uses."""
         eos = self.eos_token_ids
+        scaling = self.rope_scaling.to_hf() if self.rope_scaling is not None else None
         return {key: getattr(self, f) for f, key in qwen3_5_moe.HF_TEXT_KEYS.items()} | {
             "architectures": ["Qwen3NextForCausalLM"],
             "model_type": NAME,
@@ -182,7 +184,9 @@ class ModelArgs(qwen3_5_moe.HybridArgs):
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
-            "rope_parameters": rope | scaling,
+            "intermediate_size": _DENSE_INTERMEDIATE,
+            **{key: getattr(self, key) for key in qwen3_5_moe.ROPE_KEYS},
+            "rope_scaling": scaling,
             "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
         }
 
@@ -261,6 +265,17 @@ is_mlx_conv = qwen3_5_moe.is_mlx_conv
 from_mlx = qwen3_5_moe.from_mlx
 to_mlx = qwen3_5_moe.to_mlx
 init = qwen3_5_moe.init
+
+
+def release_tensors(
+    param: str, tensor: torch.Tensor, mlx: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """How Qwen3-Next's releases store a parameter: under `model.` (`lm_head.weight` apart);
+    experts one tensor per expert (`mlp.experts.E.{gate,up,down}_proj.weight`) in the float
+    release, stacked as `mlp.switch_mlp.*` with `to_mlx`'s changes in mlx-lm's layout."""
+    if mlx:
+        return common.lay_out(param, to_mlx(param, tensor), HF_PREFIX, "", "switch_mlp")
+    return common.lay_out(param, tensor, HF_PREFIX, "", "per_expert")
 
 
 def shard_plan(cfg: ModelArgs, expert_parallel: bool) -> ShardPlan:

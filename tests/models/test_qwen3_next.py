@@ -171,14 +171,12 @@ ONE_TO_ONE = SMALL.replace(
 
 @pytest.mark.parametrize("cfg", [SMALL.replace(initializer_range=0.1), ONE_TO_ONE])
 def test_random_checkpoint_loads_in_hf(tmp_path, cfg):
-    """`write_random_checkpoint` (HF's names under `model.language_model.`, experts fused)
-    read by HF's own loader: every tensor placed, none left over, and HF's logits."""
+    """`write_random_checkpoint` (the release's layout: `model.` prefix, one tensor per
+    expert) read by HF's own loader: every tensor placed, none left over, and HF's logits."""
     path = write_random_checkpoint(
         tmp_path, cfg, seed=2, dtype=torch.float32, tokenizer=False, progress=False
     )
-    hf, info = Qwen3NextForCausalLM.from_pretrained(
-        path, key_mapping={r"^model\.language_model\.": "model."}, output_loading_info=True
-    )
+    hf, info = Qwen3NextForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     ids = torch.randint(0, cfg.vocab_size, (75,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
