@@ -69,3 +69,20 @@ def test_bf16_recurrent_state_reports_its_cost(tmp_path):
     assert 0 < cost["kl_mean"] < 1e-3 and cost["top1_agreement"] >= 0.9
     assert abs(cost["perplexity_ratio"] - 1) < 0.01
     assert report["sparrow_vs_hf"]["top1_agreement"] >= 0.9
+
+
+def test_hf_class_for_m3_without_a_vision_config(tmp_path):
+    """A MiniMax M3 checkpoint written from a model has no vision_config; HF has no causal
+    LM for the family, so its image-text-to-text class reads it."""
+    import torch
+
+    from sparrow.eval.consistency import load_hf
+    from sparrow.loader.random_checkpoint import write_random_checkpoint
+    from sparrow.models import PRESETS
+
+    cfg = PRESETS["minimax-m3-tiny"].replace(vocab_size=512)
+    write_random_checkpoint(tmp_path, cfg, dtype=torch.float32, tokenizer=False, progress=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("vision_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert type(load_hf(tmp_path, torch.float32, "cpu")).__name__.endswith("ConditionalGeneration")

@@ -74,10 +74,15 @@ def held_out_text() -> str:
 
 def load_hf(model_dir: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """HF's model for the checkpoint, as its Auto classes choose it: the image-text-to-text
-    model where the config has a vision tower, else the causal LM."""
+    model where the config has a vision tower or the family has no causal LM (MiniMax M3),
+    else the causal LM."""
     import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    seeing = "vision_config" in json.loads((model_dir / "config.json").read_text())
+    config = json.loads((model_dir / "config.json").read_text())
+    seeing = (
+        "vision_config" in config or config["model_type"] not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
     cls = transformers.AutoModelForImageTextToText if seeing else transformers.AutoModelForCausalLM
     return cls.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
