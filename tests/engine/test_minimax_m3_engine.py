@@ -47,8 +47,9 @@ def test_random_checkpoint_is_m3_with_its_tokens(checkpoint):
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["model_type"] == "minimax_m3_vl"
     text = config["text_config"]
-    assert text["layer_types"] == ["full_attention"] * 3 + ["minimax_m3_sparse"] * 2
-    assert text["mlp_layer_types"] == ["dense"] * 3 + ["sparse"] * 2
+    # MiniMax's release keys: which layers are sparse attention, which MoE
+    assert text["sparse_attention_config"]["sparse_attention_freq"] == [0] * 3 + [1] * 2
+    assert text["moe_layer_freq"] == [0] * 3 + [1] * 2
     tokenizer = load_tokenizer(checkpoint)
     assert {t: tokenizer.token_id(t) for t in M3_SPECIAL_TOKENS} == M3_SPECIAL_TOKENS
     ids = tokenizer.encode_chat(USER)
