@@ -1,14 +1,13 @@
 import importlib.metadata
-import json
 import os
 import platform
-import subprocess
 import time
 
 import pytest
 import torch
 
 from sparrow.eval.measure import rel_err  # noqa: F401 (tests import it from here)
+from sparrow.eval.report import write_report
 
 
 def pytest_addoption(parser):
@@ -25,7 +24,8 @@ def pytest_configure(config):
 
 
 class _Record:
-    """`--record PATH`: what a GPU test record under docs/bench/ holds."""
+    """`--record PATH`: what a GPU test record under docs/bench/ holds (`write_report` adds
+    the commit and the SPARROW_* settings)."""
 
     def __init__(self, path: str):
         self.path, self.start = path, time.time()
@@ -45,18 +45,11 @@ class _Record:
             self.failures.append({"test": report.nodeid, "message": message[-1][:500]})
 
     def pytest_sessionfinish(self, session, exitstatus):
-        def git(*args: str) -> str:
-            run = subprocess.run(["git", *args], capture_output=True, text=True)
-            return run.stdout.strip()
-
         versions = {"python": platform.python_version()}
         for name in ("torch", "triton", "transformers"):
             versions[name] = importlib.metadata.version(name)
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         summary = {
-            # SPARROW_COMMIT: a copy of the tree whose .git is stale (the GPU machine's)
-            "commit": os.environ.get("SPARROW_COMMIT") or git("rev-parse", "--short", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "command": "python -m pytest " + " ".join(session.config.invocation_params.args),
             "device": device,
             "versions": versions,
@@ -65,8 +58,7 @@ class _Record:
             "outcomes": self.outcomes,
             "failures": self.failures,
         }
-        with open(self.path, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_report(self.path, summary)
 
 
 def pytest_collection_modifyitems(config, items):
