@@ -319,15 +319,7 @@ async def chaos_run(args, cluster: Cluster) -> dict:
 def summary(chaos: Chaos, wall: float, health: int, metrics: str, resumed_ids: set) -> dict:
     """The report: outcomes (as the soak's), compared streams, faults, resumes, time lost."""
     runs, tally, faults = chaos.runs, chaos.load.tally, sorted(chaos.faults, key=lambda f: f["t_s"])
-    return {
-        "model": chaos.load.model,
-        "duration_s": round(wall, 2),
-        "requests": tally.total,
-        "requests_per_s": tally.total / wall,
-        "health_after": health,
-        "outcomes": {cls: dict(sorted(n.items())) for cls, n in tally.counts.items()},
-        "unexpected_total": sum(tally.counts["unexpected"].values()),
-        "unexpected_examples": tally.examples,
+    return tally.report(chaos.load.model, wall, health) | {
         "compared": {"bodies": len(chaos.bodies), "streams": len(runs)}
         | {k: sum(r["diff"] == k for r in runs) for k in ("identical", "near_tie", "differs")}
         | {

@@ -90,6 +90,19 @@ class Tally:
     def total(self) -> int:
         return sum(sum(c.values()) for c in self.counts.values())
 
+    def report(self, model: str, wall: float, health: int | str) -> dict:
+        """The run's traffic and outcomes, as the soak and chaos reports state them."""
+        return {
+            "model": model,
+            "duration_s": round(wall, 2),
+            "requests": self.total,
+            "requests_per_s": self.total / wall,
+            "health_after": health,
+            "outcomes": {cls: dict(sorted(c.items())) for cls, c in self.counts.items()},
+            "unexpected_total": sum(self.counts["unexpected"].values()),
+            "unexpected_examples": self.examples,
+        }
+
 
 # -- requests ------------------------------------------------------------------------------
 
@@ -389,19 +402,8 @@ async def soak_run(args, base: str, pid: int | None) -> dict:
             if (mb := rss_mb(pid)) is not None:
                 series.append((round(wall, 2), round(mb, 1)))
         health = await _health(client, base, soak.tally)
-    tally = soak.tally
     warmup = args.warmup_s if args.warmup_s is not None else 0.2 * wall
-    return {
-        "model": model,
-        "duration_s": round(wall, 2),
-        "requests": tally.total,
-        "requests_per_s": tally.total / wall,
-        "health_after": health,
-        "outcomes": {cls: dict(sorted(c.items())) for cls, c in tally.counts.items()},
-        "unexpected_total": sum(tally.counts["unexpected"].values()),
-        "unexpected_examples": tally.examples,
-        "rss": rss_summary(series, warmup),
-    }
+    return soak.tally.report(model, wall, health) | {"rss": rss_summary(series, warmup)}
 
 
 async def _health(client: httpx.AsyncClient, base: str, tally: Tally) -> int | str:
