@@ -205,6 +205,13 @@ def _decode_scores_kernel(
 
 
 @triton.jit
+def _top_id(top, NEG_INF_KEY: tl.constexpr):
+    """The block id a packed top-k key holds, -1 where its score is -inf."""
+    block = 2**31 - 1 - (top - ((top >> 32) << 32))
+    return tl.where((top >> 32) > NEG_INF_KEY, block, -1)
+
+
+@triton.jit
 def _chunk_top_kernel(
     scores_ptr,
     out_ptr,
@@ -231,8 +238,7 @@ def _chunk_top_kernel(
     for r in tl.static_range(TOPK):
         top = tl.max(b_p, axis=0)
         if FINAL:
-            block = 2**31 - 1 - (top - ((top >> 32) << 32))
-            tl.store(p_out + r, tl.where((top >> 32) > NEG_INF_KEY, block, -1))
+            tl.store(p_out + r, _top_id(top, NEG_INF_KEY))
         else:
             tl.store(p_out + r, top)
         b_p = tl.where(b_p == top, -(2**63), b_p)
@@ -253,8 +259,7 @@ def _merge_top_kernel(
     b_p = tl.load(cand_ptr + i_r.to(tl.int64) * n_cand + o_c, mask=o_c < n_cand, other=-(2**63))
     for r in tl.static_range(TOPK):
         top = tl.max(b_p, axis=0)
-        block = 2**31 - 1 - (top - ((top >> 32) << 32))
-        tl.store(out_ptr + i_r * TOPK + r, tl.where((top >> 32) > NEG_INF_KEY, block, -1))
+        tl.store(out_ptr + i_r * TOPK + r, _top_id(top, NEG_INF_KEY))
         b_p = tl.where(b_p == top, -(2**63), b_p)
 
 
