@@ -213,11 +213,15 @@ _SECTIONS = {
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine is asked to do: which checkpoint (None: the built-in default),
-    how to load it (`load_format` "dummy": its config.json with random weights), on-load
-    quantisation, and the scheduler, cache, parallel and device settings."""
+    """Everything the engine is asked to do: which checkpoint (a directory, a Hugging Face
+    Hub id `owner/name` at `revision` kept in `download_dir` or the Hub's cache, or None:
+    the built-in default), how to load it (`load_format` "dummy": its config.json with
+    random weights), on-load quantisation, and the scheduler, cache, parallel and device
+    settings."""
 
     model: str | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit; None: main
+    download_dir: str | None = None  # Hub snapshots; None: HF_HUB_CACHE / HF_HOME
     load_format: str = "auto"
     quantization: QuantConfig | None = None  # quantise a float checkpoint on load
     seed: int = 0  # random weights of load_format "dummy"
@@ -231,8 +235,9 @@ class EngineConfig:
             raise ConfigError(
                 f"load_format {self.load_format!r}: expected one of {list(LOAD_FORMATS)}"
             )
-        if self.model is not None:
-            object.__setattr__(self, "model", str(self.model))
+        for name in ("model", "download_dir"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, str(getattr(self, name)))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -79,7 +79,7 @@ def test_help_documents_every_command(tmp_path):
 def test_clear_errors(tmp_path):
     missing = _run(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"], tmp_path)
     assert missing.returncode == 2
-    assert "no config.json" in missing.stderr and "Traceback" not in missing.stderr
+    assert "no such directory" in missing.stderr and "Traceback" not in missing.stderr
     bad = _run(["generate", "--prompt", "x", "--max-tokens", "0"], tmp_path)
     assert bad.returncode == 2 and "max_tokens must be >= 1" in bad.stderr
 

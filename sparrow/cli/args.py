@@ -88,6 +88,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     settings = {field: getattr(args, field) for _, field, *_ in _ENGINE_FLAGS}
     return EngineConfig.from_kwargs(
         model=args.model,
+        revision=args.revision,
+        download_dir=args.download_dir,
         quantize=args.quantize,
         load_format=args.load_format,
         dtype=args.dtype,
@@ -102,7 +104,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", help="checkpoint directory; None: the built-in small model")
+    group.add_argument(
+        "--model",
+        help="checkpoint directory or Hugging Face Hub id (owner/name); None: the built-in "
+        "small model",
+    )
+    _add_hub_args(group)
     group.add_argument(
         "--quantize",
         choices=_QUANT,
@@ -306,10 +313,11 @@ def _add_gateway(sub) -> None:
     )
     gw.add_argument(
         "--model",
-        help="the checkpoint the workers serve (its tokenizer, chat "
-        "template and preprocessing configs are read, not its "
-        "weights); None: the built-in small model",
+        help="the checkpoint the workers serve, a directory or Hub id (its tokenizer, chat "
+        "template and preprocessing configs are read or downloaded, not its weights); "
+        "None: the built-in small model",
     )
+    _add_hub_args(gw)
     gw.add_argument("--policy", choices=POLICIES, default="cache_aware")
     _add_name_args(gw)
     _add_listen_args(gw, 8000)
@@ -377,11 +385,25 @@ def _add_checkpoint(sub) -> None:
     qnt = sub.add_parser(
         "quantize", help="quantise a float checkpoint and save it in MLX layout (4-bit default)"
     )
-    qnt.add_argument("src", help="float checkpoint directory")
+    qnt.add_argument("src", help="float checkpoint directory or Hub id (owner/name)")
     qnt.add_argument("out", help="output directory")
+    _add_hub_args(qnt)
     qnt.add_argument("--quantize", choices=_QUANT, default="4bit")
     _add_device_args(qnt)
     qnt.set_defaults(func="checkpoint_quantize")
+
+
+def _add_hub_args(parser) -> None:
+    """Which snapshot of a Hub id and where it is kept (as vLLM's flags)."""
+    parser.add_argument(
+        "--revision", default=None, help="a Hub id's branch, tag or commit; None: main"
+    )
+    parser.add_argument(
+        "--download-dir",
+        default=None,
+        help="where Hub snapshots are kept; None: the Hugging Face cache (HF_HUB_CACHE, else "
+        "HF_HOME/hub). HF_HUB_OFFLINE=1 uses what is there, HF_TOKEN reads gated repos",
+    )
 
 
 def _add_device_args(parser: argparse.ArgumentParser) -> None:

@@ -73,7 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(config=engine_config(args), progress=True)
     if llm.model.device.type == "cuda":
         llm.warmup()  # first requests do not wait for kernels to compile
-    name = args.served_model_name or (Path(args.model).name if args.model else "default")
+    name = served_name(args)
     engine = AsyncEngine(llm, max_waiting=args.max_waiting)
     model_dir = checkpoint_dir(llm.config)
     media = media_pipeline(args, model_dir) if llm.info().media else None
@@ -105,6 +105,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logger.error("the engine failed: exiting with status 1")
         return 1
     return 0
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """The model id an HTTP server answers to: `--served-model-name`, else the checkpoint
+    directory's name, a Hub id as given (as vLLM), "default" for the built-in model."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        return "default"
+    return Path(args.model).name if Path(args.model).is_dir() else args.model
 
 
 def draining_server(app, args: argparse.Namespace):
@@ -175,16 +185,18 @@ def media_limits(args: argparse.Namespace):
 def cmd_gateway(args: argparse.Namespace) -> int:
     """The OpenAI API over gRPC workers: routing, retries, media preprocessing on the CPU."""
 
-    from sparrow.assets import default_checkpoint
     from sparrow.gateway.app import GatewaySettings, build_gateway
     from sparrow.gateway.router import RouterSettings
+    from sparrow.loader.hub import resolve_model
 
-    model_dir = Path(args.model) if args.model else default_checkpoint()
+    # a Hub id is resolved here, its tokenizer and preprocessing files only; each worker
+    # resolves its own --model
+    model_dir = resolve_model(args.model, args.revision, args.download_dir, weights=False)
     settings = GatewaySettings(
         workers=args.worker,
         model_dir=model_dir,
         policy=args.policy,
-        model_name=args.served_model_name or (model_dir.name if args.model else "default"),
+        model_name=served_name(args),
         api_keys=args.api_key or (),
         rate_limit=args.rate_limit,
         max_body_bytes=args.max_body_bytes,
@@ -235,12 +247,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_checkpoint_quantize(args: argparse.Namespace) -> int:
     from sparrow.config import QuantConfig
+    from sparrow.loader.hub import resolve_model
     from sparrow.loader.mlx_writer import save_mlx_checkpoint
     from sparrow.loader.weights import load_checkpoint
 
     device, dtype = resolve_device(DeviceConfig(args.device, args.dtype))
-    model = load_checkpoint(args.src, device, dtype, quantize=QuantConfig.from_name(args.quantize))
-    out = save_mlx_checkpoint(model, args.out, tokenizer_dir=args.src)
+    src = resolve_model(args.src, args.revision, args.download_dir)
+    model = load_checkpoint(src, device, dtype, quantize=QuantConfig.from_name(args.quantize))
+    out = save_mlx_checkpoint(model, args.out, tokenizer_dir=src)
     print(f"wrote {out} ({args.quantize}, MLX layout)")
     return 0
 

@@ -28,7 +28,7 @@ from sparrow.engine.client import EngineInfo, EngineStats, check_token_ids
 from sparrow.engine.executor import RankedRunner, Ranks, rank_device
 from sparrow.engine.output_processor import OutputProcessor, PromptLogprobEntry
 from sparrow.engine.resolve import resolve, resolve_device
-from sparrow.loader.model import checkpoint_dir, load_model
+from sparrow.loader.model import checkpoint_dir, load_model, resolve_checkpoint
 from sparrow.models import get_architecture
 from sparrow.multimodal.items import MediaItem
 from sparrow.tokenizer import load_tokenizer
@@ -66,8 +66,10 @@ class LLM:
         progress: bool = False,
         **settings: Any,
     ):
-        """model: a checkpoint directory, None for the built-in default, or a model already
-        in memory (prompts then go in as token ids). `config` or keyword shortcuts of
+        """model: a checkpoint directory, a Hugging Face Hub id (`owner/name`, with
+        `revision=` and `download_dir=`; the snapshot is resolved once, its directory is
+        `config.model` after), None for the built-in default, or a model already in memory
+        (prompts then go in as token ids). `config` or keyword shortcuts of
         `EngineConfig.from_kwargs` (`max_model_len=`, `max_num_seqs=`, `enforce_eager=`,
         `gpu_memory_utilization=`, `dtype=`, `device=`, `quantize="4bit"`, `load_format=
         "dummy"`, `block_size=`, `num_blocks=`, ...), not both."""
@@ -78,6 +80,8 @@ class LLM:
         in_memory = isinstance(model, torch.nn.Module)
         if config is None:
             config = EngineConfig.from_kwargs(model=None if in_memory else model, **settings)
+        if not in_memory:
+            config = resolve_checkpoint(config)
         self.config = config
         size = config.parallel.tensor_parallel_size
         self._ranks = None

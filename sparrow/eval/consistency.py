@@ -45,12 +45,12 @@ from pathlib import Path
 
 import torch
 
-from sparrow.assets import default_checkpoint
 from sparrow.config import RECURRENT_STATE_DTYPES, QuantConfig
 from sparrow.eval import mlx_reference as mlx
 from sparrow.eval.quant_error import logits_run
 from sparrow.eval.report import write_report
 from sparrow.kernels import set_backend
+from sparrow.loader.hub import ModelNotFoundError, resolve_model
 from sparrow.loader.weights import (
     WeightAssembler,
     build_empty_model,
@@ -205,7 +205,10 @@ def against_mlx_lm(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: built-in)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint directory or Hub id (default: built-in)"
+    )
+    p.add_argument("--revision", default=None, help="a Hub id's branch, tag or commit")
     p.add_argument("--reference", choices=REFERENCES, default="hf", help="the engine to match")
     p.add_argument(
         "--quantize",
@@ -257,7 +260,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--hf-dtype applies to --reference hf only")
     if args.reference != "mlx-lm" and args.writer:
         raise SystemExit("--writer applies to --reference mlx-lm only")
-    model_dir = Path(args.model) if args.model else default_checkpoint()
+    try:
+        model_dir = resolve_model(args.model, args.revision)
+    except ModelNotFoundError as e:
+        raise SystemExit(str(e)) from e
     cpu = args.device == "cpu"
     dtype = getattr(torch, args.dtype) if args.dtype else torch.float32 if cpu else torch.bfloat16
     set_backend("reference" if cpu else "triton")

@@ -1,15 +1,16 @@
-"""A model as an `EngineConfig` names it: a checkpoint directory (or the built-in default)
-loaded onto a device, or, with `load_format="dummy"`, random weights drawn there."""
+"""A model as an `EngineConfig` names it: a checkpoint directory or Hub id (or the built-in
+default) loaded onto a device, or, with `load_format="dummy"`, random weights drawn there."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from sparrow.assets import default_checkpoint
 from sparrow.config import EngineConfig
 from sparrow.distributed.shard import Shard
+from sparrow.loader.hub import resolve_model
 from sparrow.loader.random_checkpoint import random_model
 from sparrow.loader.vision import attach_vision, names_vision, random_vision
 from sparrow.loader.weights import load_checkpoint, rank_args
@@ -17,8 +18,19 @@ from sparrow.models import load_model_args, read_config
 
 
 def checkpoint_dir(config: EngineConfig) -> Path:
-    """The checkpoint directory `config` names: `config.model`, or the built-in default."""
-    return Path(config.model) if config.model is not None else default_checkpoint()
+    """The checkpoint directory `config` names: `config.model` (a directory, or a Hub id
+    resolved through the Hub's cache, `loader.hub`), or the built-in default. Random weights
+    (`load_format` "dummy") take the config and tokenizer files of a Hub snapshot only."""
+    weights = config.load_format != "dummy"
+    return resolve_model(config.model, config.revision, config.download_dir, weights=weights)
+
+
+def resolve_checkpoint(config: EngineConfig) -> EngineConfig:
+    """`config` with its model named by directory: a Hub id is resolved once, here, so that
+    every rank and every later `checkpoint_dir` reads the same snapshot."""
+    if config.model is None:
+        return config
+    return replace(config, model=str(checkpoint_dir(config)))
 
 
 def load_model(
