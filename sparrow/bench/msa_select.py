@@ -64,6 +64,9 @@ def variants():
         "km-kv16-s4": km(16, num_stages=4),
         "km-kv8-tk": km(8, triton_topk=True),
         "km-kv16-tk": km(16, triton_topk=True),
+        "km-kv8-tk-c512": km(8, triton_topk=True, topk_chunk=512),
+        "km-kv16-tk-c512": km(16, triton_topk=True, topk_chunk=512),
+        "km-kv16-tk-c1024": km(16, triton_topk=True, topk_chunk=1024),
     }
     fp8 = {
         "base": T(),
@@ -82,6 +85,11 @@ def variants():
         "km-kv8-f8-tk": km(8, dot="fp8", triton_topk=True),
         "km-kv16-f8-tk": km(16, dot="fp8", triton_topk=True),
         "km-kv32-f8-tk": km(32, dot="fp8", triton_topk=True),
+        "km-kv8-f8-tk-c512": km(8, dot="fp8", triton_topk=True, topk_chunk=512),
+        "km-kv16-f8-tk-c512": km(16, dot="fp8", triton_topk=True, topk_chunk=512),
+        "km-kv32-f8-tk-c512": km(32, dot="fp8", triton_topk=True, topk_chunk=512),
+        "km-kv32-f8-tk-c1024": km(32, dot="fp8", triton_topk=True, topk_chunk=1024),
+        "km-kv32-f8-s4-tk-c512": km(32, dot="fp8", num_stages=4, triton_topk=True, topk_chunk=512),
     }
     return {**{("bf16", n): t for n, t in bf16.items()}, **{("fp8", n): t for n, t in fp8.items()}}
 

@@ -326,6 +326,9 @@ def block_scores(
     return out
 
 
+TOPK_CHUNK = 8192  # scores per program of the first top-k pass (one pass up to 8,192 blocks)
+
+
 @dataclass(frozen=True)
 class DecodeSelectTiles:
     """How decode selection runs (module docstring). kv_blocks: key blocks per program (the
@@ -334,7 +337,8 @@ class DecodeSelectTiles:
     dot (keys_major only): "query" converts the keys to the query's dtype, "fp16" / "fp8"
     quantise the query per (sequence, head) and convert fp8 codes to fp16 / use them as
     they are (fp8 index keys only); preload_pages (keys_major only): the program's page ids
-    as one vector load; triton_topk: `top_blocks_triton` instead of torch.topk."""
+    as one vector load; triton_topk: `top_blocks_triton` instead of torch.topk, with
+    topk_chunk scores per program of its first pass."""
 
     kv_blocks: int = KV_BLOCKS
     block_n: int = 64
@@ -344,6 +348,7 @@ class DecodeSelectTiles:
     num_warps: int = 4
     num_stages: int = 3
     triton_topk: bool = False
+    topk_chunk: int = TOPK_CHUNK
 
     def __post_init__(self):
         if self.dot not in DOT_DTYPES:
@@ -469,7 +474,6 @@ def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 NEG_INF_KEY = -2139095041  # the order key of -inf (0xff800000 ^ 0x7fffffff)
-TOPK_CHUNK = 8192  # scores per program of the first top-k pass (one pass up to 8,192 blocks)
 
 
 def top_blocks_triton(
@@ -601,4 +605,6 @@ def decode_select_with(
     scores = decode_block_scores(
         iq, ik_cache, block_tables, positions, width, local_blocks, ik_scale, tiles
     )
-    return top_blocks_triton(scores, topk) if tiles.triton_topk else top_blocks(scores, topk)
+    if tiles.triton_topk:
+        return top_blocks_triton(scores, topk, chunk=tiles.topk_chunk)
+    return top_blocks(scores, topk)

@@ -43,6 +43,10 @@ TILES = {
     "keys-major-kv16-triton-topk": DecodeSelectTiles(
         kv_blocks=16, keys_major=True, preload_pages=True, triton_topk=True
     ),
+    # chunks of 16 scores: the top-k's two passes (a program per chunk, then the merge)
+    "keys-major-kv4-triton-topk-chunk16": DecodeSelectTiles(
+        kv_blocks=4, keys_major=True, triton_topk=True, topk_chunk=16
+    ),
 }
 # (block size, lengths, index heads, index dim, local blocks, query dtype)
 CASES = [
