@@ -5,7 +5,9 @@ What is quantised (the MLX policy, so checkpoints are interchangeable): every li
 the routed experts and the token embedding, when their input dim is a multiple of the group
 size. The MoE router (`mlp.gate`) and the shared-expert gate (`mlp.shared_expert_gate`) use
 8 bits; everything else 4. What stays in floating point: all norms, the GDN depthwise conv,
-`A_log` and `dt_bias`.
+`A_log` and `dt_bias`, and MiniMax M3's sigmoid router, which is quantised only where the
+config names its full path (a checkpoint's stored layout, `weights.stored_quantization`:
+mlx-lm stores it at 8 bits).
 
 Quantised parameters sit beside each other: `<module>.weight` (packed int32 words),
 `<module>.scales`, `<module>.biases`; for the fused experts `gate_up_proj` with
@@ -37,7 +39,7 @@ from sparrow.kernels.moe.shared import Shared
 from sparrow.kernels.quant_gemv.gemv import fused_pays, quant_gemv
 from sparrow.layers.linear import fuse_all
 from sparrow.layers.moe import Experts
-from sparrow.layers.sigmoid_moe import OAIExperts
+from sparrow.layers.sigmoid_moe import OAIExperts, SigmoidRouter
 from sparrow.quant.affine import QuantSpec, dequantize, quantize
 
 
@@ -103,6 +105,19 @@ class QuantizedEmbedding(nn.Module):
         return dequantize(
             self.weight[ids], self.scales[ids], self.biases[ids], self.spec, self.scales.dtype
         )
+
+
+class QuantizedSigmoidRouter(SigmoidRouter, QuantizedLinear):
+    """MiniMax M3's router with a group-affine weight [E, H] (float e_score_correction_bias
+    [E]): the logits as a `QuantizedLinear` computes them, in x's dtype (mlx-lm's quantised
+    `gate`), the routing `SigmoidRouter`'s."""
+
+    def __init__(self, hidden: int, num_experts: int, spec: QuantSpec, dtype: torch.dtype):
+        QuantizedLinear.__init__(self, hidden, num_experts, spec, dtype)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return QuantizedLinear.forward(self, x)
 
 
 class QuantizedExperts(Experts):
@@ -274,12 +289,19 @@ def quantize_modules(
     """Swap the model's weight-holding modules for quantised ones following `qcfg` (call it
     under `torch.device("meta")`: the loader fills the new parameters). `prefix` is the
     model's own path in the full model, for the per-module overrides. Returns the model."""
+    named = {key for key, _ in qcfg.overrides}
     for path, module in list(model.named_modules()):
         spec = qcfg.spec_for(prefix + path)
         if spec is None:
             continue
         if isinstance(module, nn.Linear) and module.in_features % spec.group_size == 0:
             new = QuantizedLinear(module.in_features, module.out_features, spec, dtype)
+        elif (
+            type(module) is SigmoidRouter
+            and prefix + path in named
+            and module.weight.shape[-1] % spec.group_size == 0
+        ):
+            new = QuantizedSigmoidRouter(*module.weight.shape[::-1], spec, dtype)
         elif isinstance(module, nn.Embedding) and module.embedding_dim % spec.group_size == 0:
             new = QuantizedEmbedding(module.num_embeddings, module.embedding_dim, spec, dtype)
         elif (

@@ -75,7 +75,8 @@ class OAIExperts(Experts):
 
 
 class SigmoidRouter(nn.Module):
-    """weight [E, H] and e_score_correction_bias [E]; kept in float (routing decides)."""
+    """weight [E, H] and e_score_correction_bias [E]; float by Sparrow's policy (routing
+    decides; `QuantizedSigmoidRouter` runs a checkpoint's quantised one)."""
 
     def __init__(self, hidden: int, num_experts: int):
         super().__init__()
@@ -85,10 +86,14 @@ class SigmoidRouter(nn.Module):
     def forward(self, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] fp32 summing to 1, expert ids [T, k]): top-k of
         sigmoid(logits) + bias; the weights are the unbiased sigmoids, renormalised."""
-        scores = torch.sigmoid(F.linear(x.to(self.weight.dtype), self.weight).float())
+        scores = torch.sigmoid(self.logits(x).float())
         _, ids = torch.topk(scores + self.e_score_correction_bias, top_k, dim=-1, sorted=False)
         weights = scores.gather(1, ids)
         return weights / weights.sum(dim=-1, keepdim=True), ids
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> router logits [T, E], in the weight's dtype."""
+        return F.linear(x.to(self.weight.dtype), self.weight)
 
 
 class SigmoidMoE(nn.Module):

@@ -6,10 +6,10 @@ as `mlp.switch_mlp.{gate,up,down}_proj` stacked over experts, the depthwise conv
 
 Packed weights are uint32 with `.scales` / `.biases`; config.json is the release's with a
 `quantization` block that describes exactly the tensors stored: the default width, an entry
-for each module quantised otherwise (the 8-bit routers), and `false` for each module mlx-lm
-could quantise that is stored in float (M3's routers, layers whose input is not a whole
-number of groups). `load_checkpoint` reads it back (and real mlx-community checkpoints)
-unchanged.
+for each module quantised otherwise (the 8-bit routers, the widths of a model loaded from a
+mixed-recipe checkpoint), and `false` for each module mlx-lm could quantise that is stored
+in float (M3's routers by Sparrow's policy, layers whose input is not a whole number of
+groups). `load_checkpoint` reads it back (and real mlx-community checkpoints) unchanged.
 """
 
 from __future__ import annotations

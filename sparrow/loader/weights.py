@@ -25,7 +25,8 @@ from sparrow.layers.linear import fuse_all
 from sparrow.layers.quantized import companion, quantize_modules
 from sparrow.loader.writer import INDEX_FILE
 from sparrow.models import get_architecture, load_model_args
-from sparrow.models.interface import ModelArgs
+from sparrow.models.common import text_model_name
+from sparrow.models.interface import Architecture, ModelArgs
 from sparrow.quant.affine import QuantSpec, quantize
 
 _FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
@@ -135,8 +136,11 @@ class WeightAssembler:
         if self.mlx_layout and self.arch.is_mlx_conv(param, tuple(src_shape)):
             shape = (shape[0], shape[2], shape[1])
         if tuple(src_shape) != shape:
+            # a float weight quantised on load has no stored grid to name
+            grid = None if spec is not None and float_src else self._grid(param)
             raise CheckpointError(
                 f"{source}: tensor {name!r} has shape {list(src_shape)}, expected {list(shape)}"
+                + (f" ({grid.bits}-bit, group_size {grid.group_size})" if grid else "")
             )
         wants_packed = spec is not None and src_dtype in _PACKED_DTYPES
         if not (float_src or wants_packed):
@@ -146,6 +150,15 @@ class WeightAssembler:
                 f"with shape {list(shape)}"
             )
         return Target(param, index, spec if float_src else None, cut)
+
+    def _grid(self, param: str) -> QuantSpec | None:
+        """The quantisation of a packed parameter or of its scales / biases; None for float."""
+        for kind in ("scales", "biases"):
+            if param.endswith("." + kind):
+                return self.specs.get(param.removesuffix(kind) + "weight")
+            if param.endswith("_" + kind):
+                return self.specs.get(param.removesuffix("_" + kind))
+        return self.specs.get(param)
 
     def add(self, target: Target, tensor: torch.Tensor, source: str) -> None:
         """Place one checked checkpoint tensor."""
@@ -245,6 +258,94 @@ def _headers(files: Iterable[Path]) -> dict[Path, dict[str, tuple[tuple[int, ...
     return out
 
 
+def stored_quantization(
+    cfg: ModelArgs, headers: Mapping[Path, Mapping[str, tuple[tuple[int, ...], object]]]
+) -> QuantConfig:
+    """How a quantised checkpoint stores each module (`cfg.quantization`: the block its
+    config.json declares; `headers`: its tensors' shapes and dtypes), as an entry per module
+    under our module paths: the spec the block gives it (its own entry, else the
+    default) where the files hold packed words, None where they hold a float matrix (an entry
+    `false`, or none: mlx-lm leaves out the modules a `quant_predicate` keeps in float).
+    Errors name the file and the tensor: a module the block declares quantised stored in
+    float (with the packed shape expected) or the reverse, pieces of one of our modules (gate
+    and up of a fused projection, the routed experts' projections) stored at different
+    widths. Shapes are checked as the tensors load (`WeightAssembler.target`), missing
+    scales and biases when they are all read (`WeightAssembler.finish`)."""
+    arch, block = get_architecture(cfg.architecture), cfg.quantization
+    tensors = {n: (shape, dt, path) for path, t in headers.items() for n, (shape, dt) in t.items()}
+    layout: dict[str, tuple[QuantSpec | None, str]] = {}  # module -> (spec, a tensor of it)
+    for name, (shape, src_dtype, path) in tensors.items():
+        owner = _owner(arch, name)
+        packed = src_dtype in _PACKED_DTYPES
+        if owner is None or owner[1] != "weight" or not (packed or len(shape) >= 2):
+            continue
+        spec = _stored_spec(block, name, shape, packed, path)
+        module = owner[0]
+        if module in layout and layout[module][0] != spec:
+            other = layout[module][1]
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is stored {_width(spec)}, {other!r} "
+                f"{_width(layout[module][0])}: both fill {module}, which holds one format"
+            )
+        layout.setdefault(module, (spec, name))
+    if cfg.tie_word_embeddings and "lm_head" not in layout and "embed_tokens" in layout:
+        layout["lm_head"] = layout["embed_tokens"]
+    overrides = tuple((module, spec) for module, (spec, _) in layout.items())
+    return QuantConfig(block.bits, block.group_size, overrides)
+
+
+def _owner(arch: Architecture, name: str) -> tuple[str, str] | None:
+    """(our module, kind: weight / scales / biases / another parameter's name) a checkpoint
+    tensor fills; None for tensors the text model does not read."""
+    param = arch.checkpoint_name(name)
+    if param is None:
+        return None
+    expert = arch.expert_target(param)
+    if expert is None:
+        module, _, kind = param.rpartition(".")
+        return module, kind
+    fused, _, _, kind = expert
+    if fused.endswith(".weight"):  # a linear layer's fused gate_up (`mlp.gate_up_proj.weight`)
+        return fused.removesuffix(".weight"), kind
+    return fused.rpartition(".")[0], kind  # the routed experts (`mlp.experts.down_proj`)
+
+
+def _stored_spec(
+    block: QuantConfig,
+    name: str,
+    shape: tuple[int, ...],
+    packed: bool,
+    path: Path,
+) -> QuantSpec | None:
+    """The spec of the checkpoint module whose `.weight` is `name`, checked against what the
+    block declares for it (matched as `QuantConfig.spec_for` matches)."""
+    module = text_model_name(name).removesuffix(".weight")
+    default = (None, QuantSpec(block.bits, block.group_size))
+    matches = (o for o in block.overrides if module == o[0] or module.endswith("." + o[0]))
+    entry, declared = next(matches, default)
+    if not packed:
+        if entry is not None and declared is not None:
+            words = [*shape[:-1], shape[-1] // declared.per_word]
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is stored in float with shape {list(shape)}, but "
+                f"config.json's quantization block declares {entry!r} {_width(declared)}: "
+                f"expected uint32 packed words with shape {words} and its scales and biases"
+            )
+        return None
+    if declared is None:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} holds packed words, but config.json's quantization "
+            f"block declares {entry!r} unquantised (false)"
+        )
+    return declared
+
+
+def _width(spec: QuantSpec | None) -> str:
+    if spec is None:
+        return "in float"
+    return f"at {spec.bits} bits in groups of {spec.group_size}"
+
+
 def rank_args(cfg: ModelArgs, shard: Shard) -> ModelArgs:
     """The config of one rank's model under tensor (or expert) parallelism."""
     plan = get_architecture(cfg.architecture).shard_plan(cfg, shard.experts)
@@ -261,18 +362,21 @@ def load_checkpoint(
 ) -> torch.nn.Module:
     """Load `model_dir` (config.json + safetensors, HF or MLX layout) into a model on
     `device`. A float checkpoint is quantised on load when `quantize` is given; a quantised
-    checkpoint loads as stored. `shard`: one rank's model under tensor parallelism, each
+    checkpoint loads as stored, each module at the width its files hold
+    (`stored_quantization`). `shard`: one rank's model under tensor parallelism, each
     tensor read in the part the rank keeps."""
     model_dir = Path(model_dir)
     cfg = load_model_args(model_dir)
-    if quantize is not None and cfg.quantization is None:
+    headers = _headers(checkpoint_files(model_dir).values())
+    arch = get_architecture(cfg.architecture)
+    if cfg.quantization is not None:  # stored quantised: every module as the files hold it
+        cfg = cfg.replace(quantization=stored_quantization(cfg, headers))
+    elif quantize is not None:
         cfg = cfg.replace(quantization=quantize)
     plan = None
     if shard is not None:
-        plan = get_architecture(cfg.architecture).shard_plan(cfg, shard.experts)
+        plan = arch.shard_plan(cfg, shard.experts)
         cfg = shard_args(cfg, plan, shard)
-    headers = _headers(checkpoint_files(model_dir).values())
-    arch = get_architecture(cfg.architecture)
     mlx = any(
         arch.is_mlx_conv(arch.checkpoint_name(n) or "", shape)
         for tensors in headers.values()

@@ -15,7 +15,9 @@ exactly `index_block_size` tokens (one page per MSA block; `ModelCache` rejects 
 
 4-bit (group-affine, MLX layout, groups of 64): every linear layer (attention, indexer,
 dense MLPs, shared experts, lm_head), the routed experts and the token embedding. What stays
-in float: all norms and the routers (`mlp.gate`: weight and e_score_correction_bias).
+in float: all norms and the routers (`mlp.gate`: weight and e_score_correction_bias), except
+in a checkpoint that stores a router's weight quantised (mlx-lm's, at 8 bits), which loads
+as stored.
 """
 
 from __future__ import annotations
