@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sparrow.quant.affine import QuantSpec
+from sparrow.quant.fp8 import Fp8Spec
 
 
 class ConfigError(ValueError):
@@ -29,12 +30,18 @@ class QuantConfig:
     """Which modules are quantised and how: a default spec plus per-module overrides.
 
     An override key matches a module path exactly or as a suffix (`mlp.gate` matches
-    `layers.3.mlp.gate`); its value is the spec, or None to keep that module in float.
+    `layers.3.mlp.gate`); its value is the spec (group-affine `QuantSpec` or FP8 blocks
+    `Fp8Spec`), or None to keep that module in float. The default is group-affine at `bits`
+    in groups of `group_size`, or FP8 blocks where `fp8` is set. `method`: the format a
+    checkpoint's config.json declares ("mlx": MLX's `quantization` block; "fp8": HF's
+    `quant_method: fp8`; "compressed-tensors"), which the loader reads it by.
     """
 
     bits: int = 4
     group_size: int = 64
-    overrides: tuple[tuple[str, QuantSpec | None], ...] = ()
+    overrides: tuple[tuple[str, QuantSpec | Fp8Spec | None], ...] = ()
+    fp8: Fp8Spec | None = None
+    method: str = "mlx"
 
     @classmethod
     def mlx_default(cls, bits: int = 4, group_size: int = 64) -> QuantConfig:
@@ -43,35 +50,86 @@ class QuantConfig:
         return cls(bits, group_size, (("mlp.gate", eight), ("mlp.shared_expert_gate", eight)))
 
     @classmethod
+    def fp8_default(cls, block: tuple[int, int] = (128, 128)) -> QuantConfig:
+        """HF's FP8 block format (`quant.fp8`) as Qwen3.6's FP8 release applies it: every
+        linear layer and the routed experts; the embedding, lm_head, routers, the shared
+        expert's gate and Gated DeltaNet's a / b projections stay float, and so do matrices
+        that do not fill whole blocks (as HF's FP8 quantiser leaves them)."""
+        keep = (
+            "embed_tokens",
+            "lm_head",
+            "mlp.gate",
+            "mlp.shared_expert_gate",
+            "linear_attn.in_proj_a",
+            "linear_attn.in_proj_b",
+            "linear_attn.in_proj_ba",
+        )
+        return cls(overrides=tuple((k, None) for k in keep), fp8=Fp8Spec(*block), method="fp8")
+
+    @classmethod
     def from_name(cls, name: str | None) -> QuantConfig | None:
-        """ "4bit" / "8bit" (the MLX policy at that width) or None (no quantisation)."""
+        """ "4bit" / "8bit" (the MLX policy at that width), "fp8" (`fp8_default`) or None (no
+        quantisation)."""
         if name is None:
             return None
+        if name == "fp8":
+            return cls.fp8_default()
         if name not in ("4bit", "8bit"):
-            raise ConfigError(f"unknown quantisation {name!r}; expected '4bit' or '8bit'")
+            raise ConfigError(f"unknown quantisation {name!r}; expected '4bit', '8bit' or 'fp8'")
         return cls.mlx_default(bits=int(name.removesuffix("bit")))
 
     @classmethod
     def from_checkpoint(cls, raw: dict[str, Any]) -> QuantConfig | None:
-        """The quantisation a checkpoint's config.json declares (MLX's `quantization` block),
-        None for a float checkpoint; ConfigError for methods other than group-affine."""
+        """The quantisation a checkpoint's config.json declares: MLX's `quantization` block,
+        HF's `quant_method` "fp8" (`from_hf_fp8`) or "compressed-tensors" (read by
+        `loader.compressed_tensors`); None for a float checkpoint. ConfigError for other
+        methods."""
         quant = raw.get("quantization") or raw.get("quantization_config")
         if quant is None:
             return None
         if not isinstance(quant, dict):
             raise ConfigError("quantization must be a JSON object")
-        if "quant_method" in quant:
+        method = quant.get("quant_method")
+        if method == "fp8":
+            return cls.from_hf_fp8(quant)
+        if method == "compressed-tensors":
+            return cls(method="compressed-tensors")
+        if method is not None:
             raise ConfigError(
-                f"quantization method {quant['quant_method']!r} is not supported "
-                "(supported: MLX group-affine 4/8-bit)"
+                f"quantization method {method!r} is not supported (supported: MLX "
+                "group-affine 4/8-bit, 'fp8' block-scaled, 'compressed-tensors' "
+                "pack-quantized int4/int8 and float-quantized FP8)"
             )
         return cls.from_mlx(quant)
 
-    def spec_for(self, path: str) -> QuantSpec | None:
+    @classmethod
+    def from_hf_fp8(cls, raw: dict[str, Any]) -> QuantConfig:
+        """HF's `quant_method: "fp8"` block (`fmt` e4m3, `weight_block_size`, float32 or bf16
+        `weight_scale_inv`): which modules are FP8 the loader reads from the tensors, as HF
+        writes them (`modules_to_not_convert` and matrices that do not fill whole blocks
+        stay float)."""
+        fmt = raw.get("fmt", "e4m3")
+        if fmt not in ("e4m3", "float8_e4m3fn"):
+            raise ConfigError(f"fp8 fmt {fmt!r} is not supported (e4m3 only)")
+        if raw.get("scale_fmt", "float") != "float":
+            raise ConfigError(f"fp8 scale_fmt {raw['scale_fmt']!r} is not supported (float only)")
+        if raw.get("activation_scheme", "dynamic") != "dynamic":
+            raise ConfigError(
+                f"fp8 activation_scheme {raw['activation_scheme']!r} is not supported "
+                "(dynamic only: weights FP8, activations as they come)"
+            )
+        block = raw.get("weight_block_size")
+        try:
+            spec = Fp8Spec(*(int(b) for b in block)) if block is not None else Fp8Spec(None, None)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"fp8 weight_block_size {block!r}: expected [rows, cols]") from e
+        return cls(fp8=spec, method="fp8")
+
+    def spec_for(self, path: str) -> QuantSpec | Fp8Spec | None:
         for key, spec in self.overrides:
             if path == key or path.endswith("." + key):
                 return spec
-        return QuantSpec(self.bits, self.group_size)
+        return self.fp8 or QuantSpec(self.bits, self.group_size)
 
     @classmethod
     def from_mlx(cls, raw: dict[str, Any]) -> QuantConfig:
@@ -189,17 +247,24 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where and in what precision. "auto": CUDA if present, bfloat16 there, float32 on a CPU.
-    `enforce_eager`: never replay decode steps from captured CUDA graphs."""
+    `enforce_eager`: never replay decode steps from captured CUDA graphs. `batch_invariant`
+    (CPU only): a sequence's logits are the same bits whatever else its steps hold, however
+    its prompt is split into chunks, and whether a token was decoded or recomputed as part of
+    a prompt (`kernels.batch_invariant`; as vLLM's VLLM_BATCH_INVARIANT), at the cost of
+    running recurrent layers one token at a time."""
 
     device: str = "auto"
     dtype: str = "auto"
     enforce_eager: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r}: expected one of {list(DTYPES)}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device {self.device!r}: expected auto, cpu, cuda or cuda:N")
+        if self.batch_invariant and self.device.startswith("cuda"):
+            raise ConfigError("batch_invariant runs on the CPU: set device='cpu'")
 
 
 # EngineConfig.from_kwargs: flat keyword -> the sub-config holding it.
@@ -242,13 +307,13 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Flat keywords as vLLM takes them (`max_model_len=`, `enforce_eager=`,
-        `gpu_memory_utilization=`, `dtype=`, `quantize="4bit"`, ...) sorted into the
-        sub-configs. Unknown keywords raise ConfigError."""
+        `gpu_memory_utilization=`, `dtype=`, `quantization="fp8"` or "4bit" / "8bit", also
+        as `quantize=`, ...) sorted into the sub-configs. Unknown keywords raise ConfigError."""
         top = {f.name for f in fields(cls)} - set(_SECTIONS)
         sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         values: dict[str, Any] = {}
         for key, value in kwargs.items():
-            if key == "quantize":
+            if key == "quantize" or (key == "quantization" and not isinstance(value, QuantConfig)):
                 values["quantization"] = QuantConfig.from_name(value)
                 continue
             if key in top:

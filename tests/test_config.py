@@ -28,6 +28,9 @@ def test_keywords_land_in_their_sections():
     assert cfg.device == DeviceConfig(dtype="float16", enforce_eager=True)
     assert cfg.quantization.bits == 4 and cfg.model == "dir"
     assert EngineConfig.from_kwargs() == EngineConfig()
+    assert EngineConfig.from_kwargs(batch_invariant=True).device == DeviceConfig(
+        batch_invariant=True
+    )
 
 
 @pytest.mark.parametrize(
@@ -43,6 +46,7 @@ def test_keywords_land_in_their_sections():
             r"recurrent_state_dtype 'float16': expected one of \['float32', 'bfloat16'\]",
         ),
         ({"device": "tpu"}, "device 'tpu'"),
+        ({"device": "cuda", "batch_invariant": True}, "batch_invariant runs on the CPU"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
         ({"load_format": "gguf"}, "load_format 'gguf'"),
         ({"quantize": "3bit"}, "unknown quantisation"),

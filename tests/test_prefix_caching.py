@@ -2,14 +2,19 @@
 an engine without the cache, for an attention-only model (MiniMax M3: any cached block is a
 hit) and a hybrid one (Qwen3.6: a hit resumes the Gated DeltaNet state from a snapshot),
 with hits in the middle of a block, partial last blocks, eviction under pressure, a hit
-whose source request still runs, and aborted requests releasing their references."""
+whose source request still runs, and aborted requests releasing their references. A hybrid
+prompt leaves a snapshot at its last full block, taken inside the scan (reference path and
+Triton kernels): its first repeat hits, on the built-in checkpoint too."""
 
 import pytest
 import torch
 
+from sparrow import assets
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.llm import LLM
+from sparrow.kernels import get_backend, set_backend
 from sparrow.loader.random_checkpoint import PRESETS, random_model
+from tests.conftest import rel_err
 
 MODELS = {
     "qwen3_5_moe": PRESETS["qwen3.6-tiny"].replace(vocab_size=320, initializer_range=0.1),
@@ -136,3 +141,95 @@ def test_aborted_requests_release_their_blocks(model):
         llm.generate([SHARED + [3, 4]], GREEDY)[0].token_ids
         == _engine(model, False).generate([SHARED + [3, 4]], GREEDY)[0].token_ids
     )
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return random_model(MODELS["qwen3_5_moe"], seed=5, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture
+def kernels():
+    previous = get_backend()
+    yield set_backend
+    set_backend(previous)
+
+
+def _hits(llm: LLM, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], int]:
+    """(greedy tokens, prompt tokens the prefix cache gave)."""
+    before = llm.scheduler.kv.hits
+    return llm.generate([prompt], params)[0].token_ids, llm.scheduler.kv.hits - before
+
+
+@pytest.mark.parametrize(
+    "path, budget",
+    [("reference", 256), ("reference", 40), ("triton", 256)],
+)
+def test_a_snapshot_taken_inside_the_scan_equals_a_prefill_to_its_boundary(
+    hybrid, kernels, path, budget
+):
+    """101 tokens: the last full block ends at 96, inside the prompt's one chunk (mid-way
+    through a 64-token chunk of the scan), or with chunks of 40 inside the last one (16
+    tokens into it). The conv and recurrent states saved there equal those of a prompt of
+    its first 96 tokens; the first repeat resumes there."""
+    kernels(path)
+    prompt = [(11 * i + 5) % 320 for i in range(6 * BLOCK + 5)]
+    llm = _engine(hybrid, True, max_num_batched_tokens=budget)
+    first, hits = _hits(llm, prompt)
+    assert hits == 0
+    cut = 6 * BLOCK
+    snapshot = llm.scheduler.snapshots.find(llm.scheduler.kv.match(prompt)[cut // BLOCK - 1][1])
+    assert snapshot is not None
+    plain = _engine(hybrid, False)
+    plain.generate([prompt[:cut]], SamplingParams(max_tokens=1))  # into state slot 0
+    layers = zip(llm.runner.cache.snapshots, plain.runner.cache.layers, strict=True)
+    recurrent = [(saved, pools) for saved, pools in layers if saved is not None]
+    assert recurrent
+    for snapshots, pools in recurrent:
+        for snap, pool in zip(snapshots, pools, strict=True):
+            assert rel_err(snap[snapshot], pool[0]) < 1e-5
+    assert _hits(llm, prompt) == (first, cut)
+    assert (
+        first
+        == _engine(hybrid, False, max_num_batched_tokens=budget)
+        .generate([prompt], GREEDY)[0]
+        .token_ids
+    )
+
+
+@pytest.fixture(scope="module")
+def builtin_plain():
+    return LLM(assets.default_checkpoint(), enable_prefix_caching=False)
+
+
+LONG = [(37 * i + 11) % 4000 + 3 for i in range(2415)]  # 18 blocks of 128 and 111 tokens
+
+
+@pytest.mark.parametrize("budget", [None, 1000])
+def test_the_first_repeat_of_a_long_prompt_hits_every_full_block(builtin_plain, budget):
+    """The built-in checkpoint (blocks of 128): the second of two identical 2,415-token
+    prompts resumes at 2,304, prefilled whole or in chunks of 1,000 (the snapshot then
+    inside the last chunk); greedy tokens equal an engine's without the cache."""
+    settings = {} if budget is None else {"max_num_batched_tokens": budget}
+    llm = LLM(assets.default_checkpoint(), enable_prefix_caching=True, **settings)
+    expected = builtin_plain.generate([LONG], GREEDY)[0].token_ids
+    assert _hits(llm, LONG) == (expected, 0)
+    assert _hits(llm, LONG) == (expected, 18 * 128)
+    stats = llm.stats()
+    assert stats.prefix_hit_rate == pytest.approx(18 * 128 / (2 * len(LONG)))
+    assert 0 < stats.state_snapshots <= llm.cache_config.num_state_snapshots
+
+
+def test_conversations_on_a_shared_system_prompt(builtin_plain):
+    """Three prompts share a 600-token system prompt (4 whole blocks) and differ after it.
+    The first saves its last full block only: nothing tells it where later prompts will
+    part from it. The second shares its first 4 blocks but has no snapshot there, so it hits
+    nothing and saves one there (and at its own last block); the third resumes at 512."""
+    system = [(13 * i + 7) % 4000 + 3 for i in range(600)]
+    prompts = [system + [(17 * i + 29 * k) % 4000 + 3 for i in range(300)] for k in (1, 2, 3)]
+    llm = LLM(assets.default_checkpoint(), enable_prefix_caching=True)
+    results = [_hits(llm, p) for p in prompts]
+    assert [hits for _, hits in results] == [0, 0, 512]
+    assert [out for out, _ in results] == [
+        builtin_plain.generate([p], GREEDY)[0].token_ids for p in prompts
+    ]

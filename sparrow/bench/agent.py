@@ -7,11 +7,15 @@ at once against one of them, `--turns` turns each: turn 1 is a prefix every conv
 (`--prefix-len` tokens: a system prompt and tool definitions) plus the conversation's own
 `--turn-len` tokens; turn k + 1 is turn k's prompt, the tokens it generated (sent back as
 generated: `return_token_ids`) and `--turn-len` new ones. Each turn streams `--output-len`
-tokens. Reported per server and concurrency: time to first token of all turns, of first turns
-(the shared prefix at most cached; the server's very first one also compiles kernels) and of
-later turns (each resumes after the turn before: with prefix caching only its new tokens are
-computed), inter-token latency (p50, p99), output tok/s of all conversations, and the server's
-prefix-cache hit rate since it started.
+tokens. `--api responses`: the same conversations as OpenAI Responses requests, text (a
+word per drawn id), the prefix as `instructions`, turns chained by `previous_response_id`
+(the server keeps each conversation; its next prompt extends the turn before), and at
+concurrency 1 the prompt tokens each turn found in the prefix cache. Reported per server and
+concurrency: time to first token of all turns, of first turns (the shared prefix at most
+cached; the server's very first one also compiles kernels) and of later turns (each resumes
+after the turn before: with prefix caching only its new tokens are computed), inter-token
+latency (p50, p99), output tok/s of all conversations, and the server's
+prefix-cache hit rate since it started and recurrent-state snapshots filed.
 
 `python -m sparrow.bench.agent` (GPU): the engine alone, in this process, without HTTP: a
 conversation's later turns on the cached prefix, each timed from `add_request` to its first
@@ -41,6 +45,13 @@ from collections import defaultdict
 import httpx
 
 VOCAB = (1000, 100000)  # prompt token ids are drawn in this range
+# `--api responses` sends text: a word per drawn id
+WORDS = (
+    "the of and to in is was for on are with as his they be at one have this from or had by "
+    "word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long "
+    "make thing see him two has look more day could go come did number sound no most people my"
+).split()
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -75,21 +86,100 @@ async def _turn(client: httpx.AsyncClient, base: str, prompt: list[int], output_
 
 
 async def _conversation(client, base: str, prefix: list[int], rng: random.Random, args) -> list:
+    if args.api == "responses":
+        return await _responses_conversation(client, base, prefix, rng, args)
     prompt, turns = list(prefix), []
     for _ in range(args.turns):
         prompt += [rng.randrange(*VOCAB) for _ in range(args.turn_len)]
         ttft, gaps, ids = await _turn(client, base, prompt, args.output_len)
-        turns.append((ttft, gaps, len(ids)))
+        turns.append((ttft, gaps, len(ids), len(prompt), None))
         prompt += ids
     return turns
 
 
-def hit_rate(base: str) -> float | None:
-    """The server's `sparrow_prefix_cache_hit_rate` gauge."""
+def words(ids: list[int]) -> str:
+    """Token ids as text the server tokenises again: a word per id (`--api responses`)."""
+    return " ".join(WORDS[i % len(WORDS)] for i in ids)
+
+
+async def _responses_conversation(
+    client, base: str, prefix: list[int], rng: random.Random, args
+) -> list:
+    """The turns as OpenAI Responses requests: the shared prefix as `instructions`, each turn
+    `--turn-len` new words as `input`, chained by `previous_response_id` (the server keeps
+    the conversation). At concurrency 1 each turn also records the prompt tokens the server's
+    prefix cache served (its hit-rate gauge before and after the turn)."""
+    previous, turns = None, []
+    for _ in range(args.turns):
+        body = {
+            "model": "bench",
+            "instructions": words(prefix),
+            "input": words([rng.randrange(*VOCAB) for _ in range(args.turn_len)]),
+            "max_output_tokens": args.output_len,
+            "temperature": 0,
+            "stream": True,
+            "previous_response_id": previous,
+        }
+        solo = args.concurrency_now == 1
+        before = _hits(base) if solo else None
+        t0 = time.perf_counter()
+        stamps, done = [], None
+        async with client.stream("POST", f"{base}/v1/responses", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if event["type"].endswith(".delta"):
+                    stamps.append(time.perf_counter())
+                elif event["type"] in ("response.completed", "response.incomplete"):
+                    done = event["response"]
+        usage, previous = done["usage"], done["id"]
+        hit = _hits(base) - before if solo else None
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        turns.append((stamps[0] - t0, gaps, usage["output_tokens"], usage["input_tokens"], hit))
+    return turns
+
+
+def repeat(base: str, prefix: list[int]) -> dict:
+    """One Responses request (`store` false), then the same again: the prompt tokens the
+    second found in the prefix cache."""
+    body = {
+        "model": "bench",
+        "instructions": words(prefix),
+        "input": words(prefix[:64]),
+        "max_output_tokens": 1,
+        "store": False,
+    }
+    hits = []
+    for _ in range(2):
+        before = _hits(base)
+        r = httpx.post(f"{base}/v1/responses", json=body, timeout=None)
+        r.raise_for_status()
+        hits.append(_hits(base) - before)
+    tokens = r.json()["usage"]["input_tokens"]
+    return {"prompt_tokens": tokens, "first_hit_tokens": round(hits[0])} | {
+        "second_hit_tokens": round(hits[1])
+    }
+
+
+def _hits(base: str) -> float:
+    """Prompt tokens the server's prefix cache has served since it started: its hit rate
+    over the prompt tokens it admitted (one client at a time: no preemption)."""
+    found = gauges(base, "sparrow_prefix_cache_hit_rate", "sparrow_prompt_tokens_total")
+    return (found["sparrow_prefix_cache_hit_rate"] or 0) * (
+        found["sparrow_prompt_tokens_total"] or 0
+    )
+
+
+def gauges(base: str, *names: str) -> dict[str, float | None]:
+    """The server's gauges of these names (None where it has none)."""
+    found: dict[str, float | None] = dict.fromkeys(names)
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("sparrow_prefix_cache_hit_rate "):
-            return float(line.split()[1])
-    return None
+        name, _, value = line.partition(" ")
+        if name in found:
+            found[name] = float(value)
+    return found
 
 
 async def run(base: str, concurrency: int, prefix: list[int], seed: int, args) -> dict:
@@ -100,23 +190,43 @@ async def run(base: str, concurrency: int, prefix: list[int], seed: int, args) -
         chats = await asyncio.gather(*(_conversation(client, base, prefix, r, args) for r in rngs))
         wall = time.perf_counter() - t0
     turns = [t for c in chats for t in c]
+    per_turn = [
+        {"turn": i + 1, "prompt_tokens": t[3], "hit_tokens": round(t[4])}
+        | {"hit_rate": t[4] / t[3]}
+        for c in chats
+        for i, t in enumerate(c)
+        if t[4] is not None
+    ]
     ttft = [t[0] for t in turns]
     first = [c[0][0] for c in chats]
     later = [t[0] for c in chats for t in c[1:]]
     gaps = [g for t in turns for g in t[1]]
-    return {
-        "concurrency": concurrency,
-        "turns": len(turns),
-        "ttft_p50_s": statistics.median(ttft),
-        "ttft_p99_s": _pct(ttft, 0.99),
-        "ttft_first_p50_s": _pct(first, 0.5),
-        "ttft_later_p50_s": _pct(later, 0.5),
-        "ttft_later_p99_s": _pct(later, 0.99),
-        "itl_p50_s": _pct(gaps, 0.5),
-        "itl_p99_s": _pct(gaps, 0.99),
-        "output_tok_s": sum(t[2] for t in turns) / wall,
-        "prefix_hit_rate": hit_rate(base),
+    return (
+        {
+            "concurrency": concurrency,
+            "turns": len(turns),
+            "ttft_p50_s": statistics.median(ttft),
+            "ttft_p99_s": _pct(ttft, 0.99),
+            "ttft_first_p50_s": _pct(first, 0.5),
+            "ttft_later_p50_s": _pct(later, 0.5),
+            "ttft_later_p99_s": _pct(later, 0.99),
+            "itl_p50_s": _pct(gaps, 0.5),
+            "itl_p99_s": _pct(gaps, 0.99),
+            "output_tok_s": sum(t[2] for t in turns) / wall,
+        }
+        | ({"per_turn": per_turn} if per_turn else {})
+        | _cache_gauges(base)
+    )
+
+
+def _cache_gauges(base: str) -> dict:
+    """The prefix cache's hit rate and recurrent-state snapshots filed, as the server reports
+    them."""
+    names = {
+        "sparrow_prefix_cache_hit_rate": "prefix_hit_rate",
+        "sparrow_prefix_cache_state_snapshots": "state_snapshots",
     }
+    return {names[k]: v for k, v in gauges(base, *names).items()}
 
 
 def workload(servers: dict[str, str], args) -> dict:
@@ -124,7 +234,13 @@ def workload(servers: dict[str, str], args) -> dict:
     rounds' rates, every round's rows kept."""
     prefix = [random.Random(args.seed).randrange(*VOCAB) for _ in range(args.prefix_len)]
     rows: dict[str, list[dict]] = {name: [] for name in servers}
+    repeats = {}
+    if args.api == "responses":
+        for name, base in servers.items():
+            repeats[name] = repeat(base, prefix)
+            print(f"[agent] {name:>10} an identical request again: {repeats[name]}", flush=True)
     for c in map(int, args.concurrency.split(",")):
+        args.concurrency_now = c
         for r in range(args.rounds):
             for name, base in servers.items():
                 row = asyncio.run(run(base, c, prefix, args.seed + 7 * r + c, args))
@@ -135,16 +251,25 @@ def workload(servers: dict[str, str], args) -> dict:
                     f"{row['ttft_later_p50_s'] * 1e3:8.1f} ms (p99 "
                     f"{row['ttft_later_p99_s'] * 1e3:8.1f}) | itl p50 "
                     f"{row['itl_p50_s'] * 1e3:6.1f} ms | {row['output_tok_s']:8.1f} tok/s | "
-                    f"hit rate {row['prefix_hit_rate']}",
+                    f"hit rate {row['prefix_hit_rate']}, {row['state_snapshots']} snapshots",
                     flush=True,
                 )
+                for t in row.get("per_turn", []):
+                    print(
+                        f"[agent] {name:>10}   turn {t['turn']}: {t['hit_tokens']} of "
+                        f"{t['prompt_tokens']} prompt tokens from the cache "
+                        f"({t['hit_rate']:.1%})",
+                        flush=True,
+                    )
     return {
         "workload": "agent",
+        "api": args.api,
         "prefix_len": args.prefix_len,
         "turn_len": args.turn_len,
         "output_len": args.output_len,
         "turns": args.turns,
         "rows": rows,
+        "identical_repeat": repeats,
         "speedup": _speedups(rows),
     }
 
@@ -267,6 +392,7 @@ def engine_turns(args) -> dict:
         "turns": turns,
         "ttft_later_s": ttft,
         "ttft_later_p50_s": statistics.median(ttft),
+        "state_snapshots": llm.stats().state_snapshots,
         "profiled_ttft_s": seconds,
         "kernels": sum(len(t) for t in kernels.values()),
         "kernel_time_us": sum(groups.values()),

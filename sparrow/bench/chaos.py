@@ -6,19 +6,21 @@ gateway routes to it again (alive by its health polls, its circuit breaker not o
 
 Half the requests are compared streams: a fixed set of distinct bodies (greedy or seeded,
 n=1), each run once before the faults start as its reference; every run of a body carries
-the reference's token ids, text and finish reason, or differs first at a near tie (see
-`difference`). The other half is the soak's mix (`soak.one`: sampled, whole, hung up on,
-cancelled, bad requests). Reported: outcomes by class and kind, compared streams by
-difference, faults by kind, the seconds until the gateway ejects a struck worker and routes
-to it again, streams resumed at another worker (the gateway's
+the reference's token ids, text and finish reason. The workers run batch-invariant
+(`--batch-invariant`, the default): a stream's logits are the same bits whatever batch it
+runs in and when it is resumed elsewhere as a prompt; with `--no-batch-invariant` a run may
+differ first at a near tie (see `difference`). The other half is the soak's mix (`soak.one`:
+sampled, whole, hung up on, cancelled, bad requests). Reported: outcomes by class and kind,
+compared streams by difference, faults by kind, the seconds until the gateway ejects a
+struck worker and routes to it again, streams resumed at another worker (the gateway's
 `sparrow_gateway_worker_resumed_total`; its log names each), the time they lost (latency
 over the median of the same body's undisturbed runs; the longest pause between events) and
 the gateway's RSS.
 
     python -m sparrow.bench.chaos --workers 3 --minutes 10 --concurrency 32
 
-The exit code is 1 on any unexpected outcome, compared stream that differs (with --strict:
-at a near tie too), or worker that does not come back.
+The exit code is 1 on any unexpected outcome, compared stream that differs (batch-invariant
+or with --strict: at a near tie too), or worker that does not come back.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ RESUMED = re.compile(r"request (\S+)-\d+: resuming after")  # the router's log l
 class Cluster:
     """The worker processes and the gateway in front of them; their logs under `logs`."""
 
-    def __init__(self, workers: int, logs: Path):
+    def __init__(self, workers: int, logs: Path, batch_invariant: bool = True):
         self.logs, self.ports = logs, [free_port() for _ in range(workers)]
+        self.worker_args = WORKER + ["--batch-invariant"] * batch_invariant
         self.procs = [self._worker(i) for i in range(workers)]
         self.port = free_port()
         addresses = [a for p in self.ports for a in ("--worker", f"127.0.0.1:{p}")]
@@ -71,7 +74,7 @@ class Cluster:
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def _worker(self, i: int) -> subprocess.Popen:
-        return self._start("worker", "--port", str(self.ports[i]), *WORKER)
+        return self._start("worker", "--port", str(self.ports[i]), *self.worker_args)
 
     async def states(self, client: httpx.AsyncClient) -> list[str]:
         """Each worker as the gateway sees it: "down" (its health polls fail), "open" (alive,
@@ -179,10 +182,10 @@ def difference(run: dict, ref: dict, greedy: bool) -> str:
     """The run against its reference: "identical"; "near_tie" when the first token that
     differs is one float rounding away from the reference's: greedy, its logprob within
     NEAR_TIE of the reference's; sampled (top_p 1, no top_k), the next token id (the draw
-    lies on the two's boundary in the cumulative distribution); else "differs". The logits'
-    last bits depend on the batch's shapes (no batch-invariant kernels; a resumed stream's
-    tokens so far are prefilled, not decoded): body 5 of `--seed 1` draws token 1146 or 1147
-    at output 30 by the batch it runs in, with no fault anywhere."""
+    lies on the two's boundary in the cumulative distribution); else "differs". Without
+    batch-invariant workers the logits' last bits depend on the batch's shapes (and a resumed
+    stream's tokens so far are prefilled, not decoded): body 5 of `--seed 1` draws token 1146
+    or 1147 at output 30 by the batch it runs in, with no fault anywhere."""
     if all(run[k] == ref[k] for k in ("tokens", "text", "finish")):
         return "identical"
     want, got = ref["tokens"], run["tokens"]
@@ -375,6 +378,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bodies", type=int, default=64, help="distinct compared bodies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strict", action="store_true", help="near ties fail the run too")
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers with --batch-invariant: every compared stream identical (near ties fail)",
+    )
     p.add_argument("--out", default="bench-out/chaos.json")
     args = p.parse_args(argv)
     if args.workers < 2:
@@ -386,16 +395,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run the chaos, print the table, write the report. Returns 1 on any failure."""
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sparrow-chaos-") as logs:
-        cluster = Cluster(args.workers, Path(logs))
+        cluster = Cluster(args.workers, Path(logs), args.batch_invariant)
         try:
             report = asyncio.run(chaos_run(args, cluster))
         finally:
             cluster.stop()
         cmp = report["compared"]
         failed = report["unexpected_total"] or report["faults"]["unrecovered"] or cmp["differs"]
-        if failed := bool(failed or (args.strict and cmp["near_tie"])):
+        strict = args.strict or args.batch_invariant
+        if failed := bool(failed or (strict and cmp["near_tie"])):
             report["gateway_log_tail"] = cluster.gateway_log.read_text()[-4000:]
     settings = ("workers", "minutes", "concurrency", "fault_every", "bodies", "seed", "strict")
+    settings += ("batch_invariant",)
     report = {k: getattr(args, k) for k in settings} | report
     print_chaos(report)
     write_report(args.out, report)

@@ -211,6 +211,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--turns", type=int, default=3, help="agent: turns per conversation")
     p.add_argument("--rounds", type=int, default=1, help="agent: rounds per concurrency")
     p.add_argument(
+        "--api",
+        choices=("completions", "responses"),
+        default="completions",
+        help="agent: token ids to /v1/completions, or text to /v1/responses (turns chained "
+        "by previous_response_id)",
+    )
+    p.add_argument(
         "--memory-share",
         type=float,
         default=0.45,

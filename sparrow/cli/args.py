@@ -21,6 +21,8 @@ from sparrow.logs import LEVELS
 from sparrow.server.drain import DRAIN_S
 from sparrow.server.middleware import BODY_TIMEOUT_S
 from sparrow.server.reasoning import PARSERS
+from sparrow.server.response_store import MAX_MB as RESPONSES_MAX_MB
+from sparrow.server.response_store import TTL_S as RESPONSES_TTL_S
 from sparrow.server.tool_parsers import PARSERS as TOOL_PARSERS
 
 _QUANT = ["4bit", "8bit"]
@@ -94,6 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
         enable_expert_parallel=args.enable_expert_parallel,
         enable_prefix_caching=not args.no_prefix_caching,
         index_cache_dtype=args.index_cache_dtype,
@@ -111,10 +114,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     _add_hub_args(group)
     group.add_argument(
+        "--quantization",
         "--quantize",
-        choices=_QUANT,
+        dest="quantize",
+        choices=[*_QUANT, "fp8"],
         default=None,
-        help="quantise a float checkpoint on load (group-affine, MLX layout)",
+        help="quantise a float checkpoint on load: 4bit / 8bit (group-affine, MLX layout) or "
+        "fp8 (e4m3 in 128x128 blocks, HF's fp8 layout); quantised checkpoints load as stored",
     )
     group.add_argument(
         "--load-format",
@@ -147,6 +153,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--enforce-eager", action="store_true", help="run decode steps eagerly, without CUDA graphs"
+    )
+    group.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="CPU only: a sequence's logits the same bits whatever else its steps hold, "
+        "however its prompt is chunked, decoded or recomputed (resumed streams match)",
     )
     group.add_argument(
         "--no-prefix-caching",
@@ -293,6 +305,30 @@ def _add_http_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fetch media URLs that resolve to private, loopback or link-local "
         "addresses (default: refused)",
+    )
+    _add_response_store_args(parser)
+
+
+def _add_response_store_args(parser: argparse.ArgumentParser) -> None:
+    """Where /v1/responses keeps `store: true` responses (`serve`, `gateway`)."""
+    parser.add_argument(
+        "--responses-db",
+        metavar="PATH",
+        default=None,
+        help="SQLite file of stored responses, kept across restarts (default: in memory, "
+        "lost when the server stops, as vLLM's store)",
+    )
+    parser.add_argument(
+        "--responses-db-max-mb",
+        type=float,
+        default=RESPONSES_MAX_MB,
+        help="MiB of stored responses (their JSON) at most; the oldest are evicted first",
+    )
+    parser.add_argument(
+        "--responses-ttl",
+        type=float,
+        default=RESPONSES_TTL_S,
+        help="seconds a stored response is kept (0: no expiry)",
     )
 
 

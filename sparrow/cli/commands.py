@@ -90,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tool_parser=tool_format(args, model_dir),
         drain_s=args.drain_timeout,
         body_timeout_s=args.body_timeout or None,
+        response_store=response_store(args),
     )
     server = draining_server(app, args)
 
@@ -174,6 +175,15 @@ def media_pipeline(args: argparse.Namespace, model_dir: Path | None):
     )
 
 
+def response_store(args: argparse.Namespace):
+    """The ResponseStoreSettings the `--responses-*` flags of `serve` / `gateway` give."""
+    from sparrow.server.response_store import ResponseStoreSettings
+
+    return ResponseStoreSettings(
+        args.responses_db, args.responses_db_max_mb, args.responses_ttl or None
+    )
+
+
 def media_limits(args: argparse.Namespace):
     """The MediaLimits the media flags of `serve` / `gateway` describe."""
     from sparrow.multimodal import MediaLimits
@@ -206,6 +216,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         tool_parser=tool_format(args, model_dir),
         drain_s=args.drain_timeout,
         body_timeout_s=args.body_timeout or None,
+        response_store=response_store(args),
     )
     app, router, pool = build_gateway(settings)
     logger.info(

@@ -197,6 +197,16 @@ class SnapshotPool:
         self._content_of: dict[int, int] = {}
         self._free = deque(range(num_snapshots))
 
+    @property
+    def num_filed(self) -> int:
+        """Snapshots filed under a content id (what prefix hits can resume from)."""
+        return len(self._by_content)
+
+    @property
+    def num_free(self) -> int:
+        """Snapshots neither filed nor reserved."""
+        return len(self._free)
+
     def find(self, content_id: int) -> int | None:
         """The snapshot filed under content_id (marked recently used), or None."""
         if content_id not in self._by_content:

@@ -29,6 +29,10 @@ from sparrow.config import CacheConfig, SchedulerConfig
 from sparrow.core.block_pool import KVCacheManager, SnapshotPool, StateSlotPool
 from sparrow.core.request import FinishReason, Request, RequestOutput, RequestStatus
 
+# states a request saves inside one step's chunk: where its prompt forks from a cached prefix
+# and its prompt's last full block
+SAVES_INSIDE = 2
+
 
 @dataclass
 class SchedulerOutput:
@@ -38,9 +42,12 @@ class SchedulerOutput:
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     state_slots: dict[str, int] = field(default_factory=dict)
     # prefix caching with recurrent layers: the snapshot a (re)started request's state slot
-    # is loaded from (instead of zeros), and the one its state is saved to after this step
+    # is loaded from (instead of zeros), the one its state is saved to after this step, and
+    # those its states inside this step's chunk are saved to from inside the recurrent layers'
+    # scan: [(tokens of the chunk before the state, snapshot)], at most `SAVES_INSIDE`
     restore: dict[str, int] = field(default_factory=dict)
     save: dict[str, int] = field(default_factory=dict)
+    save_inside: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -69,9 +76,9 @@ class Scheduler:
         # saves planned, not filed yet: request -> [(blocks the state follows, snapshot)]
         self._unfiled: dict[str, list[tuple[int, int]]] = {}
         self._latest: dict[str, int] = {}  # request -> its latest snapshot past the prompt
-        # request -> where its prompt leaves a cached prefix that has no snapshot there: the
-        # chunk that reaches it ends there and saves one
-        self._forks: dict[str, int] = {}
+        # request -> the block boundaries of its prompt where its state is saved as it is
+        # computed (`_plan_boundaries`), ascending, those not reached yet
+        self._boundaries: dict[str, list[int]] = {}
         self.requests: dict[str, Request] = {}  # unfinished ones
         # finished with tokens still in flight: request id -> how many (discarded on resolve)
         self._draining: dict[str, int] = {}
@@ -136,9 +143,7 @@ class Scheduler:
             if request.num_pending and self._length_reached(request, request.num_pending):
                 i += 1  # its last token is in flight: it finishes when that is resolved
                 continue
-            n = self._to_fork(
-                request, min(request.num_tokens - request.num_computed_tokens, budget)
-            )
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.kv.allocate(request.request_id, request.num_computed_tokens + n):
                 out.num_scheduled_tokens[request.request_id] = n
                 budget -= n
@@ -182,27 +187,34 @@ class Scheduler:
         blocks, restore, match_end = self._prefix_hit(request)
         self.kv.take(rid, blocks)
         request.num_computed_tokens = start = len(blocks) * bs
-        if self.recurrent and self.snapshots.num_snapshots and start < match_end:
-            self._forks[rid] = match_end
-        n = self._to_fork(request, min(request.num_tokens - start, budget))
+        n = min(request.num_tokens - start, budget)
         if not self.kv.allocate(rid, start + n):
             self.kv.free(rid)
             self.slots.free(rid)
-            self._forks.pop(rid, None)
             request.num_computed_tokens = 0
             return None
+        self._plan_boundaries(request, start, match_end)
         self.kv.queries += request.num_tokens
         self.kv.hits += start
         if restore is not None:
             out.restore[rid] = restore
         return n
 
-    def _to_fork(self, request: Request, n: int) -> int:
-        """n tokens of the request's next chunk, or fewer: up to the fork of its prompt from a
-        cached prefix, where the chunk's state is saved (whichever chunk of a long prompt that
-        is), so later prompts that share the prefix resume there."""
-        fork, start = self._forks.get(request.request_id), request.num_computed_tokens
-        return fork - start if fork is not None and start < fork < start + n else n
+    def _plan_boundaries(self, request: Request, start: int, match_end: int) -> None:
+        """Where an admitted request's state is saved as its prompt is computed from `start`:
+        at its last full block before its last token (what a repeat of the prompt, or a
+        longer one that starts with it, resumes from) and, where its prompt leaves a cached
+        prefix without a snapshot at `match_end`, there (what later prompts on that prefix
+        resume from: a conversation on a shared system prompt saves the end of the shared
+        blocks, as no request before it could know where prompts would part). Each is saved
+        by the step whose chunk reaches it: from inside the scan, or after the step where the
+        chunk ends there."""
+        if not (self.recurrent and self.snapshots.num_snapshots and self.kv.prefix_caching):
+            return
+        last = (len(request.prompt_token_ids) - 1) // self.kv.block_size * self.kv.block_size
+        marks = sorted({p for p in (match_end, last) if p > start})
+        if marks:
+            self._boundaries[request.request_id] = marks
 
     def _prefix_hit(self, request: Request) -> tuple[list[tuple[int, int]], int | None, int]:
         """(cached blocks to start from, the snapshot to restore the recurrent state from,
@@ -224,25 +236,38 @@ class Scheduler:
         return [], None, len(matched) * bs
 
     def _plan_snapshot(self, request: Request, n: int, out: SchedulerOutput) -> None:
-        """Save the recurrent state after the step that reaches the prompt's fork from a
-        cached prefix, and past the prompt after each step that ends on a block boundary
-        (only the latest is kept: the next turn of a conversation resumes there)."""
-        rid, end, bs = request.request_id, request.num_computed_tokens + n, self.kv.block_size
-        if end == self._forks.get(rid):
-            del self._forks[rid]
-            self._reserve_snapshot(rid, end // bs, out)
-        elif self.recurrent and end % bs == 0 and end > len(request.prompt_token_ids):
-            self._reserve_snapshot(rid, end // bs, out)
+        """Save the recurrent state at the prompt's boundaries this step's chunk reaches
+        (`_plan_boundaries`): from inside the scan, or after the step where the chunk ends on
+        one; and past the prompt after each step that ends on a block boundary (only the
+        latest is kept: the next turn of a conversation resumes there)."""
+        rid, start, bs = request.request_id, request.num_computed_tokens, self.kv.block_size
+        end = start + n
+        marks = self._boundaries.get(rid, [])
+        due = [p for p in marks if p <= end]
+        if due:
+            if len(due) == len(marks):
+                del self._boundaries[rid]
+            else:
+                self._boundaries[rid] = marks[len(due) :]
+        past_prompt = end % bs == 0 and end > len(request.prompt_token_ids)
+        if end in due or (self.recurrent and past_prompt):
+            snapshot = self._reserve_snapshot(rid, end // bs)
+            if snapshot is not None:
+                out.save[rid] = snapshot
+        for p in due:  # at most SAVES_INSIDE: a request has two boundaries
+            snapshot = self._reserve_snapshot(rid, p // bs) if p < end else None
+            if snapshot is not None:
+                out.save_inside.setdefault(rid, []).append((p - start, snapshot))
 
-    def _reserve_snapshot(self, rid: str, num_blocks: int, out: SchedulerOutput) -> None:
-        """Plan a save of rid's state after its first num_blocks blocks (filed once their
-        content is keyed)."""
-        if rid in out.save or not self.snapshots.num_snapshots:
-            return
+    def _reserve_snapshot(self, rid: str, num_blocks: int) -> int | None:
+        """A snapshot for rid's state after its first num_blocks blocks (filed once their
+        content is keyed), or None if every snapshot is reserved."""
+        if not self.snapshots.num_snapshots:
+            return None
         snapshot = self.snapshots.reserve()
         if snapshot is not None:
-            out.save[rid] = snapshot
             self._unfiled.setdefault(rid, []).append((num_blocks, snapshot))
+        return snapshot
 
     def update_from_output(
         self, scheduled: SchedulerOutput, sampled: dict[str, list[int]]
@@ -360,7 +385,7 @@ class Scheduler:
         for _, snapshot in self._unfiled.pop(rid, []):
             self.snapshots.release(snapshot)  # its blocks' content never became known
         self._latest.pop(rid, None)
-        self._forks.pop(rid, None)
+        self._boundaries.pop(rid, None)
         self.kv.free(request.request_id)
         self.slots.free(request.request_id)
         if request in self.running:

@@ -18,6 +18,7 @@ server can exit for its supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -113,9 +114,7 @@ class AsyncEngine(EngineClient):
     def stats(self) -> EngineStats:
         stats = self._llm.stats()
         queued = self._added - self._taken
-        return EngineStats(
-            stats.waiting + queued, stats.running, stats.kv_usage, stats.prefix_hit_rate
-        )
+        return dataclasses.replace(stats, waiting=stats.waiting + queued)
 
     def health(self) -> EngineHealth:
         alive = self._error is None and self._thread.is_alive()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sparrow.core.sampling_params import SamplingParams
 from sparrow.engine.output_processor import OutputDelta
@@ -61,6 +61,15 @@ class EngineInfo:
     default_stop_token_ids: tuple[int, ...]  # used when a request gives none (no ignore_eos)
     kv_cache_tokens: int | None = None  # tokens the whole KV cache holds (None: no bound)
     media: bool = False  # the model takes images and videos (it has a vision tower)
+    # what the weights are (`loader.formats.describe`); None where the engine does not say
+    quantization: dict | None = field(default=None, compare=False, hash=False)
+
+    def model_card(self, model_id: str) -> dict:
+        """The model's entry in /v1/models: OpenAI's fields and, as vLLM adds its own beside
+        them, `quantization`: what the weights are (format, bits, group or block, what stayed
+        float; null where the engine does not say)."""
+        card = {"id": model_id, "object": "model", "created": 0, "owned_by": "sparrow"}
+        return card | {"quantization": self.quantization}
 
     @property
     def request_limit(self) -> int:
@@ -75,6 +84,8 @@ class EngineStats:
     running: int
     kv_usage: float  # fraction of KV blocks in use
     prefix_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / admitted
+    # recurrent-state snapshots filed for prefix hits (at most `CacheConfig.num_state_snapshots`)
+    state_snapshots: int = 0
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,11 @@ def _rank_main(rank: int, size: int, init_method: str, config) -> None:
         model = load_model(config, device, dtype, shard=shard)
         scheduler_config, cache_config = group.broadcast_object()
         runner = ModelRunner(
-            model, scheduler_config, cache_config, cuda_graphs=not config.device.enforce_eager
+            model,
+            scheduler_config,
+            cache_config,
+            cuda_graphs=not config.device.enforce_eager,
+            batch_invariant=config.device.batch_invariant,
         )
         requests: dict[str, Request] = {}  # as rank 0 sent them
         while True:

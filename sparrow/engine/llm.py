@@ -110,6 +110,7 @@ class LLM:
             self.scheduler_config,
             self.cache_config,
             cuda_graphs=not config.device.enforce_eager,
+            batch_invariant=config.device.batch_invariant,
         )
         if self._ranks is not None:
             self.runner = RankedRunner(self.runner, self._ranks)
@@ -314,6 +315,7 @@ class LLM:
             self.default_stop_ids,
             cache.num_blocks * cache.block_size,
             media=self.model.visual is not None,
+            quantization=getattr(self.model, "weight_format", None),
         )
 
     def stats(self) -> EngineStats:
@@ -323,6 +325,7 @@ class LLM:
             len(scheduler.running),
             scheduler.kv.usage,
             scheduler.prefix_hit_rate,
+            scheduler.snapshots.num_filed,
         )
 
     def generate(

@@ -46,6 +46,8 @@ def resolve_device(device: DeviceConfig) -> tuple[str, torch.dtype]:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but no CUDA device is available")
+    if name.startswith("cuda") and device.batch_invariant:
+        raise ConfigError("batch_invariant runs on the CPU: set device='cpu'")
     if device.dtype == "auto":
         return name, torch.bfloat16 if name.startswith("cuda") else torch.float32
     return name, TORCH_DTYPES[device.dtype]

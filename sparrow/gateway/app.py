@@ -27,6 +27,7 @@ from sparrow.server.app import build_app
 from sparrow.server.drain import DRAIN_S
 from sparrow.server.middleware import BODY_TIMEOUT_S
 from sparrow.server.reasoning import ReasoningFormat
+from sparrow.server.response_store import ResponseStoreSettings
 from sparrow.server.tool_parsers import ToolFormat
 from sparrow.tokenizer import load_tokenizer
 
@@ -49,6 +50,8 @@ class GatewaySettings:
     wait_s: float = 60.0  # for the first worker to answer
     drain_s: float = DRAIN_S  # after SIGTERM, for the requests in flight
     body_timeout_s: float | None = BODY_TIMEOUT_S  # for a request body to arrive; None: none
+    # stored responses (/v1/responses) live here, in the gateway: workers keep no state
+    response_store: ResponseStoreSettings = ResponseStoreSettings()
 
 
 def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPoolExecutor | None]:
@@ -83,5 +86,6 @@ def build_gateway(settings: GatewaySettings) -> tuple[FastAPI, Router, ProcessPo
         collectors=[RouterCollector(router)],
         drain_s=settings.drain_s,
         body_timeout_s=settings.body_timeout_s,
+        response_store=settings.response_store,
     )
     return app, router, pool

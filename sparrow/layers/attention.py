@@ -107,7 +107,9 @@ class GatedAttention(Projections, nn.Module):
             k.view(t, self.num_kv_heads, self.head_dim), cos, sin, cache=(v, *cache_rows)
         )  # writes k and v to the cache
         args = (k_cache, v_cache, meta.block_tables, meta.cu_seqlens, meta.context_lens, self.scale)
-        if use_triton(x) and self.kernel_fits and meta.max_q_len == 1:  # decode
+        if meta.batch_invariant:  # prompts and decode alike
+            out = gated(naive.paged_attention(q, *args, attend=naive.blocked_attention), gate)
+        elif use_triton(x) and self.kernel_fits and meta.max_q_len == 1:  # decode
             out = paged_decode_attention(
                 q.contiguous(),
                 k_cache,

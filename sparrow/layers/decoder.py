@@ -22,6 +22,7 @@ class DecoderStack(nn.Module):
     media_merge = 2  # the tower's spatial merge: 2 x 2 patches per placeholder token
     cuda_graphs = True  # decode steps may replay CUDA graphs
     prefill_graphs = True  # one-prompt prefills may too
+    batch_invariant = True  # its layers take their batch-invariant form in that mode
 
     def __init__(self) -> None:
         super().__init__()

@@ -10,7 +10,12 @@ from torch import nn
 from sparrow.core.cache_spec import RecurrentStateSpec
 from sparrow.kernels import fits_tiles, use_triton
 from sparrow.kernels.causal_conv1d.conv import causal_conv1d_varlen
-from sparrow.kernels.causal_conv1d.naive import causal_conv1d, causal_conv1d_step
+from sparrow.kernels.causal_conv1d.naive import (
+    causal_conv1d,
+    causal_conv1d_step,
+    causal_conv1d_tokens,
+    conv_state_after,
+)
 from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
 from sparrow.kernels.gated_delta_rule.fused_recurrent import (
     fused_recurrent_step,
@@ -20,6 +25,7 @@ from sparrow.kernels.gated_delta_rule.fused_recurrent import (
 from sparrow.kernels.gated_delta_rule.naive import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_varlen,
     recurrent_step_batched,
 )
 from sparrow.kernels.quant_gemv.gdn import quant_gemv_conv, quant_gemv_rms_scaled
@@ -82,7 +88,8 @@ class GatedDeltaNet(Projections, nn.Module):
     ) -> torch.Tensor:
         """x: [T, hidden] (the step's new tokens); cache: this layer's conv pool
         [slots, C, K - 1] and recurrent pool [slots, Hv, Dk, Dv] (fp32 or bf16: updated in
-        fp32, rounded when stored), indexed by meta.state_slots and updated in place."""
+        fp32, rounded when stored), indexed by meta.state_slots and updated in place; the
+        states meta.save_rows names are stored on the way (prefix-cache snapshots)."""
         conv_pool, state_pool = cache
         fused = self._gemv_fusions(x, meta, conv_pool)
         if fused is not None:
@@ -194,9 +201,12 @@ class GatedDeltaNet(Projections, nn.Module):
     def _mix_reference(self, mixed_qkv, a, b, meta, conv_pool, state_pool) -> torch.Tensor:
         """naive.py's ops: [T, Hv, Dv] fp32. A decode step (one token per sequence) runs all
         sequences at once without host reads, so it can be captured in a CUDA graph; other
-        steps run one sequence at a time."""
+        steps run one sequence at a time, the states it saves inside a sequence taken inside
+        its scan."""
         weight = self.conv1d.weight[:, 0]
         g, beta = self._decay(a), b.sigmoid()
+        if meta.batch_invariant:
+            return self._mix_token_by_token(mixed_qkv, g, beta, meta, conv_pool, state_pool)
         if meta.max_q_len == 1:
             slots = meta.state_slots
             qkv = causal_conv1d_step(mixed_qkv, conv_pool, slots, weight)
@@ -207,14 +217,44 @@ class GatedDeltaNet(Projections, nn.Module):
             g.split(meta.seq_lens),
             beta.split(meta.seq_lens),
             meta.state_slots.tolist(),
+            _saves(meta),
             strict=True,
         )
-        for qkv_s, g_s, beta_s, slot in pieces:
+        for qkv_s, g_s, beta_s, slot, saves in pieces:
+            for row, at in saves:
+                conv_pool[row] = conv_state_after(qkv_s, conv_pool[slot], at)
             qkv_s, conv_pool[slot] = causal_conv1d(qkv_s, conv_pool[slot], weight)
-            rule = recurrent_gated_delta_rule if len(qkv_s) == 1 else chunk_gated_delta_rule
-            o, state_pool[slot] = rule(*self._split_heads(qkv_s), g_s, beta_s, state_pool[slot])
+            heads = self._split_heads(qkv_s)
+            if len(qkv_s) == 1:
+                o, state_pool[slot] = recurrent_gated_delta_rule(
+                    *heads, g_s, beta_s, state_pool[slot]
+                )
+            elif saves:
+                o, state_pool[slot], inside = chunk_gated_delta_rule(
+                    *heads, g_s, beta_s, state_pool[slot], states_at=[at for _, at in saves]
+                )
+                for (row, _), state in zip(saves, inside, strict=True):
+                    state_pool[row] = state
+            else:
+                o, state_pool[slot] = chunk_gated_delta_rule(*heads, g_s, beta_s, state_pool[slot])
             outs.append(o)
         return torch.cat(outs)
+
+    def _mix_token_by_token(self, mixed_qkv, g, beta, meta, conv_pool, state_pool):
+        """Batch-invariant mode (`kernels.batch_invariant`): the conv and the recurrence in
+        a decode step's arithmetic for every token, the step's sequences advancing a token at
+        a time together, so a state after n tokens is the same bits however they came (one
+        prompt, chunks, decode steps, beside any other sequences), and so is each token's
+        output. Returns [T, Hv, Dv] fp32."""
+        weight, saves = self.conv1d.weight[:, 0], _saves(meta)
+        slots = meta.state_slots.tolist()
+        for x_b, slot, saves_b in zip(mixed_qkv.split(meta.seq_lens), slots, saves, strict=True):
+            for row, at in saves_b:
+                conv_pool[row] = conv_state_after(x_b, conv_pool[slot], at)
+        qkv = causal_conv1d_tokens(mixed_qkv, meta.seq_lens, conv_pool, meta.state_slots, weight)
+        return recurrent_gated_delta_rule_varlen(
+            *self._split_heads(qkv), g, beta, meta.seq_lens, state_pool, meta.state_slots, saves
+        )
 
     def _mix_kernels(self, mixed_qkv, a, b, z, meta, conv_pool, state_pool) -> torch.Tensor:
         """Conv, then the fused recurrent step with the gated norm when every sequence brings
@@ -222,8 +262,9 @@ class GatedDeltaNet(Projections, nn.Module):
         output [T, Hv, Dv] in the activation dtype."""
         slots = meta.state_slots
         weight = self.conv1d.weight[:, 0]
+        saves = {"save_rows": meta.save_rows, "save_at": meta.save_at}
         qkv = causal_conv1d_varlen(
-            mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight, max_len=meta.max_q_len
+            mixed_qkv, meta.cu_seqlens, conv_pool, slots, weight, max_len=meta.max_q_len, **saves
         )
         if meta.max_q_len == 1:
             return fused_recurrent_step(
@@ -248,5 +289,16 @@ class GatedDeltaNet(Projections, nn.Module):
             state_pool,
             slots,
             max_len=meta.max_q_len,
+            **saves,
         )
         return gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+
+
+def _saves(meta: StepMetadata) -> list[list[tuple[int, int]]]:
+    """Per sequence, the (pool row, tokens) of the states it saves inside the step (host)."""
+    if meta.save_rows is None:
+        return [[] for _ in meta.seq_lens]
+    return [
+        [(row, at) for row, at in zip(rows, ats, strict=True) if row >= 0]
+        for rows, ats in zip(meta.save_rows.tolist(), meta.save_at.tolist(), strict=True)
+    ]

@@ -31,6 +31,14 @@ class StepMetadata:
     padded: bool = False  # one prompt, then a padding sequence (prefill graphs): causal
     # attention over all rows at once gives the prompt's rows their own (host)
     rope_positions: torch.Tensor | None = None  # [T] or [3, T] (mRoPE) when not `positions`
+    # states prefix caching keeps from inside the step: sequence b's recurrent and conv state
+    # after its first save_at[b, j] new tokens also go to row save_rows[b, j] of the layer's
+    # slot pools (-1: none); None when no sequence saves one
+    save_rows: torch.Tensor | None = None  # [B, N] int32
+    save_at: torch.Tensor | None = None  # [B, N] int32
+    # each sequence's rows the same bits whatever else the step holds and however its
+    # tokens are split into steps (`kernels.batch_invariant`; host)
+    batch_invariant: bool = False
     media_rows: torch.Tensor | None = None  # [R] int64: rows whose embedding is media's
     media_embeds: torch.Tensor | None = None  # [R, hidden]: the vision tower's output
 

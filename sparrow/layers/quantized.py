@@ -6,8 +6,10 @@ the routed experts and the token embedding, when their input dim is a multiple o
 size. The MoE router (`mlp.gate`) and the shared-expert gate (`mlp.shared_expert_gate`) use
 8 bits; everything else 4. What stays in floating point: all norms, the GDN depthwise conv,
 `A_log` and `dt_bias`, and MiniMax M3's sigmoid router, which is quantised only where the
-config names its full path (a checkpoint's stored layout, `weights.stored_quantization`:
-mlx-lm stores it at 8 bits).
+config names its full path (a checkpoint's stored layout, `formats.stored_quantization`:
+mlx-lm stores it at 8 bits). Modules whose spec is FP8 blocks (`quant.fp8.Fp8Spec`) become
+their `layers.fp8` twins instead; quantised on load, only those whose matrices fill whole
+blocks (what HF's FP8 quantiser converts).
 
 Quantised parameters sit beside each other: `<module>.weight` (packed int32 words),
 `<module>.scales`, `<module>.biases`; for the fused experts `gate_up_proj` with
@@ -37,10 +39,12 @@ from sparrow.kernels.moe.experts import moe_experts, moe_experts_routed
 from sparrow.kernels.moe.routing import topk_route
 from sparrow.kernels.moe.shared import Shared
 from sparrow.kernels.quant_gemv.gemv import fused_pays, quant_gemv
+from sparrow.layers.fp8 import fp8_twin
 from sparrow.layers.linear import fuse_all
 from sparrow.layers.moe import Experts
 from sparrow.layers.sigmoid_moe import OAIExperts, SigmoidRouter
 from sparrow.quant.affine import QuantSpec, dequantize, quantize
+from sparrow.quant.fp8 import Fp8Spec
 
 
 def companion(param: str, kind: str) -> str:
@@ -294,7 +298,11 @@ def quantize_modules(
         spec = qcfg.spec_for(prefix + path)
         if spec is None:
             continue
-        if isinstance(module, nn.Linear) and module.in_features % spec.group_size == 0:
+        if isinstance(spec, Fp8Spec):  # the default spec (on load) only over whole blocks
+            new = fp8_twin(module, prefix + path, spec, dtype, prefix + path not in named)
+            if new is None:
+                continue
+        elif isinstance(module, nn.Linear) and module.in_features % spec.group_size == 0:
             new = QuantizedLinear(module.in_features, module.out_features, spec, dtype)
         elif (
             type(module) is SigmoidRouter

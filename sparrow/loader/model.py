@@ -3,6 +3,7 @@ default) loaded onto a device, or, with `load_format="dummy"`, random weights dr
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,11 +11,14 @@ import torch
 
 from sparrow.config import EngineConfig
 from sparrow.distributed.shard import Shard
+from sparrow.loader.formats import describe, summary_line
 from sparrow.loader.hub import resolve_model
 from sparrow.loader.random_checkpoint import random_model
 from sparrow.loader.vision import attach_vision, names_vision, random_vision
 from sparrow.loader.weights import load_checkpoint, rank_args
 from sparrow.models import load_model_args, read_config
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_dir(config: EngineConfig) -> Path:
@@ -42,7 +46,8 @@ def load_model(
 ) -> torch.nn.Module:
     """The model `config` names, on `device` with activations in `dtype`; with `shard`, one
     rank's share of it under tensor parallelism (dummy weights: each rank draws its own
-    share). The vision tower comes too where the checkpoint has one."""
+    share). The vision tower comes too where the checkpoint has one. What the weights are
+    (`model.weight_format`, `formats.describe`) is logged once."""
     model_dir = checkpoint_dir(config)
     if config.load_format == "dummy":
         args, seed = load_model_args(model_dir), config.seed
@@ -51,12 +56,15 @@ def load_model(
             args = rank_args(args.replace(quantization=quant), shard)
             seed += shard.rank
         model = random_model(args, seed, device, dtype, config.quantization)
+        model.weight_format = describe(model, "dummy", config.quantization is not None)
         hf_config = read_config(model_dir)
         if names_vision(hf_config):  # the tower too, as vLLM draws every weight
             model.visual = random_vision(hf_config, seed, device, dtype)
-        return model
-    model = load_checkpoint(
-        model_dir, device, dtype, quantize=config.quantization, progress=progress, shard=shard
-    )
-    attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
+    else:
+        model = load_checkpoint(
+            model_dir, device, dtype, quantize=config.quantization, progress=progress, shard=shard
+        )
+        attach_vision(model, model_dir)  # images and videos, where the checkpoint sees
+    if shard is None or shard.rank == 0:
+        logger.info("weights: %s", summary_line(model.weight_format))
     return model

@@ -1,47 +1,42 @@
 """Load HF- or MLX-format weights into a model, tensor by tensor, straight onto the device.
 
 Sources are safetensors checkpoints (one file, or shards listed by
-`model.safetensors.index.json`) or an in-memory state dict. Both go through `WeightAssembler`,
-which maps names, checks every shape and dtype against the model, fills fused expert tensors
-from per-expert or per-projection pieces, quantises float weights on load when the model is
-quantised, and reports what is missing. Errors name the file, the tensor and the expected
-shape.
+`model.safetensors.index.json`; float, MLX group-affine, HF FP8 blocks or compressed-tensors:
+`formats`) or an in-memory state dict. Both go through `WeightAssembler`, which maps names,
+checks every shape and dtype against the model, fills fused expert tensors from per-expert
+or per-projection pieces, quantises float weights on load when the model is quantised
+(group-affine or FP8 blocks), and reports what is missing. Errors name the file, the tensor
+and the expected shape.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from sparrow.config import QuantConfig
-from sparrow.distributed.shard import Cut, Shard, ShardPlan, cut_shape, pieces, shard_args, take
+from sparrow.distributed.shard import Cut, Shard, ShardPlan, cut_shape, pieces, shard_args
+from sparrow.layers.fp8 import Fp8Experts
 from sparrow.layers.linear import fuse_all
 from sparrow.layers.quantized import companion, quantize_modules
-from sparrow.loader.writer import INDEX_FILE
+from sparrow.loader.formats import (  # noqa: F401 (CheckpointError, checkpoint_files: re-exported)
+    FLOAT_DTYPES,
+    PACKED_DTYPES,
+    Checkpoint,
+    CheckpointError,
+    checkpoint_files,
+    describe,
+    stored_quantization,
+)
 from sparrow.models import get_architecture, load_model_args
-from sparrow.models.common import text_model_name
-from sparrow.models.interface import Architecture, ModelArgs
+from sparrow.models.interface import ModelArgs
+from sparrow.quant import fp8
 from sparrow.quant.affine import QuantSpec, quantize
-
-_FLOAT_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
-_PACKED_DTYPES = {torch.int32, torch.uint32}
-_SAFETENSORS_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, truncated, or does not match the model's config."""
+from sparrow.quant.fp8 import FP8, Fp8Spec, scale_name
 
 
 def build_empty_model(cfg: ModelArgs, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -60,8 +55,10 @@ class Target:
 
     param: str
     index: tuple  # into the parameter: () whole, (e, rows) one expert, (slice(None), rows) all
-    quantize: QuantSpec | None  # a float tensor to quantise into a packed parameter
+    # a float tensor to quantise into a packed (group-affine) or FP8 parameter
+    quantize: QuantSpec | Fp8Spec | None
     cut: Cut | None = None  # the part of the tensor this rank reads (tensor parallelism)
+    scale_index: tuple = ()  # FP8 on load: the piece's rows of `weight_scale_inv`
 
 
 class WeightAssembler:
@@ -88,6 +85,12 @@ class WeightAssembler:
             if hasattr(module, "logical_shapes")
             for name in module.logical_shapes
         }
+        self.fp8 = {  # FP8 parameter -> (its spec, segments)
+            f"{path}.{name}" if path else name: (module.spec, segments)
+            for path, module in model.named_modules()
+            for name, segments in getattr(module, "fp8_weights", {}).items()
+        }
+        self.fp8_scales = {scale_name(p) for p in self.fp8}  # kept float32
         self.tensors: dict[str, torch.Tensor] = {}
         self.filled: dict[str, torch.Tensor] = {}  # bool coverage over the indexed dims
         self.sources: dict[str, str] = {}
@@ -101,14 +104,14 @@ class WeightAssembler:
             return None
         cut = None
         if self.shard is not None:
-            if self.mlx_layout or src_dtype not in _FLOAT_DTYPES:
+            if self.mlx_layout or src_dtype not in FLOAT_DTYPES:
                 raise CheckpointError(
                     f"{source}: tensor {name!r}: tensor parallelism loads "
                     f"float checkpoints in HF layout (quantise on load)"
                 )
             cut = pieces(param, self.shard[1], self.shard[0])
             src_shape = cut_shape(tuple(src_shape), cut)
-        index: tuple = ()
+        index, scale_index = (), ()
         expert = self.arch.expert_target(param)
         if expert is not None:
             fused, e, proj, kind = expert
@@ -117,11 +120,14 @@ class WeightAssembler:
                 if not held[0] <= e < held[0] + held[1]:
                     return None
                 e -= held[0]
-            param = fused if kind == "weight" else companion(fused, kind)
+            if kind == "weight":
+                param = fused
+            else:
+                param = scale_name(fused) if kind == "weight_scale_inv" else companion(fused, kind)
             if param in self.params:  # a piece of a fused [.., 2I, hidden] or down tensor
-                shape = self.params[param].shape
-                rows = self.arch.expert_slice(proj, shape[-2] // 2)
-                index = (rows,) if len(shape) == 2 else (slice(None) if e is None else e, rows)
+                index = self._piece(param, e, proj)
+                if param in self.fp8:
+                    scale_index = self._piece(scale_name(param), e, proj)
         if param not in self.params:
             raise CheckpointError(
                 f"{source}: tensor {name!r} does not belong to this model "
@@ -130,7 +136,10 @@ class WeightAssembler:
             )
         shape = tuple(torch.empty(self.params[param].shape, device="meta")[index].shape)
         spec = self.specs.get(param)
-        float_src = src_dtype in _FLOAT_DTYPES
+        float_src = src_dtype in FLOAT_DTYPES
+        if param in self.fp8:
+            stored = Target(param, index, None, cut, scale_index)
+            return self._fp8_target(name, stored, shape, src_shape, src_dtype, source)
         if spec is not None and float_src:  # quantise on load
             shape = (*shape[:-1], shape[-1] * spec.per_word)
         if self.mlx_layout and self.arch.is_mlx_conv(param, tuple(src_shape)):
@@ -142,7 +151,7 @@ class WeightAssembler:
                 f"{source}: tensor {name!r} has shape {list(src_shape)}, expected {list(shape)}"
                 + (f" ({grid.bits}-bit, group_size {grid.group_size})" if grid else "")
             )
-        wants_packed = spec is not None and src_dtype in _PACKED_DTYPES
+        wants_packed = spec is not None and src_dtype in PACKED_DTYPES
         if not (float_src or wants_packed):
             kind = "uint32/int32 packed words" if spec is not None else "a float dtype"
             raise CheckpointError(
@@ -150,6 +159,30 @@ class WeightAssembler:
                 f"with shape {list(shape)}"
             )
         return Target(param, index, spec if float_src else None, cut)
+
+    def _piece(self, param: str, e: int | None, proj: str) -> tuple:
+        """The index of one projection's piece in a fused [.., 2I, hidden] or down parameter
+        (or in its scales: the halves of a gate_up hold their own rows)."""
+        shape = self.params[param].shape
+        rows = self.arch.expert_slice(proj, shape[-2] // 2)
+        return (rows,) if len(shape) == 2 else (slice(None) if e is None else e, rows)
+
+    def _fp8_target(
+        self, name: str, stored: Target, shape: tuple, src_shape: tuple, src_dtype, source: str
+    ) -> Target:
+        """An FP8 parameter's tensor: FP8 codes as stored, or float to quantise on load."""
+        if tuple(src_shape) != shape:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {list(src_shape)}, expected {list(shape)}"
+            )
+        if src_dtype == FP8:
+            return stored
+        if src_dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has dtype {src_dtype}, expected float8_e4m3fn "
+                f"(or a float dtype to quantise) with shape {list(shape)}"
+            )
+        return replace(stored, quantize=self.fp8[stored.param][0])
 
     def _grid(self, param: str) -> QuantSpec | None:
         """The quantisation of a packed parameter or of its scales / biases; None for float."""
@@ -165,7 +198,12 @@ class WeightAssembler:
         tensor = tensor.to(self.device)
         if self.mlx_layout:
             tensor = self.arch.from_mlx(target.param, tensor)
-        if target.quantize is not None:
+        if isinstance(target.quantize, Fp8Spec):  # a whole fused gate_up holds two segments
+            segments = self.fp8[target.param][1] if not target.index else 1
+            codes, scales = fp8.quantize(tensor, target.quantize, segments)
+            self._put(target.param, target.index, codes, source)
+            self._put(scale_name(target.param), target.scale_index, scales, source)
+        elif target.quantize is not None:
             packed, scales, biases = quantize(tensor, target.quantize, self.dtype)
             self._put(target.param, target.index, packed, source)
             self._put(companion(target.param, "scales"), target.index, scales, source)
@@ -175,7 +213,8 @@ class WeightAssembler:
 
     def _put(self, param: str, index: tuple, value: torch.Tensor, source: str) -> None:
         dest = self.params[param]
-        dtype = torch.int32 if dest.dtype == torch.int32 else self.dtype
+        keep = dest.dtype in (torch.int32, FP8) or param in self.fp8_scales
+        dtype = dest.dtype if keep else self.dtype
         value = value.view(torch.int32) if value.dtype == torch.uint32 else value.to(dtype)
         if not index:
             if param in self.sources:
@@ -209,6 +248,8 @@ class WeightAssembler:
             raise CheckpointError(f"{where}: missing tensors: {', '.join(missing[:5])}{more}")
         self.model.load_state_dict(self.tensors, strict=True, assign=True)
         fuse_all(self.model)  # one matmul per group of projections
+        if any(isinstance(m, Fp8Experts) for m in self.model.modules()):
+            self.model.cuda_graphs = False  # FP8 experts read the routing on the host
         return self.model
 
     def _describe_missing(self, param: str) -> str:
@@ -223,127 +264,14 @@ class WeightAssembler:
         return f"{param} (expected shape {shape})"
 
 
-def checkpoint_files(model_dir: Path) -> dict[str, Path]:
-    """The safetensors files of a checkpoint: from the shard index if there is one."""
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid shard index ({e})") from e
-        files = {f: model_dir / f for f in sorted(set(weight_map.values()))}
-        for f, path in files.items():
-            if not path.is_file():
-                raise CheckpointError(f"{index}: lists shard {f} which does not exist")
-        return files
-    files = {p.name: p for p in sorted(model_dir.glob("*.safetensors"))}
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    return files
+def open_checkpoint(model_dir: Path, block: QuantConfig | None) -> Checkpoint:
+    """The checkpoint in `model_dir` as the format its config.json declares (`block`) reads
+    (compressed-tensors: imported only for its checkpoints, the package takes seconds)."""
+    if block is not None and block.method == "compressed-tensors":
+        from sparrow.loader.compressed_tensors import CompressedTensors
 
-
-def _headers(files: Iterable[Path]) -> dict[Path, dict[str, tuple[tuple[int, ...], object]]]:
-    """name -> (shape, dtype) for every tensor of every file, from the headers alone."""
-    out = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                out[path] = {}
-                for name in f.keys():
-                    piece = f.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype())
-                    out[path][name] = (tuple(piece.get_shape()), dtype)
-        except SafetensorError as e:
-            raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from e
-    return out
-
-
-def stored_quantization(
-    cfg: ModelArgs, headers: Mapping[Path, Mapping[str, tuple[tuple[int, ...], object]]]
-) -> QuantConfig:
-    """How a quantised checkpoint stores each module (`cfg.quantization`: the block its
-    config.json declares; `headers`: its tensors' shapes and dtypes), as an entry per module
-    under our module paths: the spec the block gives it (its own entry, else the
-    default) where the files hold packed words, None where they hold a float matrix (an entry
-    `false`, or none: mlx-lm leaves out the modules a `quant_predicate` keeps in float).
-    Errors name the file and the tensor: a module the block declares quantised stored in
-    float (with the packed shape expected) or the reverse, pieces of one of our modules (gate
-    and up of a fused projection, the routed experts' projections) stored at different
-    widths. Shapes are checked as the tensors load (`WeightAssembler.target`), missing
-    scales and biases when they are all read (`WeightAssembler.finish`)."""
-    arch, block = get_architecture(cfg.architecture), cfg.quantization
-    tensors = {n: (shape, dt, path) for path, t in headers.items() for n, (shape, dt) in t.items()}
-    layout: dict[str, tuple[QuantSpec | None, str]] = {}  # module -> (spec, a tensor of it)
-    for name, (shape, src_dtype, path) in tensors.items():
-        owner = _owner(arch, name)
-        packed = src_dtype in _PACKED_DTYPES
-        if owner is None or owner[1] != "weight" or not (packed or len(shape) >= 2):
-            continue
-        spec = _stored_spec(block, name, shape, packed, path)
-        module = owner[0]
-        if module in layout and layout[module][0] != spec:
-            other = layout[module][1]
-            raise CheckpointError(
-                f"{path}: tensor {name!r} is stored {_width(spec)}, {other!r} "
-                f"{_width(layout[module][0])}: both fill {module}, which holds one format"
-            )
-        layout.setdefault(module, (spec, name))
-    if cfg.tie_word_embeddings and "lm_head" not in layout and "embed_tokens" in layout:
-        layout["lm_head"] = layout["embed_tokens"]
-    overrides = tuple((module, spec) for module, (spec, _) in layout.items())
-    return QuantConfig(block.bits, block.group_size, overrides)
-
-
-def _owner(arch: Architecture, name: str) -> tuple[str, str] | None:
-    """(our module, kind: weight / scales / biases / another parameter's name) a checkpoint
-    tensor fills; None for tensors the text model does not read."""
-    param = arch.checkpoint_name(name)
-    if param is None:
-        return None
-    expert = arch.expert_target(param)
-    if expert is None:
-        module, _, kind = param.rpartition(".")
-        return module, kind
-    fused, _, _, kind = expert
-    if fused.endswith(".weight"):  # a linear layer's fused gate_up (`mlp.gate_up_proj.weight`)
-        return fused.removesuffix(".weight"), kind
-    return fused.rpartition(".")[0], kind  # the routed experts (`mlp.experts.down_proj`)
-
-
-def _stored_spec(
-    block: QuantConfig,
-    name: str,
-    shape: tuple[int, ...],
-    packed: bool,
-    path: Path,
-) -> QuantSpec | None:
-    """The spec of the checkpoint module whose `.weight` is `name`, checked against what the
-    block declares for it (matched as `QuantConfig.spec_for` matches)."""
-    module = text_model_name(name).removesuffix(".weight")
-    default = (None, QuantSpec(block.bits, block.group_size))
-    matches = (o for o in block.overrides if module == o[0] or module.endswith("." + o[0]))
-    entry, declared = next(matches, default)
-    if not packed:
-        if entry is not None and declared is not None:
-            words = [*shape[:-1], shape[-1] // declared.per_word]
-            raise CheckpointError(
-                f"{path}: tensor {name!r} is stored in float with shape {list(shape)}, but "
-                f"config.json's quantization block declares {entry!r} {_width(declared)}: "
-                f"expected uint32 packed words with shape {words} and its scales and biases"
-            )
-        return None
-    if declared is None:
-        raise CheckpointError(
-            f"{path}: tensor {name!r} holds packed words, but config.json's quantization "
-            f"block declares {entry!r} unquantised (false)"
-        )
-    return declared
-
-
-def _width(spec: QuantSpec | None) -> str:
-    if spec is None:
-        return "in float"
-    return f"at {spec.bits} bits in groups of {spec.group_size}"
+        return CompressedTensors(model_dir, block)
+    return Checkpoint(model_dir, block)
 
 
 def rank_args(cfg: ModelArgs, shard: Shard) -> ModelArgs:
@@ -362,15 +290,17 @@ def load_checkpoint(
 ) -> torch.nn.Module:
     """Load `model_dir` (config.json + safetensors, HF or MLX layout) into a model on
     `device`. A float checkpoint is quantised on load when `quantize` is given; a quantised
-    checkpoint loads as stored, each module at the width its files hold
-    (`stored_quantization`). `shard`: one rank's model under tensor parallelism, each
-    tensor read in the part the rank keeps."""
+    checkpoint (MLX, HF FP8, compressed-tensors: `formats`) loads as stored, each module in
+    the format its files hold (`stored_quantization`). `shard`: one rank's model under
+    tensor parallelism, each tensor read in the part the rank keeps. The model's
+    `weight_format` says what its weights are (`formats.describe`)."""
     model_dir = Path(model_dir)
     cfg = load_model_args(model_dir)
-    headers = _headers(checkpoint_files(model_dir).values())
+    ckpt = open_checkpoint(model_dir, cfg.quantization)
     arch = get_architecture(cfg.architecture)
+    on_load = cfg.quantization is None and quantize is not None
     if cfg.quantization is not None:  # stored quantised: every module as the files hold it
-        cfg = cfg.replace(quantization=stored_quantization(cfg, headers))
+        cfg = cfg.replace(quantization=stored_quantization(cfg, ckpt))
     elif quantize is not None:
         cfg = cfg.replace(quantization=quantize)
     plan = None
@@ -379,8 +309,7 @@ def load_checkpoint(
         cfg = shard_args(cfg, plan, shard)
     mlx = any(
         arch.is_mlx_conv(arch.checkpoint_name(n) or "", shape)
-        for tensors in headers.values()
-        for n, (shape, _) in tensors.items()
+        for n, (shape, _, _) in ckpt.tensors.items()
     )
     assembler = WeightAssembler(
         build_empty_model(cfg, dtype),
@@ -389,22 +318,19 @@ def load_checkpoint(
         mlx_layout=mlx,
         shard=(shard, plan) if shard is not None else None,
     )
-    total = sum(len(t) for t in headers.values())
-    with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
-        for path, tensors in headers.items():
-            # Each tensor is read straight onto the target device, one at a time.
-            with safe_open(str(path), framework="pt", device=str(assembler.device)) as f:
-                for name, (shape, src_dtype) in tensors.items():
-                    target = assembler.target(name, shape, src_dtype, str(path))
-                    if target is not None:
-                        tensor = (
-                            take(f.get_slice(name), len(shape), target.cut)
-                            if target.cut is not None
-                            else f.get_tensor(name)
-                        )
-                        assembler.add(target, tensor, str(path))
-                    bar.update(1)
-    return assembler.finish(str(model_dir)).eval()
+    total = len(ckpt.tensors)
+    with (
+        tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar,
+        ckpt.reader(assembler.device) as read,  # each tensor straight onto the device
+    ):
+        for name, (shape, src_dtype, path) in ckpt.tensors.items():
+            target = assembler.target(name, shape, src_dtype, str(path))
+            if target is not None:
+                assembler.add(target, read(name, target.cut), str(path))
+            bar.update(1)
+    model = assembler.finish(str(model_dir)).eval()
+    model.weight_format = describe(model, ckpt.label, on_load)
+    return model
 
 
 def load_tensors(

@@ -14,9 +14,12 @@ import torch
 # (`language_model.model.`) prefixes of the text model, and the lm_head's names.
 _PREFIX = re.compile(r"^(model\.language_model\.|language_model\.model\.|model\.)")
 _LM_HEAD = re.compile(r"^(language_model\.)?lm_head\.(weight|scales|biases)$")
-# One expert's projection (HF names; MiniMax's w1 / w3 / w2), or all experts' (MLX).
+# One expert's projection (HF names; MiniMax's w1 / w3 / w2: the weight, or its FP8 block
+# scales, or, from a converted compressed-tensors module, its group-affine scales and biases),
+# or all experts' (MLX).
 _PER_EXPERT = re.compile(
-    r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.(weight)$"
+    r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale_inv|scales|biases)$"
 )
 _SWITCH_MLP = re.compile(
     r"^(layers\.\d+\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$"
@@ -36,7 +39,8 @@ def text_model_name(name: str) -> str:
 
 def expert_target(name: str) -> tuple[str, int | None, str, str] | None:
     """For a routed expert's tensor name (after the prefix): (fused parameter, expert index
-    or None for all experts, projection, kind in weight/scales/biases). None for others."""
+    or None for all experts, projection, kind in weight/scales/biases/weight_scale_inv). None
+    for others."""
     m = _PER_EXPERT.match(name)
     if m:
         mlp, expert, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)

@@ -118,6 +118,7 @@ class Model(Protocol):
     joint_media: ClassVar[bool]  # the tower attends across all of a prompt's media
     media_merge: ClassVar[int]  # patches merged per placeholder token, per side
     cuda_graphs: ClassVar[bool]  # decode steps may replay CUDA graphs
+    batch_invariant: ClassVar[bool]  # steps may run batch-invariant (`kernels.batch_invariant`)
 
     @property
     def prefill_graphs(self) -> bool:

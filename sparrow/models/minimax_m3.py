@@ -454,6 +454,8 @@ class MiniMaxM3Model(DecoderStack):
     # HF 5.17's tower attends across all the images of a call (MiniMax's reference attends
     # within each): the engine encodes a prompt's media together to match it.
     joint_media = True
+    # MSA's block selection and sparse attention have no batch-invariant form
+    batch_invariant = False
 
     def cache_specs(self) -> list[CacheSpec | None]:
         """Paged K/V on every layer; sparse layers add the index keys (pages of one MSA block)."""
@@ -474,7 +476,7 @@ _RENAMES = (
 # The dense MLPs' (and shared experts') separate gate / up projections.
 _GATE_UP = re.compile(
     r"^(layers\.\d+\.mlp(?:\.shared_experts)?)\.(gate_proj|up_proj)\."
-    r"(weight|scales|biases)$"
+    r"(weight|scales|biases|weight_scale_inv)$"
 )
 
 
@@ -494,7 +496,7 @@ def checkpoint_name(name: str) -> str | None:
 def expert_target(name: str) -> tuple[str, int | None, str, str] | None:
     """For a piece of a fused tensor (after `checkpoint_name`): (fused parameter, expert
     index or None for all experts / a 2-D dense gate_up, projection, kind in
-    weight/scales/biases)."""
+    weight/scales/biases/weight_scale_inv)."""
     found = common.expert_target(name)
     if found is not None:
         return found

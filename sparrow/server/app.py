@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP app over an `EngineClient`: chat and text completions (streamed
-as SSE or whole), models, health, Prometheus metrics. Pure-ASGI middleware checks the API key,
-holds the body to its limits, turns new requests away while the server drains and counts
-every response; every error, 404 and 405 included, is answered with OpenAI's error body.
-Tokenising and chat templates run on a few threads of their own, off the event loop."""
+as SSE or whole), Responses (`responses.py`, stored in `response_store.py`), Anthropic's
+Messages (`messages.py`), models, health, Prometheus metrics. Pure-ASGI middleware checks the
+API key, holds the body to its limits, turns new requests away while the server drains and
+counts every response; every error, 404 and 405 included, is answered with OpenAI's error
+body (Anthropic's on /v1/messages). Tokenising and chat templates run on a few threads of
+their own, off the event loop."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparrow.engine.client import EngineClient
 from sparrow.multimodal.pipeline import MediaPipeline
+from sparrow.server import messages
 from sparrow.server.drain import DRAIN_S, Drain, DrainGate
 from sparrow.server.handlers import Handlers
 from sparrow.server.metrics import Metrics
@@ -40,6 +43,8 @@ from sparrow.server.protocol import (
     too_deep,
 )
 from sparrow.server.reasoning import ReasoningFormat
+from sparrow.server.response_store import ResponseStore, ResponseStoreSettings
+from sparrow.server.responses import add_responses_routes
 from sparrow.server.tool_parsers import ToolFormat
 from sparrow.tokenizer import Tokenizer
 
@@ -74,6 +79,7 @@ def build_app(
     collectors: Sequence[object] = (),
     tool_parser: ToolFormat | None = None,
     body_timeout_s: float | None = BODY_TIMEOUT_S,
+    response_store: ResponseStoreSettings | None = None,
 ) -> FastAPI:
     """The app serving `model_name` from `engine`; `tokenizer` encodes prompts and applies
     the chat template. `api_key`: one or more keys (plain, or `sha256:<hex>`), one of which
@@ -92,8 +98,10 @@ def build_app(
     content). `collectors`: more Prometheus collectors for /metrics (a gateway's per-worker
     state). `tool_parser`: the model's tool-call format (`tool_parsers.PARSERS`), parsed
     into `tool_calls` when a chat request gives tools (None: the tools are rendered and the
-    text stays text)."""
+    text stays text). `response_store`: where `store: true` responses are kept (None: in
+    memory, `ResponseStoreSettings`' caps)."""
     drain = Drain(drain_s)
+    store = ResponseStore(response_store or ResponseStoreSettings())
     text_executor = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="sparrow-text")
 
     @contextlib.asynccontextmanager
@@ -103,6 +111,7 @@ def build_app(
         drain.stop()
         text_executor.shutdown(wait=False, cancel_futures=True)
         await engine.shutdown()  # uvicorn stopped taking requests and drained in-flight ones
+        store.close()
         logger.info("server stopped")
 
     app = FastAPI(
@@ -139,6 +148,8 @@ def build_app(
         text_executor,
     )
     _add_routes(app, engine, handlers, metrics, model_name)
+    add_responses_routes(app, handlers, store)  # OpenAI's Responses API
+    messages.add_routes(app, handlers)  # Anthropic's Messages API
     return app
 
 
@@ -172,7 +183,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def on_api_error(_, exc: ApiError):
-        return _error(exc.status, exc.message, exc.kind, exc.headers, exc.param)
+        body = error_body(exc.message, exc.kind, exc.code or exc.status, exc.param)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def on_bug(_, exc: Exception):
@@ -199,7 +211,7 @@ def _add_routes(
     async def models():
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "sparrow"}],
+            "data": [engine.info.model_card(model_name)],
         }
 
     @app.post("/v1/chat/completions")

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 
 from fastapi import Request
@@ -76,7 +76,31 @@ class Handlers:
         self.video_token_id = tokenizer.token_id(media.video.video_token) if media else None
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
+        return await self._respond(await self.start_chat(body), request)
+
+    async def start_chat(
+        self, body: ChatCompletionRequest, prompt: tuple[list[int], list, bool] | None = None
+    ) -> Job:
+        """The request's choices added to the engine, each with its reasoning and tool-call
+        splitters: what `chat` answers with, and what other APIs built on chat (Responses,
+        Messages) read as it runs. `prompt`: its (ids, media, inside a think block) when the
+        caller built them (`chat_prompt`'s by default)."""
         self._check(body)
+        ids, media, inside = prompt or await self.chat_prompt(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        job = await self._start(body, ids, max_tokens, chat=True, media=media, thinking=inside)
+        schemas = body.tool_schemas()
+        for c in job.choices:
+            if self.reasoning is not None:
+                c.splitter, c.reasoning = ReasoningSplitter(self.reasoning, inside), ""
+            if self.tool_parser is not None and schemas is not None:
+                c.calls = ToolCallSplitter(self.tool_parser, schemas)
+        self.metrics.media_items.inc(len(media))
+        return job
+
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], list, bool]:
+        """The prompt's ids (template applied, media placeholders expanded), its media items,
+        and whether it leaves the model inside a think block; 400 for bad messages or media."""
         messages = _template_messages(body.messages)
         sources = self._media_sources(messages)
         kwargs = _template_kwargs(body.chat_template_kwargs, body.tools)
@@ -90,16 +114,7 @@ class Handlers:
                 )
         except ValueError as e:  # MediaError is one
             raise ApiError(400, str(e), "invalid_request_error", param="messages") from e
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        job = await self._start(body, ids, max_tokens, chat=True, media=media, thinking=inside)
-        schemas = body.tool_schemas()
-        for c in job.choices:
-            if self.reasoning is not None:
-                c.splitter, c.reasoning = ReasoningSplitter(self.reasoning, inside), ""
-            if self.tool_parser is not None and schemas is not None:
-                c.calls = ToolCallSplitter(self.tool_parser, schemas)
-        self.metrics.media_items.inc(len(media))
-        return await self._respond(job, request)
+        return ids, media, inside
 
     def _media_sources(self, messages: list[dict]) -> list[tuple[bool, str]]:
         """(is video, URL) of each image_url / video_url part, in order; 400 for other
@@ -199,6 +214,14 @@ class Handlers:
             return await self._off_loop(self.tokenizer.encode, text)
         except ValueError as e:  # tiktoken's regex gives up on some long runs
             raise ApiError(400, str(e), "invalid_request_error", param="prompt") from e
+
+    async def history_ids(self, body: ChatCompletionRequest, count: int) -> list[int]:
+        """The ids of the template's rendering of the first `count` messages as history
+        (no generation prompt)."""
+        messages = _template_messages(body.messages[:count])
+        kwargs = _template_kwargs(body.chat_template_kwargs, body.tools)
+        kwargs = kwargs | {"add_generation_prompt": False}
+        return await self._off_loop(lambda: self.tokenizer.encode_chat(messages, **kwargs))
 
     def _encode_chat(self, messages: list[dict], kwargs: dict) -> tuple[list[int], bool]:
         """The prompt's ids, and whether it leaves the model inside a think block."""
@@ -327,20 +350,7 @@ class Handlers:
             return StreamingResponse(
                 sse_events(job, self.events(job), self.model_name), media_type="text/event-stream"
             )
-        collect = asyncio.create_task(self._collect(job))
-        try:
-            while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
-                if await request.is_disconnected():
-                    raise ApiError(499, "the client disconnected", "invalid_request_error")
-            collect.result()
-        except EngineError as e:
-            raise ApiError(500, str(e), "server_error") from e
-        except ShuttingDown as e:
-            raise ApiError(503, str(e), "server_overloaded") from e
-        finally:
-            if not collect.done():
-                collect.cancel()  # closes the events: unfinished choices are aborted
-                await asyncio.gather(collect, return_exceptions=True)
+        await self.finish(job, request)
         chat = job.chat
         ids = job.body.return_token_ids
         prompt = job.prompt_logprobs()
@@ -365,10 +375,35 @@ class Handlers:
             job.response_id, job.created, self.model_name, choices, chat, usage=job.usage(), **extra
         )
 
-    async def _collect(self, job: Job) -> None:
+    async def finish(
+        self,
+        job: Job,
+        request: Request,
+        on_delta: Callable[[Choice, OutputDelta], None] | None = None,
+    ) -> None:
+        """Runs `job` to its end, its choices taking their deltas (each also given to
+        `on_delta`); 499 when the client leaves first (its choices aborted), 500 when the
+        engine fails, 503 when the shutdown drain window ends first."""
+        collect = asyncio.create_task(self._collect(job, on_delta))
+        try:
+            while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client disconnected", "invalid_request_error")
+            collect.result()
+        except EngineError as e:
+            raise ApiError(500, str(e), "server_error") from e
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), "server_overloaded") from e
+        finally:
+            if not collect.done():
+                collect.cancel()  # closes the events: unfinished choices are aborted
+                await asyncio.gather(collect, return_exceptions=True)
+
+    async def _collect(self, job: Job, on_delta: Callable | None = None) -> None:
         async with contextlib.aclosing(self.events(job)) as events:
-            async for _ in events:
-                pass
+            async for choice, delta in events:
+                if on_delta is not None:
+                    on_delta(choice, delta)
 
     async def events(self, job: Job) -> AsyncIterator[tuple[Choice, OutputDelta]]:
         """(choice, delta) as outputs arrive, all choices interleaved; aborts every

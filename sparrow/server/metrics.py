@@ -44,6 +44,11 @@ class Metrics:
             "prompt tokens found in the prefix cache / admitted",
             registry=r,
         )
+        self.state_snapshots = Gauge(
+            "sparrow_prefix_cache_state_snapshots",
+            "recurrent-state snapshots filed for prefix hits",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         """The Prometheus text format, engine gauges updated now."""
@@ -52,4 +57,5 @@ class Metrics:
         self.running.set(stats.running)
         self.kv_usage.set(stats.kv_usage)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        self.state_snapshots.set(stats.state_snapshots)
         return generate_latest(self.registry)

@@ -29,6 +29,9 @@ ENDPOINTS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/models": "models",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
     "/health": "health",
     "/metrics": "metrics",
 }
@@ -108,8 +111,8 @@ class RateLimiter:
 
 
 class ApiKeys:
-    """401 without a known bearer key on /v1/ routes and KEYED_PATHS; 429 with Retry-After
-    past its rate."""
+    """401 without a known key on /v1/ routes and KEYED_PATHS, given as a bearer token or
+    (Anthropic's header) as `x-api-key`; 429 with Retry-After past its rate."""
 
     def __init__(self, app: ASGIApp, keys: KeyRing, limiter: RateLimiter | None = None):
         self.app, self.keys, self.limiter = app, keys, limiter
@@ -118,11 +121,9 @@ class ApiKeys:
         path = scope["path"] if scope["type"] == "http" else ""
         if path.startswith("/v1/") or path in KEYED_PATHS:
             auth = header(scope, b"authorization") or ""
-            key = (
-                self.keys.match(auth.removeprefix("Bearer "))
-                if auth.startswith("Bearer ")
-                else None
-            )
+            token = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
+            token = token if token is not None else header(scope, b"x-api-key")
+            key = self.keys.match(token) if token is not None else None
             if key is None:
                 return await send_error(
                     send, 401, "missing or wrong API key", "authentication_error"
@@ -202,6 +203,14 @@ class BodyLimit:
             )
 
 
+def endpoint_label(path: str) -> str:
+    """The `endpoint` label of a path: ENDPOINTS', a stored response's routes
+    (/v1/responses/{id}...) as "responses", any other "other"."""
+    if path.startswith("/v1/responses/"):
+        return "responses"
+    return ENDPOINTS.get(path, "other")
+
+
 class CountResponses:
     """`sparrow_requests_total{endpoint, status}` for every response, errors included."""
 
@@ -211,7 +220,7 @@ class CountResponses:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint, started = ENDPOINTS.get(scope["path"], "other"), False
+        endpoint, started = endpoint_label(scope["path"]), False
 
         async def counted(msg: Message) -> None:
             nonlocal started

@@ -299,8 +299,9 @@ class CompletionRequest(SamplingFields):
 
 
 class ApiError(Exception):
-    """An error answered with the error body: HTTP status, message, OpenAI error type, and
-    the request field at fault (`param`) when there is one."""
+    """An error answered with the error body: HTTP status, message, OpenAI error type, the
+    request field at fault (`param`) when there is one, and the body's `code` (None: the
+    status)."""
 
     def __init__(
         self,
@@ -309,10 +310,11 @@ class ApiError(Exception):
         kind: str,
         headers: dict | None = None,
         param: str | None = None,
+        code: str | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.kind, self.headers = status, message, kind, headers
-        self.param = param
+        self.param, self.code = param, code
 
 
 def error_body(

@@ -8,9 +8,11 @@ layers (`SparseKVSpec`) keep an index-key pool [num_blocks, block_size, Di] besi
 `block_size` to be their MSA block;
 slot layers (`RecurrentStateSpec`) keep conv and recurrent states in slot pools ([num_slots,
 ...] per layer, one slot per running request; the conv pool position-major in memory,
-`state_pool`; the recurrent pool in the spec's state dtype, fp32 or bf16). Which block and
-which slot a request owns is decided on the CPU (`sparrow.core`); this module holds the
-tensors and turns a step's plan into `StepMetadata`.
+`state_pool`; the recurrent pool in the spec's state dtype, fp32 or bf16), followed in the
+same tensors by the prefix cache's state snapshots, so a step's kernels store a snapshot as
+they store a slot. Which block and which slot a request owns is decided on the CPU
+(`sparrow.core`); this module holds the tensors and turns a step's plan into
+`StepMetadata`.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ class ModelCache:
 
     One block and one state slot beyond those the scheduler hands out (`pad_block`,
     `pad_slot`) are scratch: padding rows of a captured decode step write there.
-    `snapshots[i]`: a recurrent layer's saved states (`num_snapshots` of them, laid out like
-    its slots and in their dtypes), what prefix caching resumes from; None for other
-    layers."""
+    `snapshots[i]`: a recurrent layer's saved states, what prefix caching resumes from
+    (`num_snapshots` of them: the rows of its slot pools after the scratch slot, snapshot j
+    at row `snapshot_row(j)`, so in the slots' layout and dtypes); None for other layers."""
 
     def __init__(
         self,
@@ -64,14 +66,14 @@ class ModelCache:
                 f"(set block_size={needed})"
             )
         self.pad_block, self.pad_slot = num_blocks, num_slots
-        self.layers = [
-            self._allocate(s, num_blocks + 1, num_slots + 1, device, dtype) for s in self.specs
-        ]
+        self.num_snapshots = num_snapshots
+        rows = num_slots + 1 + num_snapshots
+        self.layers = [self._allocate(s, num_blocks + 1, rows, device, dtype) for s in self.specs]
         self.snapshots = [
-            self._allocate(s, 0, num_snapshots, device, dtype)
+            tuple(t[self.snapshot_row(0) :] for t in tensors)
             if num_snapshots and s is not None and not s.paged
             else None
-            for s in self.specs
+            for s, tensors in zip(self.specs, self.layers, strict=True)
         ]
 
     def _allocate(
@@ -105,6 +107,10 @@ class ModelCache:
             state = torch.zeros(num_slots, *spec.state_shape, device=device, dtype=state_dtype)
             return conv, state
         raise TypeError(f"no cache storage for spec {spec!r}")
+
+    def snapshot_row(self, snapshot: int) -> int:
+        """The row of the slot pools that holds `snapshot`."""
+        return self.pad_slot + 1 + snapshot
 
     def reset_slots(self, slots: torch.Tensor) -> None:
         """Zero the per-slot states of requests that start (or restart) now."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from sparrow.core.scheduler import SAVES_INSIDE
 from sparrow.worker.cache import ModelCache, StepMetadata, to_device
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -138,7 +139,9 @@ class PrefillGraphs:
     [T, n + PAD_TOKENS) are a second sequence on the cache's scratch block and slot, so the
     recurrent layers' varlen kernels keep the prompt's state apart from it, and causal
     attention over all rows at once (`StepMetadata.padded`) gives the prompt's rows exactly
-    their own. The graph ends with the lm_head on the prompt's last row."""
+    their own. With state snapshots the graphs take the prompt's saves inside it
+    (`StepMetadata.save_rows`; -1 rows when it saves none). The graph ends with the lm_head
+    on the prompt's last row."""
 
     def __init__(
         self, model: torch.nn.Module, cache: ModelCache, max_tokens: int, max_blocks_per_seq: int
@@ -157,6 +160,8 @@ class PrefillGraphs:
         )
         self.state_slots = torch.full((2,), cache.pad_slot, dtype=torch.int32, device=dev)
         self.last_row = torch.zeros(1, dtype=torch.long, device=dev)
+        # [rows | tokens before each state] of the prompt's saves inside it, and the padding's
+        self.saves = torch.full((2, 2, SAVES_INSIDE), -1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _meta(self, n: int) -> StepMetadata:
@@ -174,6 +179,8 @@ class PrefillGraphs:
             prefix_free=True,
             prefix_lens=[0, 0],
             padded=True,
+            save_rows=self.saves[0] if self.cache.num_snapshots else None,
+            save_at=self.saves[1] if self.cache.num_snapshots else None,
         )
 
     def forward(self, meta: StepMetadata) -> torch.Tensor:
@@ -197,10 +204,18 @@ class PrefillGraphs:
         return next((n for n in self.sizes if n >= num_tokens), None)
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], block_table: list[int], state_slot: int) -> torch.Tensor:
+    def run(
+        self,
+        tokens: list[int],
+        block_table: list[int],
+        state_slot: int,
+        saves: list | None = None,
+    ) -> torch.Tensor:
         """Prefill `tokens` (positions 0..T-1, all known on the host) into the sequence with
-        this block table and state slot. Returns fp32 logits [1, V] of its last token (a view
-        of the graph's output: read it before the next replay)."""
+        this block table and state slot; saves: [2, 1, SAVES_INSIDE], the slot-pool rows its
+        states inside the prompt go to (-1: none) and the tokens before each, or None.
+        Returns fp32 logits [1, V] of its last token (a view of the graph's output: read it
+        before the next replay)."""
         t, bs = len(tokens), self.cache.block_size
         n = self.size_for(t)
         rows = n + PAD_TOKENS
@@ -219,8 +234,11 @@ class PrefillGraphs:
         self.positions[:rows].copy_(dev[1])
         self.slot_mapping[:rows].copy_(dev[2])
         width = self.block_tables.shape[1]
+        saves = saves or [[[-1] * SAVES_INSIDE], [[0] * SAVES_INSIDE]]
         small = to_device(
-            [0, t, rows, t, rows - t, state_slot, t - 1, *block_table]
+            [0, t, rows, t, rows - t, state_slot, t - 1]
+            + [x for part in saves for x in part[0]]
+            + block_table
             + [self.cache.pad_block] * (width - len(block_table)),
             torch.int32,
             self.input_ids.device,
@@ -229,7 +247,9 @@ class PrefillGraphs:
         self.context_lens.copy_(small[3:5])
         self.state_slots[:1].copy_(small[5:6])
         self.last_row.copy_(small[6:7])
-        self.block_tables[0].copy_(small[7:])
+        n_saves = 2 * SAVES_INSIDE
+        self.saves[:, 0].copy_(small[7 : 7 + n_saves].view(2, SAVES_INSIDE))
+        self.block_tables[0].copy_(small[7 + n_saves :])
         graph, logits = self.graphs[n]
         graph.replay()
         return logits

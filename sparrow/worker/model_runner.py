@@ -40,12 +40,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparrow.config import CacheConfig, SchedulerConfig
+from sparrow.config import CacheConfig, ConfigError, SchedulerConfig
 from sparrow.core.cache_spec import with_index_dtype, with_state_dtype
 from sparrow.core.request import Request
 from sparrow.core.sampling_params import SamplingParams, TokenLogprob
-from sparrow.core.scheduler import SchedulerOutput
+from sparrow.core.scheduler import SAVES_INSIDE, SchedulerOutput
 from sparrow.distributed import group
+from sparrow.kernels import get_backend
+from sparrow.kernels.batch_invariant import BatchInvariantOps
 from sparrow.worker.cache import ModelCache, build_metadata, to_device
 from sparrow.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 from sparrow.worker.grammar import Grammar, allocate_bitmask, apply_masks
@@ -107,12 +109,19 @@ class ModelRunner:
         sched: SchedulerConfig,
         cache: CacheConfig,
         cuda_graphs: bool = True,
+        batch_invariant: bool = False,
     ):
         """sched, cache: resolved settings. cuda_graphs: capture decode steps (GPU only, and
         only for models whose `cuda_graphs` attribute, if any, is true) and one-prompt
         prefills (where `prefill_graphs`, if any, is true too); False runs every step
-        eagerly."""
+        eagerly. batch_invariant: every step under `BatchInvariantOps`, its layers in their
+        batch-invariant form (the reference path on a CPU only)."""
+        if batch_invariant and (model.device.type != "cpu" or get_backend() == "triton"):
+            raise ConfigError("batch_invariant takes the CPU reference path (SPARROW_KERNELS)")
+        if batch_invariant and not getattr(model, "batch_invariant", False):
+            raise ConfigError(f"{type(model).__name__} has no batch-invariant form")
         self.model = model
+        self.batch_invariant = batch_invariant
         specs = with_index_dtype(model.cache_specs(), cache.index_cache_dtype)
         specs = with_state_dtype(specs, cache.recurrent_state_dtype)
         self.cache = ModelCache(
@@ -155,6 +164,20 @@ class ModelRunner:
             slots = to_device([plan.state_slots[r] for r in plan.restore], torch.long, device)
             self.cache.restore(slots, to_device(list(plan.restore.values()), torch.long, device))
 
+    def _saves_inside(self, plan: SchedulerOutput, rids: list[str]) -> list | None:
+        """[2, B, SAVES_INSIDE]: per request of the step, the slot-pool rows of the snapshots
+        its states inside the step go to (-1: none), and the tokens of the step before each;
+        None if no request saves one."""
+        if not plan.save_inside:
+            return None
+        rows, ats = [], []
+        for rid in rids:
+            saves = plan.save_inside.get(rid, [])
+            pad = SAVES_INSIDE - len(saves)
+            rows.append([self.cache.snapshot_row(s) for _, s in saves] + [-1] * pad)
+            ats.append([n for n, _ in saves] + [0] * pad)
+        return [rows, ats]
+
     def _save_states(self, plan: SchedulerOutput) -> None:
         """After the forward: the recurrent states the plan saves for prefix caching."""
         if plan.save:
@@ -185,6 +208,12 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, requests: dict[str, Request]) -> LaunchedStep | None:
         """Launch one step. Returns the sampled tokens of the requests that completed their
         input (None if none did); logprobs where a request asked (read back at once)."""
+        if self.batch_invariant:
+            with BatchInvariantOps():
+                return self._execute(plan, requests)
+        return self._execute(plan, requests)
+
+    def _execute(self, plan: SchedulerOutput, requests: dict[str, Request]) -> LaunchedStep | None:
         if not plan.num_scheduled_tokens:
             return None
         device = self.model.device
@@ -211,12 +240,18 @@ class ModelRunner:
             )
             self._save_states(plan)
         elif self._prefill_graph_fits(rids, computed, tokens, requests):
-            logits = self.prefill_graphs.run(tokens[0], tables[0], slots[0])
+            logits = self.prefill_graphs.run(
+                tokens[0], tables[0], slots[0], self._saves_inside(plan, rids)
+            )
             self._save_states(plan)
             if not done:  # the first chunk of a longer prompt
                 return None
         else:
             meta = build_metadata(tokens, computed, tables, slots, self.cache.block_size, device)
+            meta.batch_invariant = self.batch_invariant
+            saves = self._saves_inside(plan, rids)
+            if saves is not None:
+                meta.save_rows, meta.save_at = to_device(saves, torch.int32, device)
             if self.media.requests:
                 self.media.apply(meta, rids, computed)
             ends = list(itertools.accumulate(meta.seq_lens))  # host side: no device sync

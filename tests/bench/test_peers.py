@@ -89,10 +89,7 @@ def test_sparrow_and_mlx_lm_run_rounds_on_the_same_4bit_bytes(tmp_path):
         assert report["batched_decode_tok_s"][engine]["2"] > 0
     assert set(report["ratios"]) == {"mlx-lm"}
     assert report["versions"]["mlx-lm"]["mlx-lm"]
-    assert (
-        report["command"].startswith("python -m sparrow.bench.peers")
-        or "peers" in report["command"]
-    )
+    assert report["command"] and report["commit"]  # this process's (pytest's) command line
 
 
 def test_unknown_engines_and_a_missing_llama_cpp_are_usage_errors(tmp_path):

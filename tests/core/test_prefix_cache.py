@@ -99,24 +99,77 @@ def test_without_recurrent_state_any_cached_block_is_a_hit():
     assert not plans[0].restore and not plans[0].save
 
 
-def test_recurrent_hits_resume_from_snapshots_cut_where_the_prefix_forks():
+def _inside(plan, rid: str) -> list[int]:
+    """Where the plan saves rid's states inside its chunk (tokens into the chunk)."""
+    return [n for n, _ in plan.save_inside.get(rid, [])]
+
+
+def test_a_prompt_saves_its_last_full_block_inside_its_chunk_and_a_repeat_resumes_there():
     scheduler = _scheduler(recurrent=True)
-    _run(scheduler, _request("a", list(range(11))))
-    fork = _run(scheduler, _request("b", list(range(10)) + [50]))
-    assert fork[0].num_scheduled_tokens == {"b": 8}  # no snapshot yet: cut at the fork
-    assert list(fork[0].save) == ["b"]
-    again = _run(scheduler, _request("c", list(range(10)) + [60, 61]))
-    assert again[0].num_scheduled_tokens == {"c": 4} and list(again[0].restore) == ["c"]
+    first = _run(scheduler, _request("a", list(range(11))))
+    assert first[0].num_scheduled_tokens == {"a": 11}  # one chunk: no step of its own
+    assert _inside(first[0], "a") == [8] and not first[0].save
+    again = _run(scheduler, _request("b", list(range(11))))
+    assert again[0].num_scheduled_tokens == {"b": 3} and list(again[0].restore) == ["b"]
+    assert not again[0].save_inside  # its last full block is where it resumed
 
 
-def test_a_fork_past_the_first_chunk_ends_its_chunk_and_saves_a_snapshot():
+def test_a_prompt_of_whole_blocks_resumes_a_block_before_its_end():
+    """The last token is always computed: a prompt of 12 tokens saves at 8, not at 12."""
+    scheduler = _scheduler(recurrent=True)
+    assert _inside(_run(scheduler, _request("a", list(range(12))))[0], "a") == [8]
+    again = _run(scheduler, _request("b", list(range(12))))
+    assert again[0].num_scheduled_tokens == {"b": 4}
+
+
+def test_a_fork_from_a_cached_prefix_saves_there_and_at_the_last_block_in_one_chunk():
+    """b shares a's first two blocks, which have no snapshot (a saved at 20 and past its
+    prompt): b computes from 0 and saves both where it leaves a's blocks (8) and at its last
+    full block (12), in one step; a third prompt on the shared blocks then resumes at 8, and
+    b's repeat at 12."""
+    scheduler = _scheduler(recurrent=True)
+    _run(scheduler, _request("a", list(range(23))))
+    fork = _run(scheduler, _request("b", list(range(10)) + [50, 51, 52, 53, 54]))
+    assert fork[0].num_scheduled_tokens == {"b": 15} and not fork[0].restore
+    assert _inside(fork[0], "b") == [8, 12]
+    other = _run(scheduler, _request("c", list(range(10)) + [60, 61]))
+    assert other[0].num_scheduled_tokens == {"c": 4} and list(other[0].restore) == ["c"]
+    repeat = _run(scheduler, _request("d", list(range(10)) + [50, 51, 52, 53, 54]))
+    assert repeat[0].num_scheduled_tokens == {"d": 3}
+
+
+def test_a_long_prompt_saves_in_the_chunks_that_reach_its_boundaries():
+    """Chunks of 7 tokens: b forks from a's blocks at 12 (inside its second chunk) and its
+    last full block is 20 (inside its third); chunk sizes stay the budget's."""
     scheduler = _scheduler(recurrent=True, budget=7)
     _run(scheduler, _request("a", list(range(23))))
-    fork = _run(scheduler, _request("b", list(range(21)) + [50, 51]))
-    assert [p.num_scheduled_tokens["b"] for p in fork[:4]] == [7, 7, 6, 3]  # fork at 20
-    assert [list(p.save) for p in fork[:3]] == [[], [], ["b"]]
-    again = _run(scheduler, _request("c", list(range(21)) + [60]))
-    assert again[0].num_scheduled_tokens == {"c": 2} and list(again[0].restore) == ["c"]
+    fork = _run(scheduler, _request("b", list(range(13)) + [50] * 10))
+    assert [p.num_scheduled_tokens["b"] for p in fork[:4]] == [7, 7, 7, 2]
+    assert [_inside(p, "b") for p in fork[:4]] == [[], [5], [6], []]
+    other = _run(scheduler, _request("c", list(range(13)) + [60] * 5))
+    assert other[0].num_scheduled_tokens == {"c": 6} and list(other[0].restore) == ["c"]
+    repeat = _run(scheduler, _request("d", list(range(13)) + [50] * 10))
+    assert repeat[0].num_scheduled_tokens == {"d": 3}
+
+
+def test_a_boundary_where_a_chunk_ends_is_saved_after_the_step():
+    scheduler = _scheduler(recurrent=True, budget=8)
+    first = _run(scheduler, _request("a", list(range(11))))
+    assert first[0].num_scheduled_tokens == {"a": 8}
+    assert list(first[0].save) == ["a"] and not first[0].save_inside
+    assert _run(scheduler, _request("b", list(range(11))))[0].num_scheduled_tokens == {"b": 3}
+
+
+def test_the_snapshot_pool_stays_bounded_under_many_distinct_prompts():
+    """Every prompt saves; the pool's four snapshots are reused least recently used first,
+    and none is left reserved once the requests are done."""
+    scheduler = _scheduler(recurrent=True)
+    for i in range(20):
+        _run(scheduler, _request(f"r{i}", [100 + i] + list(range(10))))
+        pool = scheduler.snapshots
+        assert pool.num_filed <= 4 and pool.num_filed + pool.num_free == 4
+    assert _run(scheduler, _request("again", [119] + list(range(10))))[0].restore
+    assert not _run(scheduler, _request("evicted", [100] + list(range(10))))[0].restore
 
 
 def test_media_placeholders_match_only_the_same_media():

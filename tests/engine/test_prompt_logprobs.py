@@ -115,7 +115,8 @@ class EagerPrefillGraphs:
     def size_for(self, num_tokens: int) -> int:
         return num_tokens
 
-    def run(self, tokens: list[int], block_table: list[int], state_slot: int) -> torch.Tensor:
+    def run(self, tokens: list[int], block_table: list[int], state_slot: int, saves=None):
+        assert saves is None  # prefix caching is off: no states saved inside the prompt
         self.ran.append(len(tokens))
         meta = build_metadata(
             [tokens], [0], [block_table], [state_slot], self.cache.block_size, self.model.device

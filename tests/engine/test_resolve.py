@@ -10,8 +10,8 @@ import torch
 
 from sparrow.cli import main
 from sparrow.cli.args import build_parser, engine_config
-from sparrow.config import ConfigError, EngineConfig
-from sparrow.engine.resolve import resolve
+from sparrow.config import ConfigError, DeviceConfig, EngineConfig
+from sparrow.engine.resolve import resolve, resolve_device
 from sparrow.layers.rotary import YarnScaling
 from sparrow.loader.random_checkpoint import PRESETS
 from sparrow.models import minimax_m3
@@ -137,3 +137,16 @@ def test_bf16_recurrent_state_needs_recurrent_layers(tmp_path, capsys):
         ]
     )
     assert status == 2 and "no recurrent layers" in capsys.readouterr().err
+
+
+def test_batch_invariant_flag_and_device():
+    """`--batch-invariant` on each engine command lands in the device settings; the mode runs
+    on the CPU, so a device that resolves to CUDA is refused."""
+    for command in (["generate", "--prompt", "hi"], ["serve"], ["worker"]):
+        args = build_parser().parse_args([*command, "--batch-invariant"])
+        assert engine_config(args).device.batch_invariant
+    assert not engine_config(build_parser().parse_args(["serve"])).device.batch_invariant
+    assert resolve_device(DeviceConfig(batch_invariant=True, device="cpu"))[0] == "cpu"
+    if torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="batch_invariant runs on the CPU"):
+            resolve_device(DeviceConfig(batch_invariant=True))

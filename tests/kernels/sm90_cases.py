@@ -15,6 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sparrow.core.scheduler import SAVES_INSIDE
 from sparrow.kernels.activations import SILU, Glu
 from sparrow.kernels.attention import paged
 from sparrow.kernels.causal_conv1d import conv
@@ -58,6 +59,15 @@ EXPERT = (
 )
 OAI = Glu.swiglu_oai(1.702, 7.0).meta()  # MiniMax M3's experts
 BF16_QKV = {"RATIO": 2, "DK": 128, "DV": 128}
+SAVES = {"save_row_ptr": "i32", "save_at_ptr": "i32"}  # prefix-cache snapshots inside a prompt
+CONV_PTRS = {"*": "bf16", "cu_ptr": "i32", "slot_ptr": "i32"} | SAVES
+GDN_STATE_PTRS = {
+    "*": "bf16",
+    "gc_ptr": "fp32",
+    "kinv_ptr": "fp32",
+    "slot_ptr": "i32",
+    "cu_ptr": "i32",
+} | SAVES
 MOE_GEMM_PTRS = {
     "*": "bf16",
     "w_ptr": "i32",
@@ -139,10 +149,16 @@ CASES = {
     ),
     "causal_conv1d": (
         conv._conv_kernel,
-        {"*": "bf16", "cu_ptr": "i32", "slot_ptr": "i32"},
-        {"KW": 4, "BLOCK_T": 16, "BLOCK_C": 128, "stride_sc": 1},
+        CONV_PTRS,
+        {"KW": 4, "BLOCK_T": 16, "BLOCK_C": 128, "stride_sc": 1, "SAVES": 0},
         {"num_warps": 4},
     ),
+    "causal_conv1d_saves": (
+        conv._conv_kernel,
+        CONV_PTRS,
+        {"KW": 4, "BLOCK_T": 16, "BLOCK_C": 128, "stride_sc": 1, "SAVES": SAVES_INSIDE},
+        {"num_warps": 4},
+    ),  # a prompt that files prefix-cache snapshots inside it
     "causal_conv1d_step": (
         conv._conv_step_kernel,
         {"*": "bf16", "slot_ptr": "i32"},
@@ -164,21 +180,20 @@ CASES = {
     ),
     "gdn_state": (
         chunk._state_kernel,
-        {
-            "*": "bf16",
-            "gc_ptr": "fp32",
-            "kinv_ptr": "fp32",
-            "state_ptr": "fp32",
-            "slot_ptr": "i32",
-            "cu_ptr": "i32",
-        },
-        BF16_QKV | {"BV": 32, "STAGES": 4},
+        GDN_STATE_PTRS | {"state_ptr": "fp32"},
+        BF16_QKV | {"BV": 32, "STAGES": 4, "SAVES": 0},
         {"num_warps": 4},
     ),
+    "gdn_state_saves": (
+        chunk._state_kernel,
+        GDN_STATE_PTRS | {"state_ptr": "fp32"},
+        BF16_QKV | {"BV": 32, "STAGES": 4, "SAVES": SAVES_INSIDE},
+        {"num_warps": 4},
+    ),  # a prompt that files prefix-cache snapshots inside it
     "gdn_state_bf16_state": (
         chunk._state_kernel,
-        {"*": "bf16", "gc_ptr": "fp32", "kinv_ptr": "fp32", "slot_ptr": "i32", "cu_ptr": "i32"},
-        BF16_QKV | {"BV": 32, "STAGES": 4},
+        GDN_STATE_PTRS,
+        BF16_QKV | {"BV": 32, "STAGES": 4, "SAVES": 0},
         {"num_warps": 4},
     ),  # recurrent_state_dtype="bfloat16"
     "gdn_output": (

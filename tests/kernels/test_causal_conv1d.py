@@ -66,3 +66,29 @@ def test_chunked_equals_whole():
     ]
     torch.testing.assert_close(torch.cat(parts), whole)
     torch.testing.assert_close(states, whole_states)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_states_saved_inside_sequences(device):
+    """The conv state after the first n tokens of a sequence, stored to other rows of the
+    pool: from x, from the old state (n < K - 1) or both, and at the sequence's end; the
+    new states in the slots as without saves."""
+    x, cu, states, slots, weight = _case([40, 2, 17], 24, device, position_major=True)
+    states = torch.cat([states, torch.zeros(5, 24, 3, device=device)])
+    before = states.cpu().clone()
+    rows = torch.tensor([[6, 7], [8, -1], [9, 10]], dtype=torch.int32)
+    at = torch.tensor([[1, 20], [2, 0], [17, 3]], dtype=torch.int32)
+    ref_states = before.clone()
+    naive.causal_conv1d_varlen(x.cpu(), cu.cpu(), ref_states, slots.cpu(), weight.cpu())
+    causal_conv1d_varlen(
+        x, cu, states, slots, weight, max_len=40, save_rows=rows.to(device), save_at=at.to(device)
+    )
+    starts = cu.tolist()
+    for b in range(3):
+        for row, n in zip(rows[b].tolist(), at[b].tolist(), strict=True):
+            if row >= 0:
+                seq = x[starts[b] : starts[b + 1]].cpu()
+                expected = naive.conv_state_after(seq, before[int(slots[b])], n)
+                torch.testing.assert_close(states[row].cpu(), expected, rtol=0, atol=0)
+                ref_states[row] = expected
+    torch.testing.assert_close(states.cpu(), ref_states, rtol=0, atol=0)

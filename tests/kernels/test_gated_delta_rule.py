@@ -374,6 +374,50 @@ def test_chunk_reads_views_of_the_conv_output():
     assert torch.equal(states, copy_states)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_saves_states_inside_sequences(device, state_dtype):
+    """States after some tokens of a sequence, stored to other rows of the pool from inside
+    the scan (mid-chunk, on a chunk's end, at the sequence's end, two in one chunk, none for
+    a sequence), equal those a prefill of just those tokens leaves (to fp32 rounding; once
+    rounded to a bf16 pool), the recurrence's and the naive chunked form's (taken inside its
+    scan); the rest of the pool is untouched."""
+    from sparrow.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_varlen
+    from sparrow.kernels.gated_delta_rule.naive import chunk_gated_delta_rule
+
+    lengths = [70, 150, 5, 63]
+    q, k, v, g, beta, cu, states, slots = _chunk_case(lengths, 2, 4, 16, 32, device)
+    extra = torch.randn(6, *states.shape[1:], generator=torch.Generator().manual_seed(2))
+    states = torch.cat([states, 0.1 * extra.to(device)]).to(state_dtype)
+    before = states.clone()
+    rows = torch.tensor([[6, -1], [7, 8], [-1, -1], [9, 10]], dtype=torch.int32)
+    at = torch.tensor([[33, 0], [64, 129], [0, 0], [1, 2]], dtype=torch.int32)
+    chunk_gated_delta_rule_varlen(
+        q, k, v, g, beta, cu, states, slots, save_rows=rows.to(device), save_at=at.to(device)
+    )
+    starts = cu.tolist()
+    stored = 1e-5 if state_dtype == torch.float32 else _bf16_store_tol(device) + 1e-5
+    for b, (row_b, at_b) in enumerate(zip(rows.tolist(), at.tolist(), strict=True)):
+        a, slot = starts[b], int(slots[b])
+        saves = [(row, n) for row, n in zip(row_b, at_b, strict=True) if row >= 0]
+        for row, n in saves:
+            prefix = [x[a : a + n] for x in (q, k, v, g, beta)]
+            prefilled = before.clone()
+            one = torch.tensor([0, n], dtype=torch.int32, device=device)
+            chunk_gated_delta_rule_varlen(*prefix, one, prefilled, slots[b : b + 1])
+            assert rel_err(states[row].float(), prefilled[slot].float()) < stored
+            _, recurrent = recurrent_gated_delta_rule(*prefix, before[slot])
+            assert rel_err(states[row].float(), recurrent) < stored + 1e-4
+        if saves:
+            seq = [x[a : starts[b + 1]].cpu() for x in (q, k, v, g, beta)]
+            start = before[slot].float().cpu()
+            _, _, inside = chunk_gated_delta_rule(*seq, start, states_at=[n for _, n in saves])
+            for (_, n), state in zip(saves, inside, strict=True):
+                _, recurrent = recurrent_gated_delta_rule(*(x[:n] for x in seq), start)
+                assert rel_err(state, recurrent) < 1e-4
+    assert torch.equal(states[11:], before[11:])
+
+
 STATE_DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -75,3 +75,28 @@ def test_agent_workload_reports_both_servers(tmp_path, monkeypatch):
     assert rows["cached"][-1]["prefix_hit_rate"] > 0.5
     assert rows["uncached"][-1]["prefix_hit_rate"] == 0
     assert set(report["speedup"]) == {"1", "2"}
+
+
+def test_agent_workload_over_the_responses_api(tmp_path):
+    """`--api responses` on the built-in model: turns chained by previous_response_id hit
+    every full block of the turn before, and an identical request again hits every full
+    block of the first."""
+    from sparrow.bench import serve
+
+    out = tmp_path / "agent.json"
+    flags = ["--workload", "agent", "--api", "responses", "--concurrency", "1", "--turns", "3"]
+    flags += ["--prefix-len", "300", "--turn-len", "20", "--output-len", "4", "--out", str(out)]
+    serve.main(flags)
+    report = json.loads(out.read_text())
+    assert report["api"] == "responses"
+    cached, uncached = report["rows"]["cached"][0], report["rows"]["uncached"][0]
+    turns = cached["per_turn"]
+    assert [t["turn"] for t in turns] == [1, 2, 3]  # turn 1 finds the shared instructions
+    for before, turn in zip(turns, turns[1:], strict=False):
+        # all of the turn before, prompt and output, but its last partial block
+        assert turn["hit_tokens"] >= (before["prompt_tokens"] + 4) // 128 * 128 - 128
+        assert turn["hit_tokens"] > 0
+    assert all(t["hit_tokens"] == 0 for t in uncached["per_turn"])
+    repeat = report["identical_repeat"]["cached"]
+    assert repeat["first_hit_tokens"] == 0
+    assert repeat["second_hit_tokens"] == (repeat["prompt_tokens"] - 1) // 128 * 128

@@ -286,3 +286,68 @@ def test_known_extremes_never_5xx(server, path, raw):
     assert r.status_code < 500, (r.status_code, r.text[:500])
     after = client.post("/v1/chat/completions", json=NORMAL)
     assert after.status_code == 200, ("the engine stopped answering", after.text[:500])
+
+
+item = st.fixed_dictionaries(
+    {"type": mostly(st.sampled_from(["message", "function_call", "function_call_output"]))},
+    optional={
+        "role": mostly(st.sampled_from(["user", "assistant", "system", "developer"])),
+        "content": mostly(content),
+        "call_id": strings,
+        "name": strings,
+        "arguments": strings,
+        "output": junk,
+    },
+)
+response_bodies = st.fixed_dictionaries(
+    {"model": mostly(st.just(MODEL)), "input": mostly(strings | st.lists(item, max_size=3))},
+    optional={
+        "instructions": mostly(strings),
+        "max_output_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "stream": mostly(st.booleans()),
+        "store": mostly(st.booleans()),
+        "previous_response_id": strings,
+        "tools": mostly(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"type": mostly(st.just("function")), "name": strings},
+                    optional={"parameters": mostly(st.just({}), junk)},
+                ),
+                max_size=2,
+            )
+        ),
+        "tool_choice": mostly(st.sampled_from(["auto", "none", "required"])),
+        "text": mostly(
+            st.fixed_dictionaries(
+                {
+                    "format": mostly(
+                        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
+                    )
+                }
+            )
+        ),
+        "reasoning": mostly(
+            st.fixed_dictionaries({"effort": mostly(st.sampled_from(["low", "none"]))})
+        ),
+    },
+)
+
+
+@FUZZ
+@given(body=response_bodies)
+def test_responses_extreme_bodies_never_5xx(server, body):
+    """/v1/responses, whole and streamed: under 500 with an OpenAI error body, a stream never
+    fails, and the engine answers after."""
+    client = server.ensure()
+    r = send(client, "/v1/responses", body)
+    event(f"HTTP {r.status_code}")
+    assert r.status_code < 500, (r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"], r.text[:500]
+        return
+    if body.get("stream") is True:
+        assert "response.failed" not in r.text, r.text[-500:]
+    after = client.post("/v1/chat/completions", json=NORMAL)
+    assert after.status_code == 200, ("the engine stopped answering", after.text[:500])

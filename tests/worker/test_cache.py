@@ -146,8 +146,9 @@ def test_fp8_index_keys_layout_and_bytes(dtype):
 @pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
 def test_recurrent_state_and_snapshots_take_the_state_dtype(state_dtype):
     """The recurrent pool and its snapshots are kept in the state dtype (the conv windows in
-    the activation dtype); a slot's bytes as the specs count them are the bytes the tensors
-    take; saved states come back bit for bit."""
+    the activation dtype): the snapshots are the pools' rows after the scratch slot; a slot's
+    bytes as the specs count them are the bytes the tensors take; saved states come back bit
+    for bit."""
     specs = with_state_dtype(
         [RecurrentStateSpec(12, 4, (2, 8, 16)), PagedKVSpec(2, 8)], state_dtype
     )
@@ -156,8 +157,9 @@ def test_recurrent_state_and_snapshots_take_the_state_dtype(state_dtype):
     saved_conv, saved_state = cache.snapshots[0]
     assert state.dtype == saved_state.dtype == STATE_DTYPES[state_dtype]
     assert conv.dtype == saved_conv.dtype == torch.float16
-    assert state.shape == (4, 2, 8, 16) and saved_state.shape == (2, 2, 8, 16)
-    assert conv.nbytes + state.nbytes == 4 * slot_bytes(specs, 2)
+    assert state.shape == (6, 2, 8, 16) and saved_state.shape == (2, 2, 8, 16)
+    assert saved_state.data_ptr() == state[cache.snapshot_row(0)].data_ptr()
+    assert conv.nbytes + state.nbytes == 6 * slot_bytes(specs, 2)
     gen = torch.Generator().manual_seed(0)
     for t in (conv, state):
         t.copy_(torch.randn(t.shape, generator=gen))

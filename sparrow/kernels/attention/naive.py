@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+# keys per block of `blocked_attention`
+KEY_BLOCK = 256
 
 
 def causal_attention(
@@ -28,6 +33,43 @@ def causal_attention(
     return out.transpose(0, 1)
 
 
+def blocked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, key_block: int = KEY_BLOCK
+) -> torch.Tensor:
+    """`causal_attention` (same arguments and result) computed so that a query's output
+    depends on its position and keys alone, not on the other queries: its scores against
+    blocks of `key_block` keys from position 0 (the last block padded with zero keys), fp32
+    softmax merged online block after block. Keys past its position take probability exactly
+    0, so a block wholly past it leaves its sums as they were. Each block is two GEMMs per
+    K/V head of every query row (query, head of the group) in the same layout, so with GEMMs
+    of at least 16 rows (`kernels.batch_invariant`) a query's output is the same bits as a
+    decode step's only query and as one of a prompt's."""
+    lq, hq, d = q.shape
+    lk, hkv = k.shape[0], k.shape[1]
+    group = hq // hkv
+    pad = -lk % key_block
+    k, v = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)) for x in (k, v))  # [Lk + pad, Hkv, D]
+    rows = q.float().view(lq, hkv, group, d).transpose(0, 1).reshape(hkv, lq * group, d)
+    q_pos = torch.arange(lk - lq, lk, device=q.device).repeat_interleave(group)
+    peak = torch.full((hkv, lq * group), -torch.inf, device=q.device)
+    total = torch.zeros_like(peak)
+    acc = torch.zeros_like(rows)
+    for start in range(0, lk, key_block):
+        k_b = k[start : start + key_block].permute(1, 2, 0).contiguous()  # [Hkv, D, B]
+        v_b = v[start : start + key_block].transpose(0, 1).contiguous()  # [Hkv, B, D]
+        k_pos = torch.arange(start, start + key_block, device=q.device)
+        s = torch.bmm(rows, k_b) * scale
+        s = s.masked_fill(k_pos[None, :] > q_pos[:, None], -torch.inf)
+        new_peak = torch.maximum(peak, s.amax(-1))
+        p = torch.exp(s - new_peak[..., None])
+        rescale = torch.exp(peak - new_peak)
+        total = total * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + torch.bmm(p, v_b)
+        peak = new_peak
+    out = (acc / total[..., None]).view(hkv, lq, group, d).transpose(0, 1)
+    return out.reshape(lq, hq, d).to(q.dtype)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -37,6 +79,7 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     gate: torch.Tensor | None = None,
+    attend: Callable[..., torch.Tensor] = causal_attention,
 ) -> torch.Tensor:
     """Varlen causal attention over a paged KV cache, one sequence at a time.
 
@@ -44,7 +87,8 @@ def paged_attention(
     last positions of that sequence's context_lens[b] cached tokens (so a chunk attends to
     everything cached before it and causally to itself). k_cache, v_cache:
     [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks] physical block of each
-    logical block. gate: optional [T, Hq, D], output multiplied by sigmoid(gate).
+    logical block. gate: optional [T, Hq, D], output multiplied by sigmoid(gate). attend:
+    one sequence's attention, `causal_attention` or `blocked_attention`.
     Returns [T, Hq, D] in q's dtype."""
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
@@ -54,7 +98,7 @@ def paged_attention(
         blocks = block_tables[b, : -(-n // block_size)].long()
         k = k_cache[blocks].flatten(0, 1)[:n]
         v = v_cache[blocks].flatten(0, 1)[:n]
-        out[start:end] = causal_attention(q[start:end], k, v, scale)
+        out[start:end] = attend(q[start:end], k, v, scale)
     if gate is not None:
         out = out * torch.sigmoid(gate.to(q.dtype))  # each op rounded in q's dtype
     return out

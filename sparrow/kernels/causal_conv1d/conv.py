@@ -28,6 +28,32 @@ from sparrow.kernels.pdl import launch_args, let_next_launch, wait_for_previous,
 
 
 @triton.jit
+def _store_window(
+    x_ptr,
+    stride_xt,
+    start,
+    p_old,
+    p_new,
+    end,
+    stride_sp,
+    o_c,
+    m_c,
+    KW: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The state after a sequence's first `end` tokens (its inputs at positions
+    end - (KW - 1) .. end - 1, from x or, before the sequence's start, from its old state at
+    p_old) stored at p_new. In place (p_new == p_old): position j is written after old
+    index end + j > j is read, so never one this loop has already overwritten."""
+    for j in tl.static_range(KW - 1):
+        pos = end - (KW - 1) + j + tl.zeros([BLOCK_C], dtype=tl.int32)  # per channel
+        b_in = tl.load(x_ptr + (start + pos) * stride_xt + o_c, mask=m_c & (pos >= 0), other=0.0)
+        b_old = tl.load(p_old + (pos + KW - 1) * stride_sp, mask=m_c & (pos < 0), other=0.0)
+        b_new = tl.where(pos >= 0, b_in.to(tl.float32), b_old.to(tl.float32))
+        tl.store(p_new + j * stride_sp, b_new.to(p_new.dtype.element_ty), mask=m_c)
+
+
+@triton.jit
 def _conv_kernel(
     x_ptr,
     y_ptr,
@@ -35,6 +61,8 @@ def _conv_kernel(
     state_ptr,
     cu_ptr,
     slot_ptr,
+    save_row_ptr,
+    save_at_ptr,
     C,
     stride_xt,
     stride_yt,
@@ -44,6 +72,7 @@ def _conv_kernel(
     KW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SAVES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous(USE_PDL)
@@ -77,18 +106,20 @@ def _conv_kernel(
     p_y = y_ptr + (start + t)[:, None] * stride_yt + o_c[None, :]
     tl.store(p_y, b_y.to(y_ptr.dtype.element_ty), mask=m_y)
     if i_t == 0:
-        # New state: inputs at positions length - (KW - 1) .. length - 1, from x or the old
-        # state; this program has read all of the old state it needs above.
+        # States saved inside the sequence (rows of the pool other than its slot's), then the
+        # new state in place; this program has read all of the old state it needs above.
+        for i_s in tl.static_range(SAVES):
+            row = tl.load(save_row_ptr + i_b * SAVES + i_s).to(tl.int64)
+            if row >= 0:
+                at = tl.load(save_at_ptr + i_b * SAVES + i_s)
+                p_row = state_ptr + row * stride_ss + o_c * stride_sc
+                _store_window(
+                    x_ptr, stride_xt, start, p_state, p_row, at, stride_sp, o_c, m_c, KW, BLOCK_C
+                )
         tl.debug_barrier()
-        for j in tl.static_range(KW - 1):
-            pos = length - (KW - 1) + j + tl.zeros([BLOCK_C], dtype=tl.int32)  # per channel
-            b_in = tl.load(
-                x_ptr + (start + pos) * stride_xt + o_c, mask=m_c & (pos >= 0), other=0.0
-            )
-            # reads old index length + j > j: never one this loop has already overwritten
-            b_old = tl.load(p_state + (pos + KW - 1) * stride_sp, mask=m_c & (pos < 0), other=0.0)
-            b_new = tl.where(pos >= 0, b_in.to(tl.float32), b_old.to(tl.float32))
-            tl.store(p_state + j * stride_sp, b_new.to(state_ptr.dtype.element_ty), mask=m_c)
+        _store_window(
+            x_ptr, stride_xt, start, p_state, p_state, length, stride_sp, o_c, m_c, KW, BLOCK_C
+        )
 
 
 @triton.jit
@@ -156,12 +187,17 @@ def causal_conv1d_varlen(
     weight: torch.Tensor,
     max_len: int | None = None,
     tiles: ConvTiles = ConvTiles(),
+    save_rows: torch.Tensor | None = None,
+    save_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, C] (sequences back to back, cu_seqlens [B + 1] int32, every length >= 1);
     conv_states: [S, C, K - 1] pool (any strides; `state_pool` lays it out for the kernel),
     updated in place at `slots` [B]; weight: [C, K].
     max_len bounds the longest sequence (default T; known on the host, no device read).
     max_len 1 (decode) takes the one-token kernel.
+    save_rows, save_at: [B, N] int32 (not with max_len 1): sequence b's state after its
+    first save_at[b, j] tokens (0 < save_at <= its length) is also stored at pool row
+    save_rows[b, j] (-1: none; rows apart from every slot).
     Returns silu(causal depthwise conv) [T, C] in x's dtype. Decode is the case of
     sequences of length 1."""
     t, c = x.shape
@@ -183,6 +219,8 @@ def causal_conv1d_varlen(
     # distinct.
     strides = (x.stride(0), y.stride(0), *conv_states.stride())
     if max_len == 1:
+        if save_rows is not None:
+            raise ValueError("states are saved inside sequences of more than one token")
         grid = (triton.cdiv(c, tiles.block_c), b)
         fast(_conv_step_kernel)[grid](
             x,
@@ -198,6 +236,7 @@ def causal_conv1d_varlen(
             **launch_args(y, grid),
         )
         return y
+    saves = saves_per_sequence(save_rows, save_at, b)
     grid = (triton.cdiv(c, tiles.block_c), b, triton.cdiv(max_len or t, tiles.block_t))
     fast(_conv_kernel)[grid](
         x,
@@ -206,12 +245,38 @@ def causal_conv1d_varlen(
         conv_states,
         cu_seqlens,
         slots,
+        save_rows if saves else slots,
+        save_at if saves else slots,
         c,
         *strides,
         KW=kw,
         BLOCK_T=tiles.block_t,
         BLOCK_C=tiles.block_c,
+        SAVES=saves,
         num_warps=tiles.num_warps,
         **launch_args(y, grid),
     )
     return y
+
+
+def saves_per_sequence(
+    save_rows: torch.Tensor | None, save_at: torch.Tensor | None, bsz: int
+) -> int:
+    """States saved per sequence (N of [B, N] save_rows and save_at, 0 without them)."""
+    if save_rows is None and save_at is None:
+        return 0
+    if (
+        save_rows is None
+        or save_at is None
+        or save_rows.shape != save_at.shape
+        or save_rows.dim() != 2
+        or save_rows.shape[0] != bsz
+        or not save_rows.is_contiguous()
+        or not save_at.is_contiguous()
+    ):
+        raise ValueError(
+            f"save_rows and save_at must be contiguous [{bsz}, N] together, got "
+            f"{None if save_rows is None else list(save_rows.shape)} and "
+            f"{None if save_at is None else list(save_at.shape)}"
+        )
+    return save_rows.shape[1]

@@ -21,6 +21,9 @@ depend on the state. Three kernels, only the second sequential:
    S = exp(G_last) S + k^T (u * exp(G_last - G) / |k|).  Two small dots per chunk; the k
    row norms come from the first kernel, and k enters the second dot as loaded (its row factors
    scale u's rows), so nothing but the dots and the decay sits on the sequential path.
+   A state inside a sequence that prefix caching keeps (`save_rows`, `save_at`) is the same
+   update cut off after its token, one more dot in the chunk that holds it, stored from the
+   fp32 state in registers.
 3. `_output_kernel`, parallel again, one program per (chunk, q/k head):
    o = exp(G) q S_c + ((q k^T) * exp(G_t - G_s), s <= t) u, q k^T once for its v-heads and
    their decayed causal parts once for all of a v-head's column blocks.
@@ -44,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.causal_conv1d.conv import saves_per_sequence
 from sparrow.kernels.launch import fast
 
 
@@ -291,6 +295,23 @@ def _norm_rows(ptr, rows, m_t, col, stride_t, scale, DK: tl.constexpr):
 
 
 @triton.jit
+def _save_inside(p_row, b_s, p_k, b_u, b_n, b_gc, gc_seq, stride_gt, c0, at, DT: tl.constexpr):
+    """If the state after the sequence's first `at` tokens falls in the chunk from c0
+    (m = at - c0 in (0, 64]), store it at p_row: the chunk's update with the decay to row
+    m - 1 and rows m on left out (their u does not enter rows before them). k is loaded here
+    again (p_k, the chunk's rows): the scan's own k tile arrives by an asynchronous copy
+    whose wait the pipeliner places before the main update only, not inside this branch."""
+    m = at - c0
+    if (m > 0) & (m <= 64):
+        b_k = tl.load(p_k)
+        g_m = tl.load(gc_seq + (c0 + m - 1) * stride_gt)
+        # rows from m on decay by more than row m - 1: their exponent is cut at 0
+        b_f = tl.where(tl.arange(0, 64) < m, b_n * tl.exp(tl.minimum(g_m - b_gc, 0.0)), 0.0)
+        b_m = tl.exp(g_m) * b_s + _mm_as(tl.trans(b_k), b_u * b_f[:, None], DT)
+        tl.store(p_row, b_m.to(p_row.dtype.element_ty))
+
+
+@triton.jit
 def _state_kernel(
     k_ptr,
     w_ptr,
@@ -300,6 +321,8 @@ def _state_kernel(
     h_ptr,
     state_ptr,
     slot_ptr,
+    save_row_ptr,
+    save_at_ptr,
     cu_ptr,
     stride_kt,
     stride_wt,
@@ -314,10 +337,12 @@ def _state_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     STAGES: tl.constexpr,
+    SAVES: tl.constexpr,
 ):
     """The sequential scan of one sequence's chunks. Program (BV columns, v-head, sequence);
     the state S [DK, BV] stays in registers in fp32 the whole way (loaded from and stored to
-    an fp32 or bf16 pool)."""
+    an fp32 or bf16 pool). SAVES states inside the sequence go to other rows of the pool
+    (`_save_inside`, in the chunk that holds each)."""
     DT: tl.constexpr = u_ptr.dtype.element_ty  # dots in the stored dtype (`_mm_as`)
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, length = tl.load(cu_ptr + i_b), _length(cu_ptr, i_b)
@@ -325,13 +350,8 @@ def _state_kernel(
     o_dk = tl.arange(0, DK)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, 64)
-    p_s = (
-        state_ptr
-        + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss
-        + i_h * stride_sh
-        + o_dk[:, None] * DV
-        + o_v[None, :]
-    )
+    o_s = i_h * stride_sh + o_dk[:, None] * DV + o_v[None, :]  # in a row of the pool
+    p_s = state_ptr + tl.load(slot_ptr + i_b).to(tl.int64) * stride_ss + o_s
     b_s = tl.load(p_s).to(tl.float32)  # [DK, BV], carried in registers across all chunks
     p_h = (
         h_ptr
@@ -359,6 +379,22 @@ def _state_kernel(
         b_f = tl.where(c0 + o_t < length, b_n * tl.exp(g_last - b_gc), 0.0)
         b_u -= _mm_as(b_w, b_s, DT)  # u = U - W S
         tl.store(u_seq + t[:, None] * stride_ut, b_u.to(u_ptr.dtype.element_ty))
+        for i_s in tl.static_range(SAVES):
+            row = tl.load(save_row_ptr + i_b * SAVES + i_s).to(tl.int64)
+            if row >= 0:
+                _save_inside(
+                    state_ptr + row * stride_ss + o_s,
+                    b_s,
+                    k_seq + t[:, None] * stride_kt,
+                    b_u,
+                    b_n,
+                    b_gc,
+                    gc_ptr + start * stride_gt + i_h,
+                    stride_gt,
+                    c0,
+                    tl.load(save_at_ptr + i_b * SAVES + i_s),
+                    DT,
+                )
         b_s = tl.exp(g_last) * b_s + _mm_as(tl.trans(b_k), b_u * b_f[:, None], DT)
     tl.store(p_s, b_s.to(state_ptr.dtype.element_ty))
 
@@ -513,11 +549,16 @@ def chunk_gated_delta_rule_varlen(
     slots: torch.Tensor,
     max_len: int | None = None,
     tiles: ChunkTiles = ChunkTiles(),
+    save_rows: torch.Tensor | None = None,
+    save_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (log-decay, write strength);
     sequences back to back (cu_seqlens [B + 1] int32); states: [S, Hv, Dk, Dv] fp32 or bf16
     pool, each sequence starts from states[slots[b]] and its final state (carried in fp32) is
     written back there in the pool's dtype.
+    save_rows, save_at: [B, N] int32: sequence b's state after its first save_at[b, j]
+    tokens (0 < save_at <= its length) is also stored at states[save_rows[b, j]] (-1: none;
+    rows apart from every slot), taken inside the scan.
     max_len bounds the longest sequence (default T; known on the host, no device read).
     Returns o: [T, Hv, Dv] in v's dtype. q/k are L2-normalised and q scaled by Dk^-0.5 here."""
     t, hk, dk = q.shape
@@ -571,6 +612,7 @@ def chunk_gated_delta_rule_varlen(
     )
     h = torch.empty(chunk_slots, hv, dk, dv, device=q.device, dtype=v.dtype)
     block_v = min(tiles.state_bv, dv)
+    saves = saves_per_sequence(save_rows, save_at, bsz)
     fast(_state_kernel)[(dv // block_v, hv, bsz)](
         k,
         w,
@@ -580,6 +622,8 @@ def chunk_gated_delta_rule_varlen(
         h,
         states,
         slots,
+        save_rows if saves else slots,
+        save_at if saves else slots,
         cu_seqlens,
         k.stride(0),
         w.stride(0),
@@ -594,6 +638,7 @@ def chunk_gated_delta_rule_varlen(
         DV=dv,
         BV=block_v,
         STAGES=tiles.state_stages,
+        SAVES=saves,
         num_warps=tiles.state_warps,
     )
     o = torch.empty(t, hv, dv, device=q.device, dtype=v.dtype)

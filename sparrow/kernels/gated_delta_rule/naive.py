@@ -12,6 +12,9 @@ is scaled by Dk^-0.5.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 
 
@@ -58,14 +61,19 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked form, same arguments and result as `recurrent_gated_delta_rule`.
+    states_at: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Chunked form, same arguments and result as `recurrent_gated_delta_rule`; with
+    `states_at` (token counts in (0, T]) also the fp32 states after those many tokens, taken
+    inside the scan, as a third item.
 
     Within a chunk, with G_t the cumulative log-decay from the chunk start and S_0 the
     incoming state, the delta-rule "new values" u solve a unit lower-triangular system
         (I + A) u = beta * (v - exp(G) k S_0),   A[t, s] = beta_t exp(G_t - G_s) k_t.k_s  (s < t)
     and then o_t = exp(G_t) S_0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t.k_s) u_s,
-             S_C = exp(G_C) S_0 + sum_s exp(G_C - G_s) k_s u_s^T.
+             S_C = exp(G_C) S_0 + sum_s exp(G_C - G_s) k_s u_s^T,
+    and the state after the chunk's first m tokens is that sum over s < m with G_m-1 for G_C
+    (u_s depends on the tokens up to s only).
     """
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     h, t_len, _ = q.shape
@@ -92,12 +100,21 @@ def chunk_gated_delta_rule(
 
     s = state.float()
     out = torch.empty_like(v)
+    inside: dict[int, torch.Tensor] = {}
     for i in range(n):
         u = u_values[:, i] - u_state[:, i] @ s
         out[:, i] = q_decayed[:, i] @ s + qk[:, i] @ u
+        for at in states_at:
+            m = at - i * chunk_size
+            if 0 < m <= chunk_size:
+                g_m = cum[:, i, m - 1]
+                k_to_m = k[:, i, :m] * (g_m[:, None] - cum[:, i, :m]).exp()[..., None]
+                inside[at] = s * g_m.exp()[:, None, None] + k_to_m.transpose(-1, -2) @ u[:, :m]
         s = s * cum[:, i, -1].exp()[:, None, None] + k_to_end[:, i].transpose(-1, -2) @ u
-    out = out.reshape(h, n * chunk_size, -1)[:, :t_len]
-    return out.transpose(0, 1), s
+    out = out.reshape(h, n * chunk_size, -1)[:, :t_len].transpose(0, 1)
+    if states_at:
+        return out, s, [inside[at] for at in states_at]
+    return out, s
 
 
 def recurrent_step_batched(
@@ -122,3 +139,44 @@ def recurrent_step_batched(
     s = s + k_b[..., None] * delta[:, :, None, :]
     state_pool.index_copy_(0, rows, s.to(state_pool.dtype))
     return torch.einsum("bhkv,bhk->bhv", s, q_b)
+
+
+def recurrent_gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    seq_lens: list[int],
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    saves: Sequence[Sequence[tuple[int, int]]] = (),
+) -> torch.Tensor:
+    """Token by token, B sequences back to back: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta
+    [T, Hv]; seq_lens [B] (host). The sequences with a token left advance together: step i
+    takes each one's i-th token, its state read from `state_pool` rows `slots` [B] and stored
+    back in the pool's dtype, as a decode step does. saves[b]: (pool row, tokens) pairs, the
+    state after that many of sequence b's tokens copied to the row. Each product is a matmul
+    of one key (query) row by the state, [B, Hv, 1, Dk] @ [B, Hv, Dk, Dv]: under
+    `kernels.batch_invariant` (GEMMs of at least 16 rows, whatever their batch) a state and a
+    token's output are the same bits whichever sequences step beside it and however its
+    tokens are split into steps. Returns o [T, Hv, Dv] fp32."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [Hv, T, D] and [Hv, T]
+    decay = g.exp()
+    starts = [0, *itertools.accumulate(seq_lens)]
+    out = torch.empty_like(v)
+    for i in range(max(seq_lens, default=0)):
+        active = [b for b, n in enumerate(seq_lens) if n > i]
+        t = torch.tensor([starts[b] + i for b in active], device=q.device)
+        rows = slots[torch.tensor(active, device=q.device)].long()
+        s = state_pool[rows].float() * decay[:, t].t()[:, :, None, None]  # [A, Hv, Dk, Dv]
+        k_t, q_t = (x[:, t].transpose(0, 1)[:, :, None] for x in (k, q))  # [A, Hv, 1, Dk]
+        delta = (v[:, t].transpose(0, 1) - (k_t @ s)[:, :, 0]) * beta[:, t].t()[..., None]
+        s = s + k_t.transpose(-1, -2) * delta[:, :, None, :]
+        state_pool.index_copy_(0, rows, s.to(state_pool.dtype))
+        out[:, t] = (q_t @ s)[:, :, 0].transpose(0, 1)
+        for b in active:
+            for row, at in saves[b] if saves else ():
+                if at == i + 1:
+                    state_pool[row] = state_pool[slots[b]]
+    return out.transpose(0, 1)
