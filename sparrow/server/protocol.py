@@ -193,7 +193,24 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
-class SamplingFields(BaseModel):
+class RefusesUnsupported(BaseModel):
+    """A request body checked whole before its fields (`_check_body`), with its class's
+    `unsupported` fields refused unless null or their neutral value."""
+
+    unsupported: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        _check_body(data)
+        if isinstance(data, dict):
+            for name, neutral in cls.unsupported.items():
+                if not _neutral(data.get(name), neutral):
+                    raise ValueError(f"{name} is not supported")
+        return data
+
+
+class SamplingFields(RefusesUnsupported):
     """Fields both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -228,16 +245,6 @@ class SamplingFields(BaseModel):
     # vLLM's extension: each prompt token's logprob and this many top alternatives; in each
     # choice of a completion, beside the choices of a chat completion; not with stream
     prompt_logprobs: Int | None = Field(default=None, ge=0, le=20)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        _check_body(data)
-        if isinstance(data, dict):
-            for name, neutral in cls.unsupported.items():
-                if not _neutral(data.get(name), neutral):
-                    raise ValueError(f"{name} is not supported")
-        return data
 
     @model_validator(mode="after")
     def _prompt_logprobs_whole(self) -> SamplingFields:

@@ -20,8 +20,7 @@ from sparrow.server.protocol import (
     Bool,
     Float,
     Int,
-    _check_body,
-    _neutral,
+    RefusesUnsupported,
 )
 
 # Fields the server does not implement, each with the value that changes nothing: a request
@@ -64,7 +63,7 @@ class TextConfig(BaseModel):
     format: dict[str, Any] | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RefusesUnsupported):
     """The body of `POST /v1/responses`."""
 
     model_config = ConfigDict(extra="allow")
@@ -86,16 +85,6 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        _check_body(data)
-        if isinstance(data, dict):
-            for name, neutral in cls.unsupported.items():
-                if not _neutral(data.get(name), neutral):
-                    raise ValueError(f"{name} is not supported")
-        return data
 
     @model_validator(mode="after")
     def _include(self) -> ResponsesRequest:
