@@ -299,8 +299,9 @@ def _save_inside(p_row, b_s, p_k, b_u, b_n, b_gc, gc_seq, stride_gt, c0, at, DT:
     """If the state after the sequence's first `at` tokens falls in the chunk from c0
     (m = at - c0 in (0, 64]), store it at p_row: the chunk's update with the decay to row
     m - 1 and rows m on left out (their u does not enter rows before them). k is loaded here
-    again (p_k, the chunk's rows): the scan's own k tile arrives by an asynchronous copy
-    whose wait the pipeliner places before the main update only, not inside this branch."""
+    again (p_k, the chunk's rows): with the scan's own k tile (a pipelined, asynchronous
+    load) this branch stored states without their k^T u term on an H100, the likely cause
+    a read of the tile before its copy had landed."""
     m = at - c0
     if (m > 0) & (m <= 64):
         b_k = tl.load(p_k)
