@@ -27,7 +27,7 @@ def input_items(value: str | list[Any]) -> list[dict]:
         if not isinstance(item, dict):
             raise bad("an input item must be an object", where)
         kind = item.get("type") or ("message" if "role" in item else None)
-        read = READERS.get(kind)
+        read = READERS.get(kind) if isinstance(kind, str) else None  # a list is unhashable
         if read is None:
             raise bad(
                 f"input item type {kind!r} is not supported: message, function_call, "

@@ -322,6 +322,7 @@ def test_store_false_and_unknown_previous_response(serve, monkeypatch):
             "input[0].arguments",
         ),
         ({"input": []}, "input"),
+        ({"input": [{"type": [None]}]}, "input[0].type"),  # a type that is not a string
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
